@@ -1,0 +1,81 @@
+// The one typed configuration of a TransferEngine.
+//
+// Every field has a working default. Environment overrides are declared in one place,
+// apply_env_overrides(), and are applied only when the caller asks for them.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "fabric/status.h"
+
+namespace fabric {
+
+// One device group: the NICs (libfabric domains) that serve one GPU or one host buffer pool,
+// polled by one worker thread. A transfer submitted on a group is sharded across its NICs.
+struct GroupConfig {
+  // Domain names as libfabric reports them (`fi_info -p tcp` lists "lo", "eth0", ...).
+  // Empty: the first domain the provider offers. A NIC may be listed twice (two endpoints on
+  // one NIC: no extra bandwidth, but real multi-rail behaviour for tests).
+  std::vector<std::string> nics;
+  // CPU to pin the worker thread to. kCpuAuto: a core of the first NIC's NUMA node, when the
+  // NIC has one (a PCI device); no pinning otherwise. kCpuNone: never pin.
+  static constexpr int kCpuAuto = -1;
+  static constexpr int kCpuNone = -2;
+  int cpu = kCpuAuto;
+};
+
+// What the fault-injection wrapper does to every domain of the engine (tests only; off by
+// default). It exercises the reliable-but-unordered contract on providers that happen to
+// deliver in order.
+struct FaultConfig {
+  bool enabled = false;
+  uint64_t seed = 1;
+  // Completions (local and remote: immediates, receives) are held back and released in a
+  // shuffled order. A held completion is released after at most this many polls.
+  uint32_t max_hold_polls = 8;
+  // Called for each work request before it is posted; returning true fails that work request
+  // with kFabric instead of posting it. Called on the worker thread. Null: never fail.
+  std::function<bool(uint64_t sequence)> fail_write;
+};
+
+struct Config {
+  // "auto" (efa when present, else tcp), "tcp", "shm", "efa", "verbs", or any libfabric
+  // provider offering reliable datagram (FI_EP_RDM) endpoints with RMA and remote CQ data.
+  std::string provider = "auto";
+  // One entry per device group. The default: one group on the provider's first domain.
+  std::vector<GroupConfig> groups = {GroupConfig{}};
+
+  // Single writes and byte-sharded scatter targets below this size use one NIC.
+  uint64_t shard_min_bytes = 256 * 1024;
+  // Shard boundaries are aligned to this many bytes (the last shard takes the remainder).
+  uint64_t shard_alignment = 8192;
+  // Most completions read from a CQ in one call.
+  uint32_t cq_batch = 32;
+  // Most work requests posted per domain in one pass of the worker loop, so that completions
+  // keep being polled while a large paged transfer is posted.
+  uint32_t post_budget = 256;
+  // Worker idling: after this long without work the worker sleeps in steps of idle_sleep
+  // (woken at once by a submission). Zero spin_time with zero idle_sleep is a pure busy-poll.
+  std::chrono::microseconds spin_time{200};
+  std::chrono::microseconds idle_sleep{50};
+
+  // Two-sided messages: largest message submit_send accepts, and how many send buffers of
+  // that size each group keeps registered (more sends than that wait for a free buffer).
+  uint64_t max_message_bytes = 64 * 1024;
+  uint32_t send_buffers = 64;
+
+  // How long close() lets posted work requests finish before cancelling them.
+  std::chrono::milliseconds close_timeout{2000};
+
+  FaultConfig faults;
+
+  // Applies FABRIC_PROVIDER, FABRIC_NICS (comma-separated, group 0), FABRIC_CPU,
+  // FABRIC_SPIN_US and FABRIC_IDLE_SLEEP_US. Returns an error naming a malformed variable.
+  Status apply_env_overrides();
+};
+
+}  // namespace fabric

@@ -1,0 +1,138 @@
+// TransferEngine: the public facade of fabric-lib.
+//
+// Threads. Each device group has one worker thread that owns its NICs: it posts work requests
+// and polls completions. Each engine has one callback thread that runs every user callback
+// (transfer done/error, immediate counts reached, messages received), so a slow or throwing
+// callback never stalls the fabric. Callbacks may call any engine method except close() and
+// the destructor.
+//
+// Blocking. Submissions return at once. Registration, peer-group creation and receive-pool
+// set-up block until the worker has done them (microseconds to milliseconds). wait_imm blocks
+// up to its timeout. close() blocks until every callback has run.
+//
+// Bad input. Every call checks its arguments before it does anything and returns a Status
+// naming what is wrong; nothing is posted for a rejected submission.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fabric/address.h"
+#include "fabric/config.h"
+#include "fabric/status.h"
+#include "fabric/transfer.h"
+
+namespace fabric {
+
+class EngineImpl;
+
+// A registration: the local handle for submissions and the descriptor to hand to peers.
+struct Registration {
+  MemoryHandle handle;
+  RemoteMemory descriptor;
+};
+
+// What a device group turned out to be, once opened.
+struct GroupInfo {
+  std::string provider;           // e.g. "tcp;ofi_rxm"
+  std::vector<std::string> nics;  // domain names, in rail order
+  int cpu = -1;                   // the worker's CPU, or -1 when unpinned
+  bool delivery_complete = false;  // writes complete only once visible at the target
+};
+
+class TransferEngine {
+ public:
+  // Opens the provider's domains for every group and starts the threads. Fails with a Status
+  // naming the provider or NIC that could not be opened. Blocking.
+  static Result<std::unique_ptr<TransferEngine>> create(const Config& config);
+
+  // Closes the engine (see close()).
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  // Stops accepting submissions; lets posted work requests finish for up to
+  // Config::close_timeout, then cancels the rest (their on_error gets kCancelled); runs every
+  // pending callback; joins the threads. No callback runs after close() returns. Idempotent.
+  // Must not be called from a callback.
+  void close();
+
+  size_t num_groups() const;
+  const GroupInfo& group_info(uint32_t group = 0) const;
+  // The address peers use to reach a group. Non-blocking.
+  const Address& address(uint32_t group = 0) const;
+
+  // --- memory -------------------------------------------------------------------------------
+
+  // Registers [ptr, ptr + length) on every NIC of `group` for local reads and remote writes.
+  // Every call makes a new registration, also for a pointer registered before (with the same
+  // or another length). Blocking. Errors: kInvalidArgument (null pointer, zero length),
+  // kNotFound (no such group), kFabric (the provider refused), kClosed.
+  Result<Registration> register_memory(void* ptr, uint64_t length, uint32_t group = 0);
+
+  // Forgets a registration. Transfers already accepted that use it still complete; the
+  // provider registration is released after the last of them. Blocking. Errors: kNotFound.
+  Status unregister_memory(MemoryHandle handle);
+
+  // --- peers --------------------------------------------------------------------------------
+
+  // A group of peer addresses for scatter and barrier. Errors: kInvalidArgument (empty, or
+  // an address of another provider, or a duplicate).
+  Result<PeerGroup> add_peer_group(std::vector<Address> peers);
+  Status remove_peer_group(PeerGroup group);
+
+  // --- one-sided writes ---------------------------------------------------------------------
+  // Each returns at once with the transfer's id, or an error and no callback.
+
+  Result<TransferId> submit(const SingleWrite& write, Callbacks callbacks);
+  Result<TransferId> submit(const PagedWrite& write, Callbacks callbacks);
+  Result<TransferId> submit(const Scatter& scatter, Callbacks callbacks);
+  Result<TransferId> submit(const Barrier& barrier, Callbacks callbacks);
+  Result<TransferId> submit(const ImmWrite& imm, Callbacks callbacks);
+
+  // --- two-sided messages -------------------------------------------------------------------
+
+  // Sends `message` (copied before return; at most Config::max_message_bytes) to the peer's
+  // first NIC, which must have receive buffers (set_receive_handler). Errors: kOutOfRange.
+  Result<TransferId> submit_send(const Address& peer, std::span<const std::byte> message,
+                                 Callbacks callbacks, uint32_t group = 0);
+
+  // Posts `count` receive buffers of `buffer_bytes` on the group's first NIC and keeps them
+  // posted: each message is copied out, the buffer reposted, and `on_message` runs on the
+  // callback thread with the bytes (valid during the call). Once per group:
+  // kAlreadyExists on a second call. Blocking.
+  Status set_receive_handler(std::function<void(std::span<const std::byte>)> on_message,
+                             uint64_t buffer_bytes = 64 * 1024, uint32_t count = 64,
+                             uint32_t group = 0);
+
+  // --- immediates ---------------------------------------------------------------------------
+  // The engine tallies every immediate that arrives, on any group and NIC, per value.
+
+  // Runs `on_reached` once, on the callback thread, when `count` arrivals of `imm` not yet
+  // claimed by an earlier expectation have been seen (arrivals before this call count). The
+  // `count` arrivals are then claimed and the expectation is removed. Errors:
+  // kInvalidArgument (count 0), kAlreadyExists (an expectation for imm is pending).
+  Status expect_imm(uint32_t imm, uint64_t count, std::function<void()> on_reached);
+  // Withdraws a pending expectation; its callback will not run. Errors: kNotFound.
+  Status cancel_expect_imm(uint32_t imm);
+  // Runs for each arrival of an immediate that has no pending expectation when it arrives
+  // (it is still counted). Replaces any previous handler; null removes it.
+  void set_unexpected_imm_handler(std::function<void(uint32_t imm)> handler);
+  // Total arrivals of imm since the engine started (or since reset_imm). Non-blocking.
+  uint64_t imm_count(uint32_t imm) const;
+  // Blocks until imm_count(imm) >= total or the timeout passes; returns whether it reached.
+  bool wait_imm(uint32_t imm, uint64_t total, std::chrono::milliseconds timeout) const;
+  // Forgets the tally and any expectation of imm.
+  void reset_imm(uint32_t imm);
+
+ private:
+  explicit TransferEngine(std::unique_ptr<EngineImpl> impl);
+  std::unique_ptr<EngineImpl> impl_;
+};
+
+}  // namespace fabric

@@ -1,0 +1,117 @@
+// Transfer requests: what a sender can submit to a TransferEngine.
+//
+// Every request is validated in full before anything is posted; a request that fails
+// validation is rejected at once with a Status naming the field at fault, and no callback
+// runs for it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "fabric/address.h"
+#include "fabric/status.h"
+
+namespace fabric {
+
+using TransferId = uint64_t;
+
+// Exactly one of the two runs, once per accepted transfer, on the engine's callback thread,
+// after every work request of every NIC the transfer used has completed. Either may be empty.
+// A callback that throws is logged and otherwise ignored: it never stops the engine.
+struct Callbacks {
+  std::function<void()> on_done;
+  std::function<void(const Status&)> on_error;
+};
+
+// How a single write is spread over the NICs of the group.
+struct Routing {
+  enum class Kind { kSharded, kPinned };
+  Kind kind = Kind::kSharded;
+  // kSharded: split into at most this many shards, rotated across NICs (0: one per NIC).
+  // Writes below Config::shard_min_bytes are never split.
+  uint32_t shards = 0;
+  // kPinned: the local NIC (rail) to use; the peer's NIC of the same rail receives.
+  uint32_t nic = 0;
+
+  static Routing sharded(uint32_t shards = 0) { return {Kind::kSharded, shards, 0}; }
+  static Routing pinned(uint32_t nic) { return {Kind::kPinned, 0, nic}; }
+};
+
+// One contiguous range into one remote range. With an immediate, the receiver counts exactly
+// one arrival of it, however many shards the write was split into: the data shards are
+// written first and the immediate follows once all of them are complete.
+struct SingleWrite {
+  MemoryHandle src;
+  uint64_t src_offset = 0;
+  RemoteMemory dst;
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+  std::optional<uint32_t> imm;
+  Routing routing;
+};
+
+// The KV-cache pattern: page i of the transfer copies page_bytes from
+// src_offset + src_pages[i] * src_stride to dst_offset + dst_pages[i] * dst_stride.
+// One work request per page; with an immediate, the receiver counts one arrival per page.
+// Pages are split evenly across the group's NICs in contiguous runs.
+struct PagedWrite {
+  MemoryHandle src;
+  RemoteMemory dst;
+  uint64_t page_bytes = 0;
+  std::vector<uint32_t> src_pages;
+  uint64_t src_stride = 0;
+  uint64_t src_offset = 0;
+  std::vector<uint32_t> dst_pages;
+  uint64_t dst_stride = 0;
+  uint64_t dst_offset = 0;
+  std::optional<uint32_t> imm;
+};
+
+// A set of peer group addresses that scatter and barrier address together. Made by
+// TransferEngine::add_peer_group.
+struct PeerGroup {
+  uint64_t id = 0;
+  friend bool operator==(const PeerGroup&, const PeerGroup&) = default;
+};
+
+struct ScatterTarget {
+  RemoteMemory dst;  // its owner must be a member of the scatter's peer group
+  uint64_t length = 0;
+  uint64_t src_offset = 0;
+  uint64_t dst_offset = 0;
+};
+
+// The MoE pattern: one source region to many peers. With an immediate, each target's receiver
+// counts exactly one arrival per target addressed to it.
+struct Scatter {
+  enum class Sharding {
+    kByPeer,   // each target goes whole to one NIC, targets rotated across NICs
+    kByBytes,  // each target large enough is split across all NICs (64-bit exact lengths)
+  };
+  MemoryHandle src;
+  PeerGroup group;
+  std::vector<ScatterTarget> targets;
+  std::optional<uint32_t> imm;
+  Sharding sharding = Sharding::kByPeer;
+};
+
+// A zero-byte write with an immediate to every member of a group: each member counts one
+// arrival. Written from local NIC `nic` to each member's NIC on the same rail.
+struct Barrier {
+  PeerGroup group;
+  uint32_t imm = 0;
+  uint32_t nic = 0;
+  uint32_t local_group = 0;  // the local device group that sends
+};
+
+// One zero-byte write with an immediate, from local NIC `nic` to the peer's NIC on that rail.
+struct ImmWrite {
+  Address peer;
+  uint32_t imm = 0;
+  uint32_t nic = 0;
+  uint32_t local_group = 0;  // the local device group that sends
+};
+
+}  // namespace fabric

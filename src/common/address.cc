@@ -1,0 +1,246 @@
+// Wire formats of Address and RemoteMemory (little-endian, versioned, no trailing bytes):
+//
+//   Address:      u32 magic "FBLA" | u8 version | u8 len + provider | u8 nics (1..64)
+//                 | per NIC: u16 len (1..1024) + name | u64 scratch addr | u64 scratch key
+//   RemoteMemory: u32 magic "FBLM" | u8 version | u64 base | u64 length
+//                 | u32 len + Address | u8 rails (= the address's NICs) | per rail: u64 addr, u64 key
+#include "fabric/address.h"
+
+#include <fmt/format.h>
+
+#include <tuple>
+
+#include "common/codec.h"
+
+namespace fabric {
+namespace {
+
+constexpr uint32_t kAddressMagic = 0x414C4246;  // "FBLA"
+constexpr uint32_t kMemoryMagic = 0x4D4C4246;   // "FBLM"
+constexpr size_t kMaxNics = 64;
+constexpr size_t kMaxNameBytes = 1024;
+
+Status malformed(std::string_view what, std::string_view detail) {
+  return Status(ErrorCode::kInvalidArgument, fmt::format("malformed {}: {}", what, detail));
+}
+
+}  // namespace
+
+std::string to_hex(std::span<const std::byte> bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (std::byte b : bytes) {
+    auto v = static_cast<unsigned>(b);
+    out.push_back(kDigits[v >> 4]);
+    out.push_back(kDigits[v & 0xf]);
+  }
+  return out;
+}
+
+Result<Bytes> from_hex(std::string_view hex) {
+  if (hex.size() % 2 != 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("hex string has an odd length ({} characters)", hex.size()));
+  }
+  auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  Bytes out(hex.size() / 2);
+  for (size_t i = 0; i < out.size(); ++i) {
+    int hi = digit(hex[2 * i]);
+    int lo = digit(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("hex string has a non-hex character at position {}",
+                                hi < 0 ? 2 * i : 2 * i + 1));
+    }
+    out[i] = static_cast<std::byte>(hi << 4 | lo);
+  }
+  return out;
+}
+
+// --- Address --------------------------------------------------------------------------------
+
+struct Address::Data {
+  std::string provider;
+  std::vector<NicAddress> nics;
+};
+
+Address::Address(std::string provider, std::vector<NicAddress> nics)
+    : data_(std::make_shared<const Data>(Data{std::move(provider), std::move(nics)})) {}
+
+const std::string& Address::provider() const {
+  static const std::string kEmpty;
+  return data_ ? data_->provider : kEmpty;
+}
+
+const std::vector<NicAddress>& Address::nics() const {
+  static const std::vector<NicAddress> kEmpty;
+  return data_ ? data_->nics : kEmpty;
+}
+
+bool operator==(const Address& a, const Address& b) {
+  if (a.data_ == b.data_) return true;
+  return a.provider() == b.provider() && a.nics() == b.nics();
+}
+
+Bytes Address::encode() const {
+  detail::ByteWriter w;
+  w.u32(kAddressMagic);
+  w.u8(kVersion);
+  w.u8(static_cast<uint8_t>(provider().size()));
+  w.bytes(std::as_bytes(std::span(provider())));
+  w.u8(static_cast<uint8_t>(nics().size()));
+  for (const NicAddress& nic : nics()) {
+    w.u16(static_cast<uint16_t>(nic.name.size()));
+    w.bytes(nic.name);
+    w.u64(nic.scratch_addr);
+    w.u64(nic.scratch_key);
+  }
+  return w.take();
+}
+
+std::string Address::to_hex() const { return fabric::to_hex(encode()); }
+
+std::string Address::short_name() const {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the encoding
+  for (std::byte b : encode()) h = (h ^ static_cast<uint64_t>(b)) * 1099511628211ull;
+  return fmt::format("{}/{}nic/{:08x}", provider(), num_nics(), static_cast<uint32_t>(h));
+}
+
+Result<Address> Address::decode(std::span<const std::byte> bytes) {
+  constexpr std::string_view kWhat = "engine address";
+  detail::ByteReader r(bytes);
+  uint32_t magic = 0;
+  uint8_t version = 0;
+  if (!r.u32(magic) || magic != kAddressMagic) return malformed(kWhat, "bad magic");
+  if (!r.u8(version)) return malformed(kWhat, "truncated before version");
+  if (version != kVersion) {
+    return malformed(kWhat, fmt::format("version {} (this build reads {})", version, kVersion));
+  }
+  uint8_t provider_len = 0;
+  Bytes provider;
+  if (!r.u8(provider_len) || !r.bytes(provider_len, provider)) {
+    return malformed(kWhat, "truncated provider name");
+  }
+  uint8_t count = 0;
+  if (!r.u8(count)) return malformed(kWhat, "truncated before NIC count");
+  if (count == 0 || count > kMaxNics) {
+    return malformed(kWhat, fmt::format("{} NICs (must be 1..{})", count, kMaxNics));
+  }
+  std::vector<NicAddress> nics(count);
+  for (size_t i = 0; i < count; ++i) {
+    uint16_t len = 0;
+    if (!r.u16(len)) return malformed(kWhat, fmt::format("truncated at NIC {}", i));
+    if (len == 0 || len > kMaxNameBytes) {
+      return malformed(kWhat, fmt::format("NIC {} name of {} bytes (must be 1..{})", i, len,
+                                          kMaxNameBytes));
+    }
+    if (!r.bytes(len, nics[i].name) || !r.u64(nics[i].scratch_addr) ||
+        !r.u64(nics[i].scratch_key)) {
+      return malformed(kWhat, fmt::format("truncated at NIC {}", i));
+    }
+  }
+  if (r.remaining() != 0) {
+    return malformed(kWhat, fmt::format("{} trailing bytes", r.remaining()));
+  }
+  std::string prov(reinterpret_cast<const char*>(provider.data()), provider.size());
+  return Address(std::move(prov), std::move(nics));
+}
+
+Result<Address> Address::from_hex(std::string_view hex) {
+  auto bytes = fabric::from_hex(hex);
+  if (!bytes) return bytes.status();
+  return decode(*bytes);
+}
+
+// --- RemoteMemory ---------------------------------------------------------------------------
+
+struct RemoteMemory::Data {
+  Address owner;
+  uint64_t base;
+  uint64_t length;
+  std::vector<Rail> rails;
+};
+
+RemoteMemory::RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails)
+    : data_(std::make_shared<const Data>(
+          Data{std::move(owner), base, length, std::move(rails)})) {}
+
+const Address& RemoteMemory::owner() const {
+  static const Address kEmpty;
+  return data_ ? data_->owner : kEmpty;
+}
+uint64_t RemoteMemory::base() const { return data_ ? data_->base : 0; }
+uint64_t RemoteMemory::length() const { return data_ ? data_->length : 0; }
+const std::vector<RemoteMemory::Rail>& RemoteMemory::rails() const {
+  static const std::vector<Rail> kEmpty;
+  return data_ ? data_->rails : kEmpty;
+}
+
+bool operator==(const RemoteMemory& a, const RemoteMemory& b) {
+  if (a.data_ == b.data_) return true;
+  return a.owner() == b.owner() && a.base() == b.base() && a.length() == b.length() &&
+         a.rails() == b.rails();
+}
+
+Bytes RemoteMemory::encode() const {
+  detail::ByteWriter w;
+  w.u32(kMemoryMagic);
+  w.u8(kVersion);
+  w.u64(base());
+  w.u64(length());
+  Bytes addr = owner().encode();
+  w.u32(static_cast<uint32_t>(addr.size()));
+  w.bytes(addr);
+  w.u8(static_cast<uint8_t>(rails().size()));
+  for (const Rail& rail : rails()) {
+    w.u64(rail.addr);
+    w.u64(rail.key);
+  }
+  return w.take();
+}
+
+Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
+  constexpr std::string_view kWhat = "memory descriptor";
+  detail::ByteReader r(bytes);
+  uint32_t magic = 0;
+  uint8_t version = 0;
+  if (!r.u32(magic) || magic != kMemoryMagic) return malformed(kWhat, "bad magic");
+  if (!r.u8(version)) return malformed(kWhat, "truncated before version");
+  if (version != kVersion) {
+    return malformed(kWhat, fmt::format("version {} (this build reads {})", version, kVersion));
+  }
+  uint64_t base = 0, length = 0;
+  if (!r.u64(base) || !r.u64(length)) return malformed(kWhat, "truncated before length");
+  if (base + length < base) return malformed(kWhat, "region wraps around the address space");
+  uint32_t addr_len = 0;
+  Bytes addr_bytes;
+  if (!r.u32(addr_len) || !r.bytes(addr_len, addr_bytes)) {
+    return malformed(kWhat, "truncated owner address");
+  }
+  auto owner = Address::decode(addr_bytes);
+  if (!owner) return malformed(kWhat, owner.status().message());
+  uint8_t count = 0;
+  if (!r.u8(count)) return malformed(kWhat, "truncated before rail count");
+  if (count != owner->num_nics()) {
+    return malformed(kWhat, fmt::format("{} rails for an owner with {} NICs", count,
+                                        owner->num_nics()));
+  }
+  std::vector<Rail> rails(count);
+  for (size_t i = 0; i < count; ++i) {
+    if (!r.u64(rails[i].addr) || !r.u64(rails[i].key)) {
+      return malformed(kWhat, fmt::format("truncated at rail {}", i));
+    }
+  }
+  if (r.remaining() != 0) {
+    return malformed(kWhat, fmt::format("{} trailing bytes", r.remaining()));
+  }
+  return RemoteMemory(std::move(*owner), base, length, std::move(rails));
+}
+
+}  // namespace fabric

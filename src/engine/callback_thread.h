@@ -1,0 +1,42 @@
+// CallbackThread: runs user callbacks in order, off the workers, so that a slow or throwing
+// callback never stalls the fabric.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace fabric::engine {
+
+class CallbackThread {
+ public:
+  using Job = std::function<void()>;
+
+  CallbackThread();
+  // Runs what is queued, then joins.
+  ~CallbackThread();
+  CallbackThread(const CallbackThread&) = delete;
+  CallbackThread& operator=(const CallbackThread&) = delete;
+
+  void push(Job job);
+  void push(std::vector<Job>& jobs);  // moves the jobs out; leaves `jobs` empty
+  // Runs every job queued so far and every job they queue, then stops the thread. After it
+  // returns no job runs. Must not be called from a job.
+  void drain_and_stop();
+  bool on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+ private:
+  void run();
+  static void run_one(Job& job);
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
+}  // namespace fabric::engine

@@ -1,0 +1,59 @@
+// Environment overrides of Config, all declared here.
+#include <fmt/format.h>
+
+#include <charconv>
+#include <cstdlib>
+#include <string_view>
+
+#include "fabric/config.h"
+
+namespace fabric {
+
+namespace {
+
+Status parse_int(const char* var, std::string_view text, long long& out) {
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
+  if (ec != std::errc() || ptr != text.data() + text.size()) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("environment variable {}='{}' is not an integer", var, text));
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status Config::apply_env_overrides() {
+  if (const char* v = std::getenv("FABRIC_PROVIDER"); v && *v) provider = v;
+  if (const char* v = std::getenv("FABRIC_NICS"); v && *v) {
+    if (groups.empty()) groups.emplace_back();
+    groups[0].nics.clear();
+    std::string_view rest = v;
+    while (!rest.empty()) {
+      auto comma = rest.find(',');
+      std::string_view nic = rest.substr(0, comma);
+      if (nic.empty()) {
+        return Status(ErrorCode::kInvalidArgument,
+                      fmt::format("environment variable FABRIC_NICS='{}' has an empty entry", v));
+      }
+      groups[0].nics.emplace_back(nic);
+      rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    }
+  }
+  long long n = 0;
+  if (const char* v = std::getenv("FABRIC_CPU"); v && *v) {
+    if (Status s = parse_int("FABRIC_CPU", v, n); !s) return s;
+    if (groups.empty()) groups.emplace_back();
+    groups[0].cpu = static_cast<int>(n);
+  }
+  if (const char* v = std::getenv("FABRIC_SPIN_US"); v && *v) {
+    if (Status s = parse_int("FABRIC_SPIN_US", v, n); !s) return s;
+    spin_time = std::chrono::microseconds(n);
+  }
+  if (const char* v = std::getenv("FABRIC_IDLE_SLEEP_US"); v && *v) {
+    if (Status s = parse_int("FABRIC_IDLE_SLEEP_US", v, n); !s) return s;
+    idle_sleep = std::chrono::microseconds(n);
+  }
+  return Status::ok();
+}
+
+}  // namespace fabric

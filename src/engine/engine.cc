@@ -1,0 +1,735 @@
+// TransferEngine: validation and planning of submissions (on the caller's thread), handed to
+// the device group's Worker for posting.
+#include "fabric/engine.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "engine/callback_thread.h"
+#include "engine/imm_counters.h"
+#include "engine/plan.h"
+#include "engine/transfer_state.h"
+#include "engine/worker.h"
+#include "topology/topology.h"
+#include "transport/fault/fault_domain.h"
+#include "transport/libfabric/lf_domain.h"
+
+namespace fabric {
+
+using engine::LocalRegion;
+using engine::Op;
+using engine::Transfer;
+
+namespace {
+
+constexpr int kTagShift = 40;
+constexpr uint64_t kSeqMask = (uint64_t{1} << kTagShift) - 1;
+
+Status invalid(std::string message) { return Status(ErrorCode::kInvalidArgument, std::move(message)); }
+
+}  // namespace
+
+class EngineImpl {
+ public:
+  static Result<std::unique_ptr<EngineImpl>> create(const Config& config);
+  ~EngineImpl() { close(); }
+
+  void close();
+  size_t num_groups() const { return workers_.size(); }
+  const GroupInfo& group_info(uint32_t g) const { return infos_.at(g); }
+  const Address& address(uint32_t g) const { return addresses_.at(g); }
+
+  Result<Registration> register_memory(void* ptr, uint64_t length, uint32_t group);
+  Status unregister_memory(MemoryHandle handle);
+  Result<PeerGroup> add_peer_group(std::vector<Address> peers);
+  Status remove_peer_group(PeerGroup group);
+
+  Result<TransferId> submit(const SingleWrite& w, Callbacks cb);
+  Result<TransferId> submit(const PagedWrite& w, Callbacks cb);
+  Result<TransferId> submit(const Scatter& s, Callbacks cb);
+  Result<TransferId> submit(const Barrier& b, Callbacks cb);
+  Result<TransferId> submit(const ImmWrite& w, Callbacks cb);
+  Result<TransferId> submit_send(const Address& peer, std::span<const std::byte> message,
+                                 Callbacks cb, uint32_t group);
+  Status set_receive_handler(std::function<void(std::span<const std::byte>)> on_message,
+                             uint64_t buffer_bytes, uint32_t count, uint32_t group);
+
+  Status expect_imm(uint32_t imm, uint64_t count, std::function<void()> on_reached);
+  Status cancel_expect_imm(uint32_t imm) { return imms_.cancel(imm); }
+  void set_unexpected_imm_handler(std::function<void(uint32_t)> handler);
+  uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
+  bool wait_imm(uint32_t imm, uint64_t total, std::chrono::milliseconds timeout) const {
+    return imms_.wait(imm, total, timeout);
+  }
+  void reset_imm(uint32_t imm) { imms_.reset(imm); }
+
+ private:
+  explicit EngineImpl(const Config& config) : config_(config) {}
+
+  Status check_open() const;
+  Status check_group(uint32_t group) const;
+  Status check_peer(const Address& peer, uint32_t group, std::string_view what) const;
+  Status check_remote(const RemoteMemory& dst, uint32_t group, std::string_view what) const;
+  Result<std::shared_ptr<LocalRegion>> find_region(MemoryHandle handle) const;
+  std::unique_ptr<Transfer> new_transfer(Callbacks cb);
+  uint32_t next_rotation(uint32_t group) { return rotations_[group].fetch_add(1); }
+  engine::ShardParams shard_params(uint32_t group) const;
+  // Appends the ops writing `shards` of one source range to one destination; with an
+  // immediate, it rides on the only shard or follows all of them as a deferred zero-byte write.
+  void add_writes(Transfer& t, const LocalRegion& src, uint64_t src_offset, const RemoteMemory& dst,
+                  uint64_t dst_offset, const std::vector<engine::Shard>& shards,
+                  std::optional<uint32_t> imm, uint32_t group);
+  Op zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const NicAddress& peer,
+                   uint32_t imm);
+  TransferId hand_over(uint32_t group, std::unique_ptr<Transfer> t);
+
+  const Config config_;
+  uint64_t tag_ = 0;  // distinguishes this engine's handles from another engine's
+  std::unique_ptr<engine::CallbackThread> callbacks_;
+  engine::ImmCounters imms_;
+  std::mutex unexpected_mu_;
+  std::function<void(uint32_t)> unexpected_handler_;
+  std::atomic<bool> has_unexpected_handler_{false};
+  std::vector<std::unique_ptr<engine::Worker>> workers_;
+  std::vector<GroupInfo> infos_;
+  std::vector<Address> addresses_;
+  std::unique_ptr<std::atomic<uint32_t>[]> rotations_;
+
+  mutable std::shared_mutex close_mu_;  // submissions hold it shared; close() exclusively
+  bool closed_ = false;
+
+  mutable std::mutex regions_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<LocalRegion>> regions_;
+  mutable std::mutex groups_mu_;
+  std::unordered_map<uint64_t, std::vector<Address>> peer_groups_;
+  std::atomic<uint64_t> next_region_{1};
+  std::atomic<uint64_t> next_transfer_{1};
+  std::atomic<uint64_t> next_peer_group_{1};
+};
+
+// --- creation and close ---------------------------------------------------------------------
+
+Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
+  if (config.groups.empty()) return invalid("config.groups is empty: an engine needs a group");
+  if (config.cq_batch == 0 || config.post_budget == 0) {
+    return invalid("config.cq_batch and config.post_budget must be at least 1");
+  }
+  if (config.max_message_bytes == 0 || config.send_buffers == 0) {
+    return invalid("config.max_message_bytes and config.send_buffers must be at least 1");
+  }
+  std::unique_ptr<EngineImpl> e(new EngineImpl(config));
+  e->tag_ = std::random_device{}() & 0xffffff;
+  e->callbacks_ = std::make_unique<engine::CallbackThread>();
+  e->rotations_ = std::make_unique<std::atomic<uint32_t>[]>(config.groups.size());
+
+  const std::vector<int> allowed = topology::allowed_cpus();
+  for (uint32_t g = 0; g < config.groups.size(); ++g) {
+    const GroupConfig& gc = config.groups[g];
+    std::vector<std::string> nics = gc.nics.empty() ? std::vector<std::string>{""} : gc.nics;
+    std::vector<std::unique_ptr<transport::Domain>> domains;
+    GroupInfo info;
+    for (size_t i = 0; i < nics.size(); ++i) {
+      auto d = transport::LfDomain::open(config.provider, nics[i]);
+      if (!d) {
+        return Status(d.status().code(),
+                      fmt::format("group {} NIC {}: {}", g, i, d.status().message()));
+      }
+      info.nics.push_back((*d)->info().name);
+      if (info.provider.empty()) info.provider = (*d)->info().provider;
+      info.delivery_complete = (i == 0 ? true : info.delivery_complete) &&
+                               (*d)->info().delivery_complete;
+      std::unique_ptr<transport::Domain> domain = std::move(*d);
+      if (config.faults.enabled) {
+        domain = std::make_unique<transport::FaultDomain>(std::move(domain), config.faults,
+                                                          g * 64 + i);
+      }
+      domains.push_back(std::move(domain));
+    }
+    int cpu = -1;
+    if (gc.cpu >= 0) {
+      cpu = gc.cpu;
+    } else if (gc.cpu == GroupConfig::kCpuAuto) {
+      topology::NicPlacement p = topology::find_nic(info.nics[0]);
+      if (p.numa_node >= 0 && !p.cpus.empty()) cpu = p.cpus[g % p.cpus.size()];
+    }
+    if (cpu >= 0 && std::find(allowed.begin(), allowed.end(), cpu) == allowed.end()) {
+      return invalid(fmt::format("group {}: CPU {} is not available to this process", g, cpu));
+    }
+    info.cpu = cpu;
+
+    engine::WorkerServices services{e->callbacks_.get(), &e->imms_,
+                                    [raw = e.get()](std::vector<uint32_t>& imms) {
+                                      if (!raw->has_unexpected_handler_.load()) return;
+                                      raw->callbacks_->push([raw, v = imms] {
+                                        std::function<void(uint32_t)> h;
+                                        {
+                                          std::lock_guard lock(raw->unexpected_mu_);
+                                          h = raw->unexpected_handler_;
+                                        }
+                                        if (h) {
+                                          for (uint32_t imm : v) h(imm);
+                                        }
+                                      });
+                                    }};
+    auto w = engine::Worker::create(g, config, cpu, std::move(domains), std::move(services));
+    if (!w) return w.status();
+    std::vector<NicAddress> nic_addrs;
+    for (uint32_t i = 0; i < (*w)->num_domains(); ++i) {
+      nic_addrs.push_back(
+          {(*w)->domain(i).endpoint_name(), (*w)->scratch_addr(i), (*w)->scratch_key(i)});
+    }
+    e->addresses_.emplace_back(info.provider, std::move(nic_addrs));
+    e->infos_.push_back(std::move(info));
+    e->workers_.push_back(std::move(*w));
+  }
+  for (auto& w : e->workers_) w->start();
+  for (uint32_t g = 0; g < e->workers_.size(); ++g) {
+    spdlog::debug("engine group {} up: {} NIC(s) [{}], worker CPU {}, address {}", g,
+                  e->infos_[g].nics.size(), fmt::join(e->infos_[g].nics, ", "), e->infos_[g].cpu,
+                  e->addresses_[g].short_name());
+  }
+  return e;
+}
+
+void EngineImpl::close() {
+  if (callbacks_ && callbacks_->on_this_thread()) {
+    spdlog::error("TransferEngine::close() called from a callback; ignored (it would deadlock)");
+    return;
+  }
+  {
+    std::unique_lock lock(close_mu_);
+    if (closed_) return;
+    closed_ = true;
+  }
+  for (auto& w : workers_) w->stop();
+  imms_.clear_expectations();
+  if (callbacks_) callbacks_->drain_and_stop();
+}
+
+Status EngineImpl::check_open() const {
+  if (closed_) return Status(ErrorCode::kClosed, "the engine is closed");
+  return Status::ok();
+}
+
+Status EngineImpl::check_group(uint32_t group) const {
+  if (group >= workers_.size()) {
+    return Status(ErrorCode::kNotFound,
+                  fmt::format("device group {} does not exist (the engine has {})", group,
+                              workers_.size()));
+  }
+  return Status::ok();
+}
+
+Status EngineImpl::check_peer(const Address& peer, uint32_t group, std::string_view what) const {
+  if (peer.empty()) return invalid(fmt::format("{}: the peer address is empty", what));
+  if (peer.provider() != infos_[group].provider) {
+    return invalid(fmt::format("{}: the peer uses provider '{}', this engine '{}'", what,
+                               peer.provider(), infos_[group].provider));
+  }
+  return Status::ok();
+}
+
+Status EngineImpl::check_remote(const RemoteMemory& dst, uint32_t group,
+                                std::string_view what) const {
+  if (dst.empty()) return invalid(fmt::format("{}: the remote memory descriptor is empty", what));
+  return check_peer(dst.owner(), group, what);
+}
+
+Result<std::shared_ptr<LocalRegion>> EngineImpl::find_region(MemoryHandle handle) const {
+  if ((handle.id >> kTagShift) != tag_) {
+    return Status(ErrorCode::kNotFound,
+                  fmt::format("memory handle {:#x} was not made by this engine", handle.id));
+  }
+  std::lock_guard lock(regions_mu_);
+  auto it = regions_.find(handle.id);
+  if (it == regions_.end()) {
+    return Status(ErrorCode::kNotFound,
+                  fmt::format("memory handle {:#x} is not registered (it was unregistered)",
+                              handle.id));
+  }
+  return it->second;
+}
+
+std::unique_ptr<Transfer> EngineImpl::new_transfer(Callbacks cb) {
+  auto t = std::make_unique<Transfer>();
+  t->id = next_transfer_.fetch_add(1);
+  t->callbacks = std::move(cb);
+  return t;
+}
+
+engine::ShardParams EngineImpl::shard_params(uint32_t group) const {
+  uint64_t max_wr = UINT64_MAX;
+  for (uint32_t i = 0; i < workers_[group]->num_domains(); ++i) {
+    max_wr = std::min(max_wr, workers_[group]->domain(i).info().max_write_bytes);
+  }
+  return {config_.shard_min_bytes, config_.shard_alignment, max_wr};
+}
+
+TransferId EngineImpl::hand_over(uint32_t group, std::unique_ptr<Transfer> t) {
+  TransferId id = t->id;
+  workers_[group]->submit(std::move(t));
+  return id;
+}
+
+// --- memory and peers -----------------------------------------------------------------------
+
+Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uint32_t group) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  if (Status s = check_group(group); !s) return s;
+  if (ptr == nullptr) return invalid("register_memory: null pointer");
+  if (length == 0) return invalid("register_memory: zero length");
+  if (reinterpret_cast<uintptr_t>(ptr) + length < reinterpret_cast<uintptr_t>(ptr)) {
+    return invalid("register_memory: the range wraps around the address space");
+  }
+  engine::Worker* w = workers_[group].get();
+  auto regs = w->call([&] { return w->register_on_all(ptr, length); });
+  if (!regs) return regs.status();
+
+  auto region = std::make_shared<LocalRegion>();
+  region->id = (tag_ << kTagShift) | (next_region_.fetch_add(1) & kSeqMask);
+  region->ptr = static_cast<std::byte*>(ptr);
+  region->length = length;
+  region->group = group;
+  region->worker = w;
+  region->regs = std::move(*regs);
+  std::vector<RemoteMemory::Rail> rails;
+  for (const auto& r : region->regs) rails.push_back({r->remote_addr(), r->remote_key()});
+  Registration out{MemoryHandle{region->id},
+                   RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length,
+                                std::move(rails))};
+  std::lock_guard rl(regions_mu_);
+  regions_.emplace(region->id, std::move(region));
+  return out;
+}
+
+Status EngineImpl::unregister_memory(MemoryHandle handle) {
+  std::shared_ptr<LocalRegion> region;
+  {
+    auto found = find_region(handle);
+    if (!found) return found.status();
+    std::lock_guard lock(regions_mu_);
+    auto it = regions_.find(handle.id);
+    if (it == regions_.end()) return found.status();
+    region = std::move(it->second);
+    regions_.erase(it);
+  }
+  // Dropped here; the provider registrations are released on the worker once no transfer
+  // holds the region any more.
+  return Status::ok();
+}
+
+Result<PeerGroup> EngineImpl::add_peer_group(std::vector<Address> peers) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  if (peers.empty()) return invalid("add_peer_group: no peers");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (Status s = check_peer(peers[i], 0, fmt::format("add_peer_group: peer {}", i)); !s) {
+      return s;
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (peers[i] == peers[j]) {
+        return invalid(fmt::format("add_peer_group: peers {} and {} are the same address", j, i));
+      }
+    }
+  }
+  PeerGroup g{next_peer_group_.fetch_add(1)};
+  std::lock_guard gl(groups_mu_);
+  peer_groups_.emplace(g.id, std::move(peers));
+  return g;
+}
+
+Status EngineImpl::remove_peer_group(PeerGroup group) {
+  std::lock_guard gl(groups_mu_);
+  if (peer_groups_.erase(group.id) == 0) {
+    return Status(ErrorCode::kNotFound, fmt::format("peer group {} does not exist", group.id));
+  }
+  return Status::ok();
+}
+
+// --- planning helpers -----------------------------------------------------------------------
+
+void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_offset,
+                            const RemoteMemory& dst, uint64_t dst_offset,
+                            const std::vector<engine::Shard>& shards, std::optional<uint32_t> imm,
+                            uint32_t group) {
+  for (const engine::Shard& s : shards) {
+    const uint32_t rail = engine::remote_rail(s.domain, dst.rails().size());
+    Op op;
+    op.transfer = &t;
+    op.domain = s.domain;
+    op.peer = &dst.owner().nics()[rail].name;
+    op.length = s.length;
+    if (s.length == 0) {  // a zero-byte write still names a valid local buffer (EFA)
+      op.local = workers_[group]->scratch_local(s.domain);
+      op.local_desc = workers_[group]->scratch_desc(s.domain);
+    } else {
+      op.local = src.ptr + src_offset + s.offset;
+      op.local_desc = src.regs[s.domain]->local_desc();
+    }
+    op.remote_addr = dst.rails()[rail].addr + dst_offset + s.offset;
+    op.remote_key = dst.rails()[rail].key;
+    t.ops.push_back(op);
+  }
+  if (!imm) return;
+  if (shards.size() == 1) {
+    t.ops.back().has_imm = true;
+    t.ops.back().imm = *imm;
+    return;
+  }
+  // Several pieces: the immediate follows them all, on the first piece's rail.
+  Op op = t.ops[t.ops.size() - shards.size()];
+  op.length = 0;
+  op.local = workers_[group]->scratch_local(op.domain);
+  op.local_desc = workers_[group]->scratch_desc(op.domain);
+  op.has_imm = true;
+  op.imm = *imm;
+  t.deferred.push_back(op);
+}
+
+Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain,
+                             const NicAddress& peer, uint32_t imm) {
+  Op op;
+  op.transfer = &t;
+  op.domain = domain;
+  op.peer = &peer.name;
+  op.length = 0;
+  op.local = workers_[group]->scratch_local(domain);
+  op.local_desc = workers_[group]->scratch_desc(domain);
+  op.remote_addr = peer.scratch_addr;
+  op.remote_key = peer.scratch_key;
+  op.has_imm = true;
+  op.imm = imm;
+  return op;
+}
+
+// --- submissions ----------------------------------------------------------------------------
+
+Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  auto src = find_region(w.src);
+  if (!src) return src.status();
+  const uint32_t group = (*src)->group;
+  const uint32_t nics = workers_[group]->num_domains();
+  if (Status s = check_remote(w.dst, group, "single write"); !s) return s;
+  if (Status s = engine::check_range("single write source", w.src_offset, w.length,
+                                     (*src)->length);
+      !s) {
+    return s;
+  }
+  if (Status s = engine::check_range("single write destination", w.dst_offset, w.length,
+                                     w.dst.length());
+      !s) {
+    return s;
+  }
+  if (w.routing.kind == Routing::Kind::kPinned && w.routing.nic >= nics) {
+    return invalid(fmt::format("single write pinned to NIC {}, but the group has {} NIC(s)",
+                               w.routing.nic, nics));
+  }
+  auto shards = engine::plan_single(w.length, nics, w.routing, next_rotation(group),
+                                    shard_params(group));
+  auto t = new_transfer(std::move(cb));
+  t->src = *src;
+  t->dsts.push_back(w.dst);
+  add_writes(*t, **src, w.src_offset, t->dsts.back(), w.dst_offset, shards, w.imm, group);
+  return hand_over(group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  auto src = find_region(w.src);
+  if (!src) return src.status();
+  const uint32_t group = (*src)->group;
+  if (Status s = check_remote(w.dst, group, "paged write"); !s) return s;
+  if (w.page_bytes == 0) return invalid("paged write: page_bytes is 0");
+  if (w.src_pages.size() != w.dst_pages.size()) {
+    return invalid(fmt::format("paged write: {} source pages but {} destination pages",
+                               w.src_pages.size(), w.dst_pages.size()));
+  }
+  if (w.src_pages.empty()) return invalid("paged write: no pages");
+  const engine::ShardParams params = shard_params(group);
+  if (w.page_bytes > params.max_wr_bytes) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("paged write: pages of {} bytes exceed the NIC's largest work "
+                              "request ({} bytes)",
+                              w.page_bytes, params.max_wr_bytes));
+  }
+  // Every page must lie inside both regions; offsets computed without overflow.
+  auto page_offset = [&](const char* side, size_t i, uint32_t index, uint64_t stride,
+                         uint64_t base, uint64_t region, uint64_t& out) -> Status {
+    uint64_t scaled = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(index), stride, &scaled) ||
+        __builtin_add_overflow(scaled, base, &out)) {
+      return Status(ErrorCode::kOutOfRange,
+                    fmt::format("paged write: {}_pages[{}] = {} overflows the offset", side, i,
+                                index));
+    }
+    return engine::check_range(
+        fmt::format("paged write: {}_pages[{}] = {}", side, i, index), out, w.page_bytes, region);
+  };
+  auto t = new_transfer(std::move(cb));
+  t->src = *src;
+  t->dsts.push_back(w.dst);
+  const RemoteMemory& dst = t->dsts.back();
+  t->ops.resize(w.src_pages.size());
+  const uint32_t nics = workers_[group]->num_domains();
+  for (const engine::Run& run : engine::split_even(w.src_pages.size(), nics, next_rotation(group))) {
+    const uint32_t rail = engine::remote_rail(run.domain, dst.rails().size());
+    for (size_t i = run.begin; i < run.end; ++i) {
+      uint64_t so = 0, d_off = 0;
+      if (Status s = page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset,
+                                 (*src)->length, so);
+          !s) {
+        return s;
+      }
+      if (Status s = page_offset("dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset,
+                                 dst.length(), d_off);
+          !s) {
+        return s;
+      }
+      Op& op = t->ops[i];
+      op.transfer = t.get();
+      op.domain = run.domain;
+      op.peer = &dst.owner().nics()[rail].name;
+      op.local = (*src)->ptr + so;
+      op.length = w.page_bytes;
+      op.local_desc = (*src)->regs[run.domain]->local_desc();
+      op.remote_addr = dst.rails()[rail].addr + d_off;
+      op.remote_key = dst.rails()[rail].key;
+      op.has_imm = w.imm.has_value();
+      op.imm = w.imm.value_or(0);
+    }
+  }
+  return hand_over(group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  auto src = find_region(sc.src);
+  if (!src) return src.status();
+  const uint32_t group = (*src)->group;
+  if (sc.targets.empty()) return invalid("scatter: no targets");
+  std::vector<Address> members;
+  {
+    std::lock_guard gl(groups_mu_);
+    auto it = peer_groups_.find(sc.group.id);
+    if (it == peer_groups_.end()) {
+      return Status(ErrorCode::kNotFound,
+                    fmt::format("scatter: peer group {} does not exist", sc.group.id));
+    }
+    members = it->second;
+  }
+  for (size_t i = 0; i < sc.targets.size(); ++i) {
+    const ScatterTarget& tg = sc.targets[i];
+    const std::string what = fmt::format("scatter target {}", i);
+    if (Status s = check_remote(tg.dst, group, what); !s) return s;
+    if (std::find(members.begin(), members.end(), tg.dst.owner()) == members.end()) {
+      return Status(ErrorCode::kNotFound,
+                    fmt::format("{}: its owner {} is not a member of peer group {}", what,
+                                tg.dst.owner().short_name(), sc.group.id));
+    }
+    if (Status s = engine::check_range(what + " source", tg.src_offset, tg.length,
+                                       (*src)->length);
+        !s) {
+      return s;
+    }
+    if (Status s = engine::check_range(what + " destination", tg.dst_offset, tg.length,
+                                       tg.dst.length());
+        !s) {
+      return s;
+    }
+  }
+  const uint32_t nics = workers_[group]->num_domains();
+  const uint32_t rotation = next_rotation(group);
+  const engine::ShardParams params = shard_params(group);
+  auto t = new_transfer(std::move(cb));
+  t->src = *src;
+  t->dsts.reserve(sc.targets.size());
+  for (size_t i = 0; i < sc.targets.size(); ++i) {
+    const ScatterTarget& tg = sc.targets[i];
+    t->dsts.push_back(tg.dst);
+    const Routing routing = sc.sharding == Scatter::Sharding::kByBytes
+                                ? Routing::sharded(0)
+                                : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));
+    auto shards = engine::plan_single(tg.length, nics, routing,
+                                      rotation + static_cast<uint32_t>(i), params);
+    add_writes(*t, **src, tg.src_offset, t->dsts.back(), tg.dst_offset, shards, sc.imm, group);
+  }
+  return hand_over(group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  if (Status s = check_group(b.local_group); !s) return s;
+  const uint32_t nics = workers_[b.local_group]->num_domains();
+  if (b.nic >= nics) {
+    return invalid(fmt::format("barrier on NIC {}, but the group has {} NIC(s)", b.nic, nics));
+  }
+  auto t = new_transfer(std::move(cb));
+  {
+    std::lock_guard gl(groups_mu_);
+    auto it = peer_groups_.find(b.group.id);
+    if (it == peer_groups_.end()) {
+      return Status(ErrorCode::kNotFound,
+                    fmt::format("barrier: peer group {} does not exist", b.group.id));
+    }
+    t->peers = it->second;
+  }
+  for (const Address& peer : t->peers) {
+    if (Status s = check_peer(peer, b.local_group, "barrier"); !s) return s;
+    const NicAddress& nic = peer.nics()[engine::remote_rail(b.nic, peer.num_nics())];
+    t->ops.push_back(zero_byte_imm(*t, b.local_group, b.nic, nic, b.imm));
+  }
+  return hand_over(b.local_group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks cb) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  if (Status s = check_group(w.local_group); !s) return s;
+  if (Status s = check_peer(w.peer, w.local_group, "imm write"); !s) return s;
+  const uint32_t nics = workers_[w.local_group]->num_domains();
+  if (w.nic >= nics) {
+    return invalid(fmt::format("imm write on NIC {}, but the group has {} NIC(s)", w.nic, nics));
+  }
+  auto t = new_transfer(std::move(cb));
+  t->peers.push_back(w.peer);
+  const NicAddress& nic = t->peers[0].nics()[engine::remote_rail(w.nic, w.peer.num_nics())];
+  t->ops.push_back(zero_byte_imm(*t, w.local_group, w.nic, nic, w.imm));
+  return hand_over(w.local_group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit_send(const Address& peer,
+                                           std::span<const std::byte> message, Callbacks cb,
+                                           uint32_t group) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  if (Status s = check_group(group); !s) return s;
+  if (Status s = check_peer(peer, group, "send"); !s) return s;
+  if (message.size() > config_.max_message_bytes) {
+    return Status(ErrorCode::kOutOfRange,
+                  fmt::format("send: message of {} bytes exceeds max_message_bytes ({})",
+                              message.size(), config_.max_message_bytes));
+  }
+  auto t = new_transfer(std::move(cb));
+  t->peers.push_back(peer);
+  t->message.assign(message.begin(), message.end());
+  Op op;
+  op.transfer = t.get();
+  op.kind = Op::Kind::kSend;
+  op.domain = 0;
+  op.peer = &t->peers[0].nics()[0].name;
+  op.length = message.size();
+  t->ops.push_back(op);
+  return hand_over(group, std::move(t));
+}
+
+Status EngineImpl::set_receive_handler(std::function<void(std::span<const std::byte>)> on_message,
+                                       uint64_t buffer_bytes, uint32_t count, uint32_t group) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  if (Status s = check_group(group); !s) return s;
+  if (!on_message) return invalid("set_receive_handler: the handler is empty");
+  if (buffer_bytes == 0 || count == 0) {
+    return invalid("set_receive_handler: buffer_bytes and count must be at least 1");
+  }
+  engine::Worker* w = workers_[group].get();
+  return w->call([&] { return w->start_receives(std::move(on_message), buffer_bytes, count); });
+}
+
+// --- immediates -----------------------------------------------------------------------------
+
+Status EngineImpl::expect_imm(uint32_t imm, uint64_t count, std::function<void()> on_reached) {
+  std::shared_lock lock(close_mu_);
+  if (Status s = check_open(); !s) return s;
+  std::vector<engine::CallbackThread::Job> due;
+  Status s = imms_.expect(imm, count, std::move(on_reached), due);
+  callbacks_->push(due);
+  return s;
+}
+
+void EngineImpl::set_unexpected_imm_handler(std::function<void(uint32_t)> handler) {
+  std::lock_guard lock(unexpected_mu_);
+  has_unexpected_handler_.store(static_cast<bool>(handler));
+  unexpected_handler_ = std::move(handler);
+}
+
+// --- TransferEngine -------------------------------------------------------------------------
+
+Result<std::unique_ptr<TransferEngine>> TransferEngine::create(const Config& config) {
+  auto impl = EngineImpl::create(config);
+  if (!impl) return impl.status();
+  return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(*impl)));
+}
+
+TransferEngine::TransferEngine(std::unique_ptr<EngineImpl> impl) : impl_(std::move(impl)) {}
+TransferEngine::~TransferEngine() = default;
+void TransferEngine::close() { impl_->close(); }
+size_t TransferEngine::num_groups() const { return impl_->num_groups(); }
+const GroupInfo& TransferEngine::group_info(uint32_t group) const {
+  return impl_->group_info(group);
+}
+const Address& TransferEngine::address(uint32_t group) const { return impl_->address(group); }
+Result<Registration> TransferEngine::register_memory(void* ptr, uint64_t length, uint32_t group) {
+  return impl_->register_memory(ptr, length, group);
+}
+Status TransferEngine::unregister_memory(MemoryHandle handle) {
+  return impl_->unregister_memory(handle);
+}
+Result<PeerGroup> TransferEngine::add_peer_group(std::vector<Address> peers) {
+  return impl_->add_peer_group(std::move(peers));
+}
+Status TransferEngine::remove_peer_group(PeerGroup group) {
+  return impl_->remove_peer_group(group);
+}
+Result<TransferId> TransferEngine::submit(const SingleWrite& w, Callbacks cb) {
+  return impl_->submit(w, std::move(cb));
+}
+Result<TransferId> TransferEngine::submit(const PagedWrite& w, Callbacks cb) {
+  return impl_->submit(w, std::move(cb));
+}
+Result<TransferId> TransferEngine::submit(const Scatter& s, Callbacks cb) {
+  return impl_->submit(s, std::move(cb));
+}
+Result<TransferId> TransferEngine::submit(const Barrier& b, Callbacks cb) {
+  return impl_->submit(b, std::move(cb));
+}
+Result<TransferId> TransferEngine::submit(const ImmWrite& w, Callbacks cb) {
+  return impl_->submit(w, std::move(cb));
+}
+Result<TransferId> TransferEngine::submit_send(const Address& peer,
+                                               std::span<const std::byte> message,
+                                               Callbacks callbacks, uint32_t group) {
+  return impl_->submit_send(peer, message, std::move(callbacks), group);
+}
+Status TransferEngine::set_receive_handler(
+    std::function<void(std::span<const std::byte>)> on_message, uint64_t buffer_bytes,
+    uint32_t count, uint32_t group) {
+  return impl_->set_receive_handler(std::move(on_message), buffer_bytes, count, group);
+}
+Status TransferEngine::expect_imm(uint32_t imm, uint64_t count, std::function<void()> on_reached) {
+  return impl_->expect_imm(imm, count, std::move(on_reached));
+}
+Status TransferEngine::cancel_expect_imm(uint32_t imm) { return impl_->cancel_expect_imm(imm); }
+void TransferEngine::set_unexpected_imm_handler(std::function<void(uint32_t)> handler) {
+  impl_->set_unexpected_imm_handler(std::move(handler));
+}
+uint64_t TransferEngine::imm_count(uint32_t imm) const { return impl_->imm_count(imm); }
+bool TransferEngine::wait_imm(uint32_t imm, uint64_t total,
+                              std::chrono::milliseconds timeout) const {
+  return impl_->wait_imm(imm, total, timeout);
+}
+void TransferEngine::reset_imm(uint32_t imm) { impl_->reset_imm(imm); }
+
+}  // namespace fabric

@@ -1,0 +1,96 @@
+#include "engine/imm_counters.h"
+
+#include <fmt/format.h>
+
+namespace fabric::engine {
+
+void ImmCounters::check(Entry& e, std::vector<Callback>& due) {
+  if (e.expected != 0 && e.arrived - e.claimed >= e.expected) {
+    e.claimed += e.expected;
+    e.expected = 0;
+    due.push_back(std::move(e.callback));
+    e.callback = nullptr;
+  }
+}
+
+void ImmCounters::arrive(std::span<const uint32_t> imms, std::vector<Callback>& due,
+                         std::vector<uint32_t>& unexpected) {
+  if (imms.empty()) return;
+  bool notify = false;
+  {
+    std::lock_guard lock(mu_);
+    for (uint32_t imm : imms) {
+      Entry& e = entries_[imm];
+      ++e.arrived;
+      if (e.expected == 0) unexpected.push_back(imm);
+      check(e, due);
+    }
+    notify = waiters_ > 0;
+  }
+  if (notify) cv_.notify_all();
+}
+
+Status ImmCounters::expect(uint32_t imm, uint64_t count, Callback cb, std::vector<Callback>& due) {
+  if (count == 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("expect_imm({}): count must be at least 1", imm));
+  }
+  std::lock_guard lock(mu_);
+  Entry& e = entries_[imm];
+  if (e.expected != 0) {
+    return Status(ErrorCode::kAlreadyExists,
+                  fmt::format("immediate {} already has a pending expectation of {} arrivals",
+                              imm, e.expected));
+  }
+  e.expected = count;
+  e.callback = std::move(cb);
+  check(e, due);
+  return Status::ok();
+}
+
+Status ImmCounters::cancel(uint32_t imm) {
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(imm);
+  if (it == entries_.end() || it->second.expected == 0) {
+    return Status(ErrorCode::kNotFound,
+                  fmt::format("immediate {} has no pending expectation", imm));
+  }
+  it->second.expected = 0;
+  it->second.callback = nullptr;
+  return Status::ok();
+}
+
+uint64_t ImmCounters::count(uint32_t imm) const {
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(imm);
+  return it == entries_.end() ? 0 : it->second.arrived;
+}
+
+bool ImmCounters::wait(uint32_t imm, uint64_t total, std::chrono::milliseconds timeout) const {
+  std::unique_lock lock(mu_);
+  ++waiters_;
+  bool reached = cv_.wait_for(lock, timeout, [&] {
+    auto it = entries_.find(imm);
+    return it != entries_.end() && it->second.arrived >= total;
+  });
+  --waiters_;
+  return reached;
+}
+
+void ImmCounters::reset(uint32_t imm) {
+  std::lock_guard lock(mu_);
+  entries_.erase(imm);
+}
+
+size_t ImmCounters::clear_expectations() {
+  std::lock_guard lock(mu_);
+  size_t n = 0;
+  for (auto& [imm, e] : entries_) {
+    if (e.expected != 0) ++n;
+    e.expected = 0;
+    e.callback = nullptr;
+  }
+  return n;
+}
+
+}  // namespace fabric::engine

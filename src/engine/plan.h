@@ -1,0 +1,54 @@
+// Sharding plans: how a transfer is split across the NICs of a device group. Pure functions,
+// so that every policy is unit-tested without a fabric.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "fabric/status.h"
+#include "fabric/transfer.h"
+
+namespace fabric::engine {
+
+struct ShardParams {
+  uint64_t min_bytes;     // below this, one shard
+  uint64_t alignment;     // shard boundaries are multiples of this
+  uint64_t max_wr_bytes;  // the largest work request the NICs take
+};
+
+// A piece of a write: `length` bytes at `offset` from the write's start, on local NIC `domain`.
+struct Shard {
+  uint32_t domain;
+  uint64_t offset;
+  uint64_t length;
+  friend bool operator==(const Shard&, const Shard&) = default;
+};
+
+// Splits a single write. Sharded: at most routing.shards (0: all) shards of equal aligned
+// size, the last taking the remainder, on NICs rotation, rotation + 1, ... (mod num_domains).
+// Pinned: everything on routing.nic. Pieces larger than max_wr_bytes are split further on the
+// same NIC. A zero-length write is one zero-length shard. Covers [0, length) exactly.
+std::vector<Shard> plan_single(uint64_t length, uint32_t num_domains, const Routing& routing,
+                               uint32_t rotation, const ShardParams& params);
+
+// Splits `count` items (pages, targets) into one contiguous run per NIC, sizes differing by at
+// most one; run i goes to NIC (rotation + i) mod num_domains. Empty runs are omitted.
+struct Run {
+  uint32_t domain;
+  size_t begin;
+  size_t end;
+  friend bool operator==(const Run&, const Run&) = default;
+};
+std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotation);
+
+// The peer NIC that local NIC `domain` writes to: the same rail, wrapped when the peer has
+// fewer NICs. Keys and addresses always come from this rail of the descriptor.
+inline uint32_t remote_rail(uint32_t domain, size_t remote_nics) {
+  return static_cast<uint32_t>(domain % remote_nics);
+}
+
+// kOutOfRange when [offset, offset + length) does not fit in `region` bytes (overflow-safe).
+Status check_range(std::string_view what, uint64_t offset, uint64_t length, uint64_t region);
+
+}  // namespace fabric::engine

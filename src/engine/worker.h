@@ -1,0 +1,166 @@
+// Worker: the one thread that owns the NICs (domains) of a device group. It takes accepted
+// transfers from an inbox, posts their work requests with per-peer queues (a full queue towards
+// one peer never holds back another), polls completions, tallies immediates, reposts receive
+// buffers, and hands every user callback to the engine's callback thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/callback_thread.h"
+#include "engine/imm_counters.h"
+#include "engine/transfer_state.h"
+#include "fabric/config.h"
+#include "transport/domain.h"
+
+namespace fabric::engine {
+
+// What the worker needs from its engine.
+struct WorkerServices {
+  CallbackThread* callbacks;
+  ImmCounters* imms;
+  // Called on the worker with immediates that arrived with no expectation.
+  std::function<void(std::vector<uint32_t>&)> on_unexpected;
+};
+
+class Worker {
+ public:
+  // Takes ownership of the group's domains (rail order) and registers a scratch buffer on
+  // each: the local source and remote target of zero-byte writes. Does not start the thread.
+  static Result<std::unique_ptr<Worker>> create(uint32_t group, const Config& config, int cpu,
+                                                std::vector<std::unique_ptr<transport::Domain>>
+                                                    domains,
+                                                WorkerServices services);
+  ~Worker();
+
+  void start();
+  // Stops taking work; lets posted work requests finish for up to Config::close_timeout;
+  // fails everything left with kCancelled (callbacks queued); joins the thread; closes the
+  // domains. Must run after no more submissions can arrive.
+  void stop();
+
+  uint32_t num_domains() const { return static_cast<uint32_t>(domains_.size()); }
+  const transport::Domain& domain(uint32_t i) const { return *domains_[i].domain; }
+  // The scratch buffer of NIC i, for the group address.
+  uint64_t scratch_addr(uint32_t i) const { return domains_[i].scratch->remote_addr(); }
+  uint64_t scratch_key(uint32_t i) const { return domains_[i].scratch->remote_key(); }
+  void* scratch_local(uint32_t i) { return domains_[i].scratch_buf.get(); }
+  void* scratch_desc(uint32_t i) const { return domains_[i].scratch->local_desc(); }
+  int cpu() const { return cpu_; }
+
+  // Hands an accepted transfer to the worker. Thread-safe, non-blocking.
+  void submit(std::unique_ptr<Transfer> transfer);
+  // Runs fn on the worker thread and waits for its result (inline when the worker is not
+  // running). Thread-safe; must not be called from the worker itself.
+  template <typename F>
+  auto call(F&& fn) -> decltype(fn()) {
+    using R = decltype(fn());
+    std::packaged_task<R()> task(std::forward<F>(fn));
+    auto fut = task.get_future();
+    run_on_worker([&task] { task(); });
+    return fut.get();
+  }
+  // Releases provider registrations on the worker thread (or inline when it is not running).
+  void release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs);
+
+  // Worker-thread operations, for call().
+  Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> register_on_all(
+      void* ptr, uint64_t length);
+  Status start_receives(std::function<void(std::span<const std::byte>)> handler,
+                        uint64_t buffer_bytes, uint32_t count);
+
+ private:
+  struct PeerQueue {
+    transport::PeerHandle peer = 0;
+    std::deque<Op*> ops;
+    bool ready = false;  // listed in DomainState::ready
+  };
+  struct AlignedFree {
+    void operator()(std::byte* p) const noexcept { std::free(p); }
+  };
+  using Buffer = std::unique_ptr<std::byte, AlignedFree>;
+  struct RecvSlot {
+    std::byte* buf;
+    uint64_t size;
+  };
+  struct DomainState {
+    std::unique_ptr<transport::Domain> domain;
+    Buffer scratch_buf;
+    std::unique_ptr<transport::MemoryRegistration> scratch;
+    std::unordered_map<transport::PeerHandle, PeerQueue> queues;
+    std::deque<transport::PeerHandle> ready;  // peers with queued ops, in round-robin order
+  };
+  struct ReceivePool {
+    std::function<void(std::span<const std::byte>)> handler;
+    Buffer storage;
+    std::unique_ptr<transport::MemoryRegistration> reg;
+    std::vector<RecvSlot> slots;
+  };
+  struct SendPool {
+    Buffer storage;
+    std::unique_ptr<transport::MemoryRegistration> reg;
+    std::vector<int32_t> free;
+    uint64_t slot_bytes = 0;
+  };
+
+  Worker(uint32_t group, const Config& config, int cpu);
+  void run_on_worker(std::function<void()> fn);
+  void run();
+  bool drain_inbox();
+  void start_transfer(std::unique_ptr<Transfer> t);
+  void enqueue(Op& op);
+  bool post_some(DomainState& d);
+  transport::PostResult post(DomainState& d, Op& op, transport::PeerHandle peer);
+  bool poll(uint32_t domain_index);
+  void complete_op(Op& op, const Status& status);
+  void advance(Transfer& t);
+  void finish(Transfer& t);
+  void on_recv(const transport::Completion& c);
+  void repost(RecvSlot& slot);
+  void begin_stop();
+  void finish_stop();
+  void idle(bool active);
+  Status ensure_send_pool();
+
+  const uint32_t group_;
+  const Config config_;
+  int cpu_;
+  WorkerServices services_;
+  std::vector<DomainState> domains_;
+  std::unique_ptr<ReceivePool> recv_pool_;
+  std::unique_ptr<SendPool> send_pool_;
+
+  // Worker-thread state.
+  std::unordered_map<TransferId, std::unique_ptr<Transfer>> live_;
+  size_t posted_ = 0;  // work requests in the provider's hands
+  size_t queued_ = 0;  // work requests in peer queues
+  bool stopping_ = false;
+  std::chrono::steady_clock::time_point stop_deadline_;
+  std::chrono::steady_clock::time_point last_active_;
+  std::vector<transport::Completion> completions_;
+  std::vector<uint32_t> imm_batch_;
+  std::vector<CallbackThread::Job> jobs_;
+  std::vector<uint32_t> unexpected_;
+
+  // Inbox, shared with submitting threads.
+  std::mutex inbox_mu_;
+  std::vector<std::unique_ptr<Transfer>> inbox_transfers_;
+  std::vector<std::function<void()>> inbox_commands_;
+  std::atomic<bool> inbox_nonempty_{false};
+  std::atomic<bool> sleeping_{false};
+  std::atomic<bool> stop_requested_{false};
+  std::atomic<bool> running_{false};
+  int event_fd_ = -1;
+  std::thread thread_;
+};
+
+}  // namespace fabric::engine

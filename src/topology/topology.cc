@@ -1,0 +1,100 @@
+#include "topology/topology.h"
+
+#include <hwloc.h>
+#include <pthread.h>
+#include <sched.h>
+#include <fmt/format.h>
+
+#include <cstring>
+#include <memory>
+
+namespace fabric::topology {
+
+namespace {
+
+struct TopologyDeleter {
+  void operator()(hwloc_topology_t t) const noexcept { hwloc_topology_destroy(t); }
+};
+using Topology = std::unique_ptr<hwloc_topology, TopologyDeleter>;
+
+Topology load() {
+  hwloc_topology_t t = nullptr;
+  if (hwloc_topology_init(&t) != 0) return nullptr;
+  hwloc_topology_set_io_types_filter(t, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+  if (hwloc_topology_load(t) != 0) {
+    hwloc_topology_destroy(t);
+    return nullptr;
+  }
+  return Topology(t);
+}
+
+std::vector<int> cpus_of(hwloc_const_cpuset_t set) {
+  std::vector<int> out;
+  for (int i = hwloc_bitmap_first(set); i >= 0; i = hwloc_bitmap_next(set, i)) out.push_back(i);
+  return out;
+}
+
+NicPlacement describe(hwloc_topology_t t, hwloc_obj_t osdev) {
+  NicPlacement p;
+  p.name = osdev->name ? osdev->name : "";
+  hwloc_obj_t pci = osdev->parent;
+  if (pci != nullptr && pci->type == HWLOC_OBJ_PCI_DEVICE) {
+    p.pci = fmt::format("{:04x}:{:02x}:{:02x}.{:x}", pci->attr->pcidev.domain,
+                        pci->attr->pcidev.bus, pci->attr->pcidev.dev, pci->attr->pcidev.func);
+    hwloc_obj_t local = hwloc_get_non_io_ancestor_obj(t, osdev);
+    if (local != nullptr && local->cpuset != nullptr) p.cpus = cpus_of(local->cpuset);
+    if (local != nullptr && local->nodeset != nullptr &&
+        hwloc_get_nbobjs_by_type(t, HWLOC_OBJ_NUMANODE) > 1) {
+      p.numa_node = hwloc_bitmap_first(local->nodeset);
+    }
+  }
+  return p;
+}
+
+}  // namespace
+
+std::vector<NicPlacement> list_nics() {
+  std::vector<NicPlacement> out;
+  Topology t = load();
+  if (!t) return out;
+  for (hwloc_obj_t o = hwloc_get_next_osdev(t.get(), nullptr); o != nullptr;
+       o = hwloc_get_next_osdev(t.get(), o)) {
+    if (o->attr->osdev.type == HWLOC_OBJ_OSDEV_NETWORK ||
+        o->attr->osdev.type == HWLOC_OBJ_OSDEV_OPENFABRICS) {
+      out.push_back(describe(t.get(), o));
+    }
+  }
+  return out;
+}
+
+NicPlacement find_nic(const std::string& name) {
+  for (auto& p : list_nics()) {
+    if (p.name == name) return p;
+  }
+  return NicPlacement{name, "", -1, {}};
+}
+
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> out;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
+  for (int i = 0; i < CPU_SETSIZE; ++i) {
+    if (CPU_ISSET(i, &set)) out.push_back(i);
+  }
+  return out;
+}
+
+Status pin_current_thread(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  if (rc != 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("cannot pin the worker to CPU {}: {}", cpu, std::strerror(rc)));
+  }
+  return Status::ok();
+}
+
+}  // namespace fabric::topology

@@ -1,0 +1,123 @@
+// Domain: one NIC, as the engine sees it. Backends (libfabric; verbs) implement it; the fault
+// wrapper decorates it. A Domain is used by one thread at a time (its group's worker), except
+// for the const accessors.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "fabric/address.h"
+#include "fabric/status.h"
+
+namespace fabric::transport {
+
+// A registration on one domain. Destroying it deregisters (on the domain's thread).
+class MemoryRegistration {
+ public:
+  virtual ~MemoryRegistration() = default;
+  void* local_desc() const { return local_desc_; }
+  uint64_t remote_addr() const { return remote_addr_; }
+  uint64_t remote_key() const { return remote_key_; }
+
+ protected:
+  void* local_desc_ = nullptr;   // provider descriptor for local buffers (FI_MR_LOCAL)
+  uint64_t remote_addr_ = 0;     // what peers put as the target address of byte 0
+  uint64_t remote_key_ = 0;
+};
+
+// A peer's NIC resolved on one domain (an address-vector entry).
+using PeerHandle = uint64_t;
+
+struct WriteRequest {
+  uint64_t wr_id;  // returned in the completion
+  const void* local;
+  uint64_t length;
+  void* local_desc;
+  PeerHandle peer;
+  uint64_t remote_addr;
+  uint64_t remote_key;
+  bool has_imm;
+  uint32_t imm;
+};
+
+struct SendRequest {
+  uint64_t wr_id;
+  const void* local;
+  uint64_t length;
+  void* local_desc;
+  PeerHandle peer;
+};
+
+struct RecvRequest {
+  uint64_t wr_id;
+  void* local;
+  uint64_t length;
+  void* local_desc;
+};
+
+struct Completion {
+  enum class Kind : uint8_t {
+    kLocal,        // a posted write or send finished (successfully or not)
+    kRecv,         // a posted receive got a message
+    kImm,          // a remote write carrying an immediate arrived
+    kRemoteError,  // the provider reported an error on the receive side with no posted op
+  };
+  Kind kind;
+  uint64_t wr_id;   // kLocal, kRecv
+  uint32_t imm;     // kImm
+  uint64_t length;  // kRecv: message bytes
+  ErrorCode error = ErrorCode::kOk;
+  std::string error_message;  // set when error != kOk
+};
+
+struct DomainInfo {
+  std::string provider;       // "tcp;ofi_rxm", "shm", "efa", ...
+  std::string name;           // the domain (NIC) name
+  uint64_t max_write_bytes;   // largest single work request
+  bool delivery_complete;     // a write's completion means the data is visible at the target
+};
+
+struct [[nodiscard]] PostResult {
+  enum class Kind : uint8_t { kPosted, kAgain, kFailed };
+  Kind kind = Kind::kPosted;
+  Status error;
+
+  static PostResult posted() { return {}; }
+  static PostResult again() { return {Kind::kAgain, {}}; }
+  static PostResult failed(Status s) { return {Kind::kFailed, std::move(s)}; }
+};
+
+class Domain {
+ public:
+  virtual ~Domain() = default;
+
+  virtual const DomainInfo& info() const = 0;
+  // This domain's endpoint address (fi_getname), for the group address.
+  virtual const Bytes& endpoint_name() const = 0;
+
+  virtual Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr,
+                                                                       uint64_t length) = 0;
+  // Resolves a peer's endpoint name into a handle for posting (cached by the caller).
+  virtual Result<PeerHandle> resolve_peer(std::span<const std::byte> name) = 0;
+
+  // Posting: kPosted (a completion will come for wr_id), kAgain (queue full: nothing posted,
+  // retry after polling; not a failure), or kFailed (nothing posted, `error` says why).
+  virtual PostResult post_write(const WriteRequest& req) = 0;
+  virtual PostResult post_send(const SendRequest& req) = 0;
+  virtual PostResult post_recv(const RecvRequest& req) = 0;
+
+  // Reads up to out.size() completions; returns how many. Drives the provider's progress.
+  virtual size_t poll(std::span<Completion> out) = 0;
+
+  // Blocking support. wait_fd(): a file descriptor that becomes readable when the domain has
+  // something to progress, or -1 when the provider offers none (the worker then naps instead).
+  // ready_to_wait(): whether it is safe to block on the fd now (fi_trywait); false means poll
+  // again first.
+  virtual int wait_fd() const = 0;
+  virtual bool ready_to_wait() = 0;
+};
+
+
+}  // namespace fabric::transport

@@ -1,0 +1,46 @@
+#include "transport/fault/fault_domain.h"
+
+#include <algorithm>
+
+namespace fabric::transport {
+
+FaultDomain::FaultDomain(std::unique_ptr<Domain> inner, FaultConfig config, uint64_t stream)
+    : inner_(std::move(inner)), config_(std::move(config)), rng_(config_.seed * 7919 + stream) {
+  scratch_.resize(64);
+}
+
+PostResult FaultDomain::post_write(const WriteRequest& req) {
+  const uint64_t seq = sequence_++;
+  if (config_.fail_write && config_.fail_write(seq)) {
+    ++injected_;
+    Completion c{Completion::Kind::kLocal, req.wr_id, 0, 0, ErrorCode::kFabric,
+                 "injected failure (fault-injection domain)"};
+    held_.push_back({std::move(c), 0});
+    return PostResult::posted();
+  }
+  return inner_->post_write(req);
+}
+
+size_t FaultDomain::poll(std::span<Completion> out) {
+  const size_t got = inner_->poll(scratch_);
+  std::uniform_int_distribution<uint32_t> hold(0, config_.max_hold_polls);
+  for (size_t i = 0; i < got; ++i) held_.push_back({std::move(scratch_[i]), hold(rng_)});
+  if (held_.empty()) return 0;
+
+  // Release what is due, in a random order; the rest waits one more poll.
+  std::shuffle(held_.begin(), held_.end(), rng_);
+  size_t n = 0;
+  for (size_t i = 0; i < held_.size();) {
+    if (held_[i].polls_left == 0 && n < out.size()) {
+      out[n++] = std::move(held_[i].completion);
+      held_[i] = std::move(held_.back());
+      held_.pop_back();
+    } else {
+      if (held_[i].polls_left > 0) --held_[i].polls_left;
+      ++i;
+    }
+  }
+  return n;
+}
+
+}  // namespace fabric::transport

@@ -1,0 +1,286 @@
+// libfabric backend, control path: choosing and opening a domain, registering memory,
+// inserting peers.
+#include "transport/libfabric/lf_domain.h"
+
+#include <rdma/fi_cm.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+#include <random>
+
+namespace fabric::transport {
+
+template <typename T>
+void FidCloser<T>::operator()(T* p) const noexcept {
+  if (p == nullptr) return;
+  int rc = fi_close(&p->fid);
+  if (rc != 0) spdlog::warn("fi_close failed: {}", fi_strerror(-rc));
+}
+template struct FidCloser<fid_fabric>;
+template struct FidCloser<fid_domain>;
+template struct FidCloser<fid_cq>;
+template struct FidCloser<fid_av>;
+template struct FidCloser<fid_ep>;
+template struct FidCloser<fid_mr>;
+
+namespace {
+
+constexpr uint32_t kApiVersion = FI_VERSION(1, 17);
+constexpr size_t kCqDepth = 8192;
+
+// Provider facts the engine must know, kept in one place.
+struct ProviderQuirks {
+  // Request FI_DELIVERY_COMPLETE. Without it tcp (ofi_rxm) reports a write to a bad remote key
+  // as a success; shm in libfabric 1.17 never completes delivery-complete RMA (tested here),
+  // and its transmit completion already follows the copy into the target.
+  bool delivery_complete = true;
+};
+
+ProviderQuirks quirks_for(const std::string& provider) {
+  ProviderQuirks q;
+  if (provider == "shm") q.delivery_complete = false;
+  return q;
+}
+
+struct InfoList {
+  fi_info* head = nullptr;
+  ~InfoList() {
+    if (head) fi_freeinfo(head);
+  }
+};
+
+fi_info* make_hints(const std::string& provider, bool delivery_complete) {
+  fi_info* hints = fi_allocinfo();
+  if (hints == nullptr) return nullptr;
+  hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+  hints->ep_attr->type = FI_EP_RDM;
+  // We can hand the provider context storage with every operation.
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  // Modes we handle: local descriptors, virtual or offset addressing, provider-chosen keys.
+  // (EFA needs FI_MR_LOCAL, FI_MR_PROV_KEY, FI_MR_VIRT_ADDR and FI_MR_ALLOCATED; FI_MR_HMEM
+  // joins them with the GPU memory paths.)
+  hints->domain_attr->mr_mode =
+      FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+  hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  hints->domain_attr->data_progress = FI_PROGRESS_MANUAL;
+  if (delivery_complete) hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+  if (!provider.empty()) hints->fabric_attr->prov_name = strdup(provider.c_str());
+  return hints;
+}
+
+// The provider name as the user would type it: "tcp;ofi_rxm" -> "tcp".
+std::string core_provider(const char* prov_name) {
+  std::string s = prov_name ? prov_name : "";
+  auto semi = s.find(';');
+  return semi == std::string::npos ? s : s.substr(0, semi);
+}
+
+int get_info(const std::string& provider, bool delivery_complete, InfoList& out) {
+  fi_info* hints = make_hints(provider, delivery_complete);
+  if (hints == nullptr) return -FI_ENOMEM;
+  int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &out.head);
+  fi_freeinfo(hints);
+  return rc;
+}
+
+bool provider_present(const std::string& provider) {
+  InfoList list;
+  return get_info(provider, false, list) == 0 && list.head != nullptr;
+}
+
+}  // namespace
+
+std::string resolve_provider(const std::string& provider) {
+  if (provider != "auto" && !provider.empty()) return provider;
+  return provider_present("efa") ? "efa" : "tcp";
+}
+
+std::vector<DomainListing> list_domains(const std::string& provider) {
+  std::vector<DomainListing> out;
+  InfoList list;
+  if (get_info(resolve_provider(provider), false, list) != 0) return out;
+  for (fi_info* i = list.head; i != nullptr; i = i->next) {
+    DomainListing d{i->fabric_attr->prov_name ? i->fabric_attr->prov_name : "",
+                    i->fabric_attr->name ? i->fabric_attr->name : "",
+                    i->domain_attr->name ? i->domain_attr->name : "",
+                    i->addr_format == FI_SOCKADDR_IN};
+    bool dup = false;
+    for (const auto& e : out) {
+      dup = dup || (e.provider == d.provider && e.fabric == d.fabric && e.domain == d.domain);
+    }
+    if (!dup) out.push_back(std::move(d));
+  }
+  return out;
+}
+
+Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_provider,
+                                                 const std::string& nic) {
+  const std::string provider = resolve_provider(requested_provider);
+  const ProviderQuirks quirks = quirks_for(provider);
+
+  InfoList list;
+  bool delivery_complete = quirks.delivery_complete;
+  int rc = get_info(provider, delivery_complete, list);
+  if (rc == -FI_ENODATA && delivery_complete) {
+    delivery_complete = false;
+    rc = get_info(provider, false, list);
+  }
+  if (rc != 0 || list.head == nullptr) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("libfabric provider '{}' offers no reliable-datagram endpoint with "
+                              "RMA and remote CQ data on this machine ({})",
+                              provider, fi_strerror(-rc)));
+  }
+  // Pick the requested domain, preferring IPv4 addressing where a NIC has several.
+  fi_info* chosen = nullptr;
+  std::vector<std::string> seen;
+  for (fi_info* i = list.head; i != nullptr; i = i->next) {
+    if (core_provider(i->fabric_attr->prov_name) != provider) continue;
+    std::string dom = i->domain_attr->name ? i->domain_attr->name : "";
+    seen.push_back(dom);
+    if (!nic.empty() && dom != nic) continue;
+    if (chosen == nullptr) {
+      chosen = i;
+    } else if (dom == chosen->domain_attr->name && chosen->addr_format != FI_SOCKADDR_IN &&
+               i->addr_format == FI_SOCKADDR_IN) {
+      chosen = i;  // the same NIC, addressed over IPv4
+    }
+  }
+  if (chosen == nullptr) {
+    std::string names;
+    for (const auto& s : seen) {
+      if (names.find(s) == std::string::npos) names += (names.empty() ? "" : ", ") + s;
+    }
+    return Status(ErrorCode::kNotFound,
+                  fmt::format("provider '{}' has no NIC named '{}' (it offers: {})", provider,
+                              nic, names.empty() ? "none" : names));
+  }
+
+  std::unique_ptr<LfDomain> d(new LfDomain());
+  d->fi_.reset(fi_dupinfo(chosen));
+  fi_info* fi = d->fi_.get();
+  auto fail = [&](const char* what, int err) {
+    return Status(ErrorCode::kFabric, fmt::format("{} on {} '{}' failed: {}", what, provider,
+                                                  fi->domain_attr->name, fi_strerror(-err)));
+  };
+
+  fid_fabric* fab = nullptr;
+  if ((rc = fi_fabric(fi->fabric_attr, &fab, nullptr)) != 0) return fail("fi_fabric", rc);
+  d->fabric_.reset(fab);
+  fid_domain* dom = nullptr;
+  if ((rc = fi_domain(fab, fi, &dom, nullptr)) != 0) return fail("fi_domain", rc);
+  d->domain_.reset(dom);
+
+  fi_cq_attr cq_attr{};
+  cq_attr.format = FI_CQ_FORMAT_DATA;
+  cq_attr.size = kCqDepth;
+  // A CQ with a wait fd lets an idle worker sleep until the fabric has work; providers without
+  // one (efa) get a CQ without, and the worker naps instead.
+  cq_attr.wait_obj = FI_WAIT_FD;
+  fid_cq* cq = nullptr;
+  if (fi_cq_open(dom, &cq_attr, &cq, nullptr) != 0) {
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    if ((rc = fi_cq_open(dom, &cq_attr, &cq, nullptr)) != 0) return fail("fi_cq_open", rc);
+  }
+  d->cq_.reset(cq);
+  if (cq_attr.wait_obj == FI_WAIT_FD) {
+    int fd = -1;
+    if (fi_control(&cq->fid, FI_GETWAIT, &fd) == 0) d->wait_fd_ = fd;
+  }
+
+  fi_av_attr av_attr{};
+  av_attr.type = FI_AV_TABLE;
+  fid_av* av = nullptr;
+  if ((rc = fi_av_open(dom, &av_attr, &av, nullptr)) != 0) return fail("fi_av_open", rc);
+  d->av_.reset(av);
+
+  fid_ep* ep = nullptr;
+  if ((rc = fi_endpoint(dom, fi, &ep, nullptr)) != 0) return fail("fi_endpoint", rc);
+  d->ep_.reset(ep);
+  if ((rc = fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV)) != 0) return fail("fi_ep_bind(cq)", rc);
+  if ((rc = fi_ep_bind(ep, &av->fid, 0)) != 0) return fail("fi_ep_bind(av)", rc);
+  if ((rc = fi_enable(ep)) != 0) return fail("fi_enable", rc);
+
+  size_t name_len = 0;
+  rc = fi_getname(&ep->fid, nullptr, &name_len);
+  if (rc != -FI_ETOOSMALL && rc != 0) return fail("fi_getname", rc);
+  d->name_.resize(name_len);
+  if ((rc = fi_getname(&ep->fid, d->name_.data(), &name_len)) != 0) return fail("fi_getname", rc);
+  d->name_.resize(name_len);
+
+  d->mr_mode_ = static_cast<uint64_t>(fi->domain_attr->mr_mode);
+  // Keys we choose start at a random base, so that a key meant for another domain (a
+  // cross-rail bug) is rejected rather than accepted by coincidence.
+  d->next_key_ = (std::random_device{}() & 0xfffff) << 20 | 1;
+  d->needs_context_ = (fi->mode & (FI_CONTEXT | FI_CONTEXT2)) != 0;
+  d->info_ = DomainInfo{fi->fabric_attr->prov_name, fi->domain_attr->name,
+                        fi->ep_attr->max_msg_size, delivery_complete};
+  d->cq_buf_.resize(64);
+  spdlog::debug("opened {} domain '{}' (mr_mode {:#x}, max message {}, delivery complete {})",
+                d->info_.provider, d->info_.name, d->mr_mode_, d->info_.max_write_bytes,
+                delivery_complete);
+  return d;
+}
+
+LfDomain::~LfDomain() = default;
+
+bool LfDomain::ready_to_wait() {
+  if (wait_fd_ < 0) return false;
+  fid* fids[] = {&cq_->fid};
+  return fi_trywait(fabric_.get(), fids, 1) == 0;
+}
+
+namespace {
+
+class LfRegistration final : public MemoryRegistration {
+ public:
+  LfRegistration(fid_mr* mr, void* desc, uint64_t addr, uint64_t key) : mr_(mr) {
+    local_desc_ = desc;
+    remote_addr_ = addr;
+    remote_key_ = key;
+  }
+
+ private:
+  FidPtr<fid_mr> mr_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<MemoryRegistration>> LfDomain::register_memory(void* ptr, uint64_t length) {
+  // With FI_MR_PROV_KEY the provider picks the key; otherwise keys must be unique per domain.
+  const uint64_t requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_++;
+  fid_mr* mr = nullptr;
+  int rc = fi_mr_reg(domain_.get(), ptr, length,
+                     FI_WRITE | FI_READ | FI_SEND | FI_RECV | FI_REMOTE_WRITE, 0, requested_key,
+                     0, &mr, nullptr);
+  if (rc != 0) {
+    return Status(ErrorCode::kFabric,
+                  fmt::format("fi_mr_reg of {} bytes at {} on '{}' failed: {}", length, ptr,
+                              info_.name, fi_strerror(-rc)));
+  }
+  // Remote addressing: virtual addresses (FI_MR_VIRT_ADDR) or offsets from the region start.
+  const uint64_t addr = (mr_mode_ & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
+  return std::unique_ptr<MemoryRegistration>(
+      new LfRegistration(mr, fi_mr_desc(mr), addr, fi_mr_key(mr)));
+}
+
+Result<PeerHandle> LfDomain::resolve_peer(std::span<const std::byte> name) {
+  std::string key(reinterpret_cast<const char*>(name.data()), name.size());
+  auto it = peers_.find(key);
+  if (it != peers_.end()) return it->second;
+  fi_addr_t addr = FI_ADDR_UNSPEC;
+  int n = fi_av_insert(av_.get(), name.data(), 1, &addr, 0, nullptr);
+  if (n != 1) {
+    return Status(ErrorCode::kPeerUnreachable,
+                  fmt::format("'{}' cannot insert a peer address of {} bytes into its address "
+                              "vector (is it an address of this provider?)",
+                              info_.name, name.size()));
+  }
+  peers_.emplace(std::move(key), addr);
+  return static_cast<PeerHandle>(addr);
+}
+
+}  // namespace fabric::transport

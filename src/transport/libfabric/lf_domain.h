@@ -1,0 +1,98 @@
+// The libfabric backend: one RDM endpoint on one libfabric domain (NIC).
+//
+// The same code serves efa in production and tcp / shm on machines without an RDMA NIC.
+// Control path (opening, registration, peers) in lf_domain.cc; hot path (post, poll) in
+// lf_datapath.cc.
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/domain.h"
+
+namespace fabric::transport {
+
+// Closes a libfabric object when it goes out of scope.
+template <typename T>
+struct FidCloser {
+  void operator()(T* p) const noexcept;
+};
+template <typename T>
+using FidPtr = std::unique_ptr<T, FidCloser<T>>;
+
+// What `fi_info` offers for a provider, for fabric-info and for NIC selection.
+struct DomainListing {
+  std::string provider;  // "tcp;ofi_rxm"
+  std::string fabric;    // "127.0.0.1/32"
+  std::string domain;    // "lo"
+  bool ipv4 = false;
+};
+// Every RDM domain the provider offers with the capabilities the engine needs. "auto" resolves
+// to efa when present, else tcp. Empty when the provider is absent.
+std::vector<DomainListing> list_domains(const std::string& provider);
+// The provider "auto" stands for on this machine.
+std::string resolve_provider(const std::string& provider);
+
+class LfDomain final : public Domain {
+ public:
+  // Opens `nic` (a domain name; empty: the first the provider offers; IPv4 preferred).
+  static Result<std::unique_ptr<LfDomain>> open(const std::string& provider,
+                                                const std::string& nic);
+  ~LfDomain() override;
+
+  const DomainInfo& info() const override { return info_; }
+  const Bytes& endpoint_name() const override { return name_; }
+
+  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr,
+                                                              uint64_t length) override;
+  Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
+
+  PostResult post_write(const WriteRequest& req) override;
+  PostResult post_send(const SendRequest& req) override;
+  PostResult post_recv(const RecvRequest& req) override;
+  size_t poll(std::span<Completion> out) override;
+  int wait_fd() const override { return wait_fd_; }
+  bool ready_to_wait() override;
+
+ private:
+  // Provider context storage, for providers that ask for it (FI_CONTEXT / FI_CONTEXT2 mode).
+  struct ContextSlot {
+    fi_context2 ctx;
+    uint64_t wr_id;
+  };
+
+  LfDomain() = default;
+  void* context_for(uint64_t wr_id);
+  uint64_t wr_id_from(void* context);
+  void release_context(void* context);
+  void read_error(Completion& out);
+
+  // Members in creation order: destruction runs in reverse (endpoint before its CQ and AV,
+  // those before the domain, the domain before the fabric).
+  struct InfoFree {
+    void operator()(fi_info* p) const noexcept { fi_freeinfo(p); }
+  };
+  std::unique_ptr<fi_info, InfoFree> fi_;
+  FidPtr<fid_fabric> fabric_;
+  FidPtr<fid_domain> domain_;
+  FidPtr<fid_cq> cq_;
+  FidPtr<fid_av> av_;
+  FidPtr<fid_ep> ep_;
+
+  DomainInfo info_;
+  Bytes name_;
+  uint64_t mr_mode_ = 0;
+  int wait_fd_ = -1;
+  bool needs_context_ = false;
+  uint64_t next_key_ = 1;  // for providers without FI_MR_PROV_KEY
+  std::unordered_map<std::string, PeerHandle> peers_;
+  std::vector<std::unique_ptr<ContextSlot>> free_contexts_;
+  std::vector<fi_cq_data_entry> cq_buf_;
+};
+
+}  // namespace fabric::transport

@@ -1,0 +1,193 @@
+// Conformance across processes: this process and a fabric_test_peer process exchange
+// addresses and descriptors through a pipe, then write into each other's memory.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include "test_support.h"
+
+extern char** environ;
+
+namespace fabric::testing {
+namespace {
+
+uint64_t fnv1a(const std::byte* p, uint64_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint64_t i = 0; i < n; ++i) h = (h ^ static_cast<uint64_t>(p[i])) * 1099511628211ull;
+  return h;
+}
+
+// A child process speaking the test_peer line protocol.
+class PeerProcess {
+ public:
+  bool start(const Backend& b, uint64_t buffer_bytes) {
+    int to_child[2], from_child[2];
+    if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) return false;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
+    std::string reorder = b.reorder ? "1" : "0";
+    std::string bytes = std::to_string(buffer_bytes);
+    char* argv[] = {const_cast<char*>(FABRIC_TEST_PEER), const_cast<char*>(b.provider.c_str()),
+                    reorder.data(), bytes.data(), nullptr};
+    int rc = posix_spawn(&pid_, FABRIC_TEST_PEER, &fa, nullptr, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(to_child[0]);
+    close(from_child[1]);
+    in_ = to_child[1];
+    out_ = from_child[0];
+    return rc == 0;
+  }
+  ~PeerProcess() {
+    if (pid_ > 0) {
+      send("quit");
+      close(in_);
+      int status = 0;
+      for (int i = 0; i < 100 && waitpid(pid_, &status, WNOHANG) == 0; ++i) usleep(50000);
+      if (waitpid(pid_, &status, WNOHANG) == 0) {
+        kill(pid_, SIGKILL);
+        waitpid(pid_, &status, 0);
+      }
+    }
+    if (out_ >= 0) close(out_);
+  }
+  void send(const std::string& line) {
+    std::string l = line + "\n";
+    [[maybe_unused]] ssize_t n = write(in_, l.data(), l.size());
+  }
+  // The next line, or "" after 60 s or at end of output.
+  std::string read_line() {
+    for (;;) {
+      auto nl = pending_.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = pending_.substr(0, nl);
+        pending_.erase(0, nl + 1);
+        return line;
+      }
+      pollfd p{out_, POLLIN, 0};
+      if (poll(&p, 1, 60000) <= 0) return "";
+      char buf[4096];
+      ssize_t n = read(out_, buf, sizeof(buf));
+      if (n <= 0) return "";
+      pending_.append(buf, static_cast<size_t>(n));
+    }
+  }
+  // Reads "KEY VALUE" and returns VALUE, or "" when the line starts otherwise.
+  std::string read_value(const std::string& key) {
+    std::string line = read_line();
+    if (line.rfind(key + " ", 0) != 0) {
+      ADD_FAILURE() << "peer said '" << line << "', expected '" << key << " ...'";
+      return "";
+    }
+    return line.substr(key.size() + 1);
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int in_ = -1;
+  int out_ = -1;
+  std::string pending_;
+};
+
+class TwoProcess : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    auto e = TransferEngine::create(make_config(GetParam()));
+    if (!e && e.status().code() == ErrorCode::kUnsupported) {
+      GTEST_SKIP() << "provider not available: " << e.status().to_string();
+    }
+    ASSERT_TRUE(e) << e.status().to_string();
+    engine_ = std::move(*e);
+    ASSERT_TRUE(peer_.start(GetParam(), kPeerBytes));
+    auto addr = Address::from_hex(peer_.read_value("address"));
+    ASSERT_TRUE(addr) << addr.status().to_string();
+    peer_address_ = *addr;
+    auto mem_bytes = from_hex(peer_.read_value("memory"));
+    ASSERT_TRUE(mem_bytes);
+    auto mem = RemoteMemory::decode(*mem_bytes);
+    ASSERT_TRUE(mem) << mem.status().to_string();
+    peer_memory_ = *mem;
+    ASSERT_EQ(peer_.read_line(), "ready");
+  }
+
+  static constexpr uint64_t kPeerBytes = 64 << 20;
+  std::unique_ptr<TransferEngine> engine_;
+  PeerProcess peer_;
+  Address peer_address_;
+  RemoteMemory peer_memory_;
+};
+
+TEST_P(TwoProcess, SingleAndPagedWritesLandInThePeer) {
+  auto src = make_buffer(*engine_, kPeerBytes);
+  fill_pattern(src->bytes.data(), kPeerBytes, 21);
+  // One 40 MiB single write, sharded as the engine likes.
+  const uint64_t big = 40 << 20;
+  Probe done;
+  ASSERT_TRUE(engine_->submit(SingleWrite{src->reg.handle, 0, peer_memory_, 0, big, 1, {}},
+                              done.callbacks()));
+  ASSERT_TRUE(done.wait());
+  peer_.send("expect 1 1");
+  EXPECT_EQ(peer_.read_line(), "got 1 1");
+  peer_.send("checksum 0 " + std::to_string(big));
+  EXPECT_EQ(peer_.read_value("checksum"), std::to_string(fnv1a(src->bytes.data(), big)));
+
+  // 512 pages of 16 KiB in a random order into the region above it.
+  constexpr uint64_t kPage = 16384;
+  constexpr uint32_t kPages = 512;
+  std::vector<uint32_t> pages(kPages);
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), std::mt19937(3));
+  Probe paged;
+  ASSERT_TRUE(engine_->submit(PagedWrite{src->reg.handle, peer_memory_, kPage, pages, kPage, 0,
+                                         pages, kPage, big, 2},
+                              paged.callbacks()));
+  ASSERT_TRUE(paged.wait());
+  peer_.send("expect 2 " + std::to_string(kPages));
+  EXPECT_EQ(peer_.read_line(), "got 2 " + std::to_string(kPages));
+  peer_.send("checksum " + std::to_string(big) + " " + std::to_string(kPages * kPage));
+  EXPECT_EQ(peer_.read_value("checksum"),
+            std::to_string(fnv1a(src->bytes.data(), kPages * kPage)));
+}
+
+TEST_P(TwoProcess, PeerWritesIntoThisProcess) {
+  auto dst = make_buffer(*engine_, 8 << 20);
+  peer_.send("fill 77");
+  ASSERT_EQ(peer_.read_line(), "filled");
+  peer_.send("write " + to_hex(dst->reg.descriptor.encode()) + " 100 200 " +
+             std::to_string(5 << 20) + " 31");
+  ASSERT_EQ(peer_.read_line(), "done");
+  ASSERT_TRUE(engine_->wait_imm(31, 1, 20s));
+  std::vector<std::byte> expected(kPeerBytes);
+  fill_pattern(expected.data(), kPeerBytes, 77);
+  EXPECT_EQ(0, std::memcmp(dst->bytes.data() + 200, expected.data() + 100, 5 << 20));
+}
+
+TEST_P(TwoProcess, ImmediatesAndBarrierAcrossProcesses) {
+  auto group = engine_->add_peer_group({peer_address_});
+  ASSERT_TRUE(group);
+  Counter c;
+  for (int i = 0; i < 50; ++i) {
+    ASSERT_TRUE(engine_->submit(ImmWrite{peer_address_, 60, 0, 0}, c.callbacks()));
+  }
+  ASSERT_TRUE(engine_->submit(Barrier{*group, 61, 0, 0}, c.callbacks()));
+  ASSERT_TRUE(c.wait_total(51));
+  EXPECT_EQ(c.done(), 51);
+  peer_.send("expect 60 50");
+  EXPECT_EQ(peer_.read_line(), "got 60 50");
+  peer_.send("expect 61 1");
+  EXPECT_EQ(peer_.read_line(), "got 61 1");
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, TwoProcess, ::testing::ValuesIn(all_backends()),
+                         backend_name);
+
+}  // namespace
+}  // namespace fabric::testing

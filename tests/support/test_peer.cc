@@ -1,0 +1,100 @@
+// The other process of the two-process conformance tests. It opens an engine, registers one
+// buffer, prints its address and descriptor, then obeys line commands on stdin:
+//   fill SEED                          fill the buffer with the test pattern
+//   expect IMM COUNT                   wait (30 s at most) for COUNT arrivals of IMM
+//   checksum OFFSET LENGTH             FNV-1a of a range of the buffer
+//   write DESC_HEX SRC DST LEN IMM     single write from the buffer into DESC, then report
+//   quit
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+
+#include "fabric/fabric.h"
+#include "test_support.h"
+
+using namespace fabric;
+
+namespace {
+
+uint64_t fnv1a(const std::byte* p, uint64_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint64_t i = 0; i < n; ++i) h = (h ^ static_cast<uint64_t>(p[i])) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::cerr << "usage: fabric_test_peer PROVIDER REORDER(0|1) BUFFER_BYTES\n";
+    return 2;
+  }
+  fabric::testing::Backend backend{"peer", argv[1], std::string(argv[2]) == "1"};
+  const uint64_t size = std::stoull(argv[3]);
+  auto created = TransferEngine::create(fabric::testing::make_config(backend));
+  if (!created) {
+    std::cout << "error " << created.status().to_string() << std::endl;
+    return 1;
+  }
+  auto& engine = **created;
+  std::vector<std::byte> buf(size);
+  auto reg = engine.register_memory(buf.data(), size);
+  if (!reg) {
+    std::cout << "error " << reg.status().to_string() << std::endl;
+    return 1;
+  }
+  std::cout << "address " << engine.address().to_hex() << "\n"
+            << "memory " << to_hex(reg->descriptor.encode()) << "\n"
+            << "ready" << std::endl;
+
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string cmd;
+    in >> cmd;
+    if (cmd == "fill") {
+      uint64_t seed = 0;
+      in >> seed;
+      fabric::testing::fill_pattern(buf.data(), size, seed);
+      std::cout << "filled" << std::endl;
+    } else if (cmd == "expect") {
+      uint32_t imm = 0;
+      uint64_t count = 0;
+      in >> imm >> count;
+      bool ok = engine.wait_imm(imm, count, std::chrono::seconds(30));
+      std::cout << (ok ? "got " : "timeout ") << imm << " " << engine.imm_count(imm)
+                << std::endl;
+    } else if (cmd == "checksum") {
+      uint64_t off = 0, len = 0;
+      in >> off >> len;
+      if (off > size || len > size - off) {
+        std::cout << "error range" << std::endl;
+        continue;
+      }
+      std::cout << "checksum " << fnv1a(buf.data() + off, len) << std::endl;
+    } else if (cmd == "write") {
+      std::string hex;
+      uint64_t src = 0, dst = 0, len = 0;
+      uint32_t imm = 0;
+      in >> hex >> src >> dst >> len >> imm;
+      auto bytes = from_hex(hex);
+      auto desc = bytes ? RemoteMemory::decode(*bytes) : Result<RemoteMemory>(bytes.status());
+      if (!desc) {
+        std::cout << "error " << desc.status().to_string() << std::endl;
+        continue;
+      }
+      fabric::testing::Probe done;
+      auto id = engine.submit(SingleWrite{reg->handle, src, *desc, dst, len, imm, {}},
+                              done.callbacks());
+      Status s = id ? done.wait() : id.status();
+      std::cout << (s ? std::string("done") : "error " + s.to_string()) << std::endl;
+    } else if (cmd == "quit") {
+      break;
+    } else {
+      std::cout << "error unknown command '" << cmd << "'" << std::endl;
+    }
+  }
+  engine.close();
+  return 0;
+}

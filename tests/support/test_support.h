@@ -1,0 +1,186 @@
+// Shared helpers for the engine's tests: backends present on this machine, engine configs,
+// callback probes that count how often they ran, and data patterns.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fabric/fabric.h"
+
+namespace fabric::testing {
+
+using namespace std::chrono_literals;
+
+struct Backend {
+  std::string name;      // test-name suffix
+  std::string provider;  // libfabric provider
+  bool reorder;          // wrap every domain in the fault-injection (reordering) domain
+};
+
+inline std::vector<Backend> all_backends() {
+  return {{"tcp", "tcp", false}, {"tcp_reorder", "tcp", true},
+          {"shm", "shm", false}, {"shm_reorder", "shm", true}};
+}
+
+inline std::string backend_name(const ::testing::TestParamInfo<Backend>& info) {
+  return info.param.name;
+}
+
+// A config for tests on this machine: loopback NICs only, short idle spin (two cores).
+inline Config make_config(const Backend& b, int nics = 1) {
+  Config c;
+  c.provider = b.provider;
+  c.groups = {GroupConfig{}};
+  if (b.provider == "tcp") c.groups[0].nics.assign(static_cast<size_t>(nics), "lo");
+  if (b.provider == "shm") c.groups[0].nics.assign(static_cast<size_t>(nics), "shm");
+  c.groups[0].cpu = GroupConfig::kCpuNone;
+  c.spin_time = std::chrono::microseconds(50);
+  c.idle_sleep = std::chrono::microseconds(50);
+  c.faults.enabled = b.reorder;
+  c.faults.seed = 12345;
+  c.faults.max_hold_polls = 16;
+  c.close_timeout = std::chrono::milliseconds(3000);
+  return c;
+}
+
+// Creates an engine or skips the test when the provider is absent here.
+#define FABRIC_ENGINE_OR_SKIP(var, config)                                             \
+  std::unique_ptr<::fabric::TransferEngine> var;                                       \
+  {                                                                                    \
+    auto created_ = ::fabric::TransferEngine::create(config);                          \
+    if (!created_ && created_.status().code() == ::fabric::ErrorCode::kUnsupported) {  \
+      GTEST_SKIP() << "provider not available here: " << created_.status().to_string(); \
+    }                                                                                  \
+    ASSERT_TRUE(created_) << created_.status().to_string();                           \
+    var = std::move(*created_);                                                        \
+  }
+
+// Records how a transfer completed; fails the test if it completes twice.
+class Probe {
+ public:
+  Callbacks callbacks() {
+    auto st = state_;
+    return Callbacks{[st] { st->finish(Status::ok()); },
+                     [st](const Status& s) { st->finish(s); }};
+  }
+  // Waits for the completion; returns it, or a kTimeout status.
+  Status wait(std::chrono::milliseconds timeout = 20s) const {
+    std::unique_lock lock(state_->mu);
+    if (!state_->cv.wait_for(lock, timeout, [&] { return state_->calls > 0; })) {
+      return Status(ErrorCode::kTimeout, "no completion callback within the timeout");
+    }
+    return state_->status;
+  }
+  int calls() const {
+    std::lock_guard lock(state_->mu);
+    return state_->calls;
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    int calls = 0;
+    Status status;
+    void finish(const Status& s) {
+      {
+        std::lock_guard lock(mu);
+        ++calls;
+        status = s;
+        EXPECT_EQ(calls, 1) << "a transfer completed more than once";
+      }
+      cv.notify_all();
+    }
+  };
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+};
+
+// Counts callbacks of many transfers.
+class Counter {
+ public:
+  Callbacks callbacks() {
+    auto st = state_;
+    return Callbacks{[st] { st->add(true, Status::ok()); },
+                     [st](const Status& s) { st->add(false, s); }};
+  }
+  bool wait_total(int n, std::chrono::milliseconds timeout = 30s) const {
+    std::unique_lock lock(state_->mu);
+    return state_->cv.wait_for(lock, timeout, [&] { return state_->done + state_->failed >= n; });
+  }
+  int done() const {
+    std::lock_guard lock(state_->mu);
+    return state_->done;
+  }
+  int failed() const {
+    std::lock_guard lock(state_->mu);
+    return state_->failed;
+  }
+  Status first_error() const {
+    std::lock_guard lock(state_->mu);
+    return state_->first_error;
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    int done = 0;
+    int failed = 0;
+    Status first_error;
+    void add(bool ok, const Status& s) {
+      {
+        std::lock_guard lock(mu);
+        if (ok) {
+          ++done;
+        } else {
+          if (failed++ == 0) first_error = s;
+        }
+      }
+      cv.notify_all();
+    }
+  };
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+};
+
+// Byte i of a pattern seeded by `seed`.
+inline std::byte pattern_byte(uint64_t seed, uint64_t i) {
+  uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed * 0xD1B54A32D192ED03ull;
+  x ^= x >> 29;
+  return static_cast<std::byte>(x & 0xff);
+}
+
+inline void fill_pattern(std::byte* p, uint64_t n, uint64_t seed) {
+  // Word at a time: fast enough for hundreds of MiB under sanitizers.
+  uint64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed * 0xD1B54A32D192ED03ull;
+    std::memcpy(p + i, &w, 8);
+  }
+  for (; i < n; ++i) p[i] = pattern_byte(seed, i);
+}
+
+// A registered buffer, freed after the engine lets go of it.
+struct Buffer {
+  std::vector<std::byte> bytes;
+  Registration reg;
+};
+
+inline std::unique_ptr<Buffer> make_buffer(TransferEngine& e, uint64_t n, uint32_t group = 0) {
+  auto b = std::make_unique<Buffer>();
+  b->bytes.assign(n == 0 ? 1 : n, std::byte{0});
+  auto r = e.register_memory(b->bytes.data(), b->bytes.size(), group);
+  EXPECT_TRUE(r) << r.status().to_string();
+  if (r) b->reg = *r;
+  return b;
+}
+
+}  // namespace fabric::testing
