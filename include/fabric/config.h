@@ -39,6 +39,7 @@ struct FaultConfig {
   uint32_t max_hold_polls = 8;
   // Called for each work request before it is posted; returning true fails that work request
   // with kFabric instead of posting it. Called on the worker thread. Null: never fail.
+  // `sequence` numbers the writes the domain accepted, from 0, per NIC.
   std::function<bool(uint64_t sequence)> fail_write;
 };
 

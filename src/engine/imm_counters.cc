@@ -71,7 +71,7 @@ bool ImmCounters::wait(uint32_t imm, uint64_t total, std::chrono::milliseconds t
   ++waiters_;
   bool reached = cv_.wait_for(lock, timeout, [&] {
     auto it = entries_.find(imm);
-    return it != entries_.end() && it->second.arrived >= total;
+    return (it == entries_.end() ? 0 : it->second.arrived) >= total;
   });
   --waiters_;
   return reached;

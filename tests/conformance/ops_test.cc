@@ -406,7 +406,7 @@ TEST_P(Ops, InjectedFailuresReportEachTransferOnce) {
   ASSERT_TRUE(c.wait_total(kWrites));
   std::this_thread::sleep_for(100ms);
   EXPECT_EQ(c.done() + c.failed(), kWrites) << "every transfer completes exactly once";
-  EXPECT_EQ(c.failed(), kWrites / 5);
+  EXPECT_EQ(c.failed(), kWrites / 5) << c.first_error().to_string();
   EXPECT_EQ(c.first_error().code(), ErrorCode::kFabric);
   EXPECT_TRUE(b_->wait_imm(8, c.done(), 20s));
 }

@@ -143,6 +143,7 @@ class Counter {
           ++done;
         } else {
           if (failed++ == 0) first_error = s;
+          if (std::getenv("FABRIC_TEST_VERBOSE")) fprintf(stderr, "error: %s\n", s.to_string().c_str());
         }
       }
       cv.notify_all();

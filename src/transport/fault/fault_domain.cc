@@ -10,15 +10,18 @@ FaultDomain::FaultDomain(std::unique_ptr<Domain> inner, FaultConfig config, uint
 }
 
 PostResult FaultDomain::post_write(const WriteRequest& req) {
-  const uint64_t seq = sequence_++;
-  if (config_.fail_write && config_.fail_write(seq)) {
+  // Sequence numbers count accepted writes only, so a retry after kAgain keeps its number.
+  if (config_.fail_write && config_.fail_write(sequence_)) {
+    ++sequence_;
     ++injected_;
     Completion c{Completion::Kind::kLocal, req.wr_id, 0, 0, ErrorCode::kFabric,
                  "injected failure (fault-injection domain)"};
     held_.push_back({std::move(c), 0});
     return PostResult::posted();
   }
-  return inner_->post_write(req);
+  PostResult r = inner_->post_write(req);
+  if (r.kind != PostResult::Kind::kAgain) ++sequence_;
+  return r;
 }
 
 size_t FaultDomain::poll(std::span<Completion> out) {
@@ -33,7 +36,7 @@ size_t FaultDomain::poll(std::span<Completion> out) {
   for (size_t i = 0; i < held_.size();) {
     if (held_[i].polls_left == 0 && n < out.size()) {
       out[n++] = std::move(held_[i].completion);
-      held_[i] = std::move(held_.back());
+      if (i + 1 != held_.size()) held_[i] = std::move(held_.back());
       held_.pop_back();
     } else {
       if (held_[i].polls_left > 0) --held_[i].polls_left;
