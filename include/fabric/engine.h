@@ -39,9 +39,9 @@ struct Registration {
 
 // What a device group turned out to be, once opened.
 struct GroupInfo {
-  std::string provider;           // e.g. "tcp;ofi_rxm"
-  std::vector<std::string> nics;  // domain names, in rail order
-  int cpu = -1;                   // the worker's CPU, or -1 when unpinned
+  std::string provider;            // e.g. "tcp;ofi_rxm"
+  std::vector<std::string> nics;   // domain names, in rail order
+  int cpu = -1;                    // the worker's CPU, or -1 when unpinned
   bool delivery_complete = false;  // writes complete only once visible at the target
 };
 

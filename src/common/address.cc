@@ -3,7 +3,8 @@
 //   Address:      u32 magic "FBLA" | u8 version | u8 len + provider | u8 nics (1..64)
 //                 | per NIC: u16 len (1..1024) + name | u64 scratch addr | u64 scratch key
 //   RemoteMemory: u32 magic "FBLM" | u8 version | u64 base | u64 length
-//                 | u32 len + Address | u8 rails (= the address's NICs) | per rail: u64 addr, u64 key
+//                 | u32 len + Address | u8 rails (= the address's NICs) | per rail: u64 addr, u64
+//                 key
 #include "fabric/address.h"
 
 #include <fmt/format.h>
@@ -104,7 +105,9 @@ Bytes Address::encode() const {
   return w.take();
 }
 
-std::string Address::to_hex() const { return fabric::to_hex(encode()); }
+std::string Address::to_hex() const {
+  return fabric::to_hex(encode());
+}
 
 std::string Address::short_name() const {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the encoding
@@ -137,8 +140,8 @@ Result<Address> Address::decode(std::span<const std::byte> bytes) {
     uint16_t len = 0;
     if (!r.u16(len)) return malformed(kWhat, fmt::format("truncated at NIC {}", i));
     if (len == 0 || len > kMaxNameBytes) {
-      return malformed(kWhat, fmt::format("NIC {} name of {} bytes (must be 1..{})", i, len,
-                                          kMaxNameBytes));
+      return malformed(
+          kWhat, fmt::format("NIC {} name of {} bytes (must be 1..{})", i, len, kMaxNameBytes));
     }
     if (!r.bytes(len, nics[i].name) || !r.u64(nics[i].scratch_addr) ||
         !r.u64(nics[i].scratch_key)) {
@@ -168,15 +171,18 @@ struct RemoteMemory::Data {
 };
 
 RemoteMemory::RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails)
-    : data_(std::make_shared<const Data>(
-          Data{std::move(owner), base, length, std::move(rails)})) {}
+    : data_(std::make_shared<const Data>(Data{std::move(owner), base, length, std::move(rails)})) {}
 
 const Address& RemoteMemory::owner() const {
   static const Address kEmpty;
   return data_ ? data_->owner : kEmpty;
 }
-uint64_t RemoteMemory::base() const { return data_ ? data_->base : 0; }
-uint64_t RemoteMemory::length() const { return data_ ? data_->length : 0; }
+uint64_t RemoteMemory::base() const {
+  return data_ ? data_->base : 0;
+}
+uint64_t RemoteMemory::length() const {
+  return data_ ? data_->length : 0;
+}
 const std::vector<RemoteMemory::Rail>& RemoteMemory::rails() const {
   static const std::vector<Rail> kEmpty;
   return data_ ? data_->rails : kEmpty;
@@ -228,8 +234,8 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   uint8_t count = 0;
   if (!r.u8(count)) return malformed(kWhat, "truncated before rail count");
   if (count != owner->num_nics()) {
-    return malformed(kWhat, fmt::format("{} rails for an owner with {} NICs", count,
-                                        owner->num_nics()));
+    return malformed(kWhat,
+                     fmt::format("{} rails for an owner with {} NICs", count, owner->num_nics()));
   }
   std::vector<Rail> rails(count);
   for (size_t i = 0; i < count; ++i) {

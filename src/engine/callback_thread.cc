@@ -9,7 +9,9 @@ namespace fabric::engine {
 
 CallbackThread::CallbackThread() : thread_([this] { run(); }) {}
 
-CallbackThread::~CallbackThread() { drain_and_stop(); }
+CallbackThread::~CallbackThread() {
+  drain_and_stop();
+}
 
 void CallbackThread::push(Job job) {
   {

@@ -32,7 +32,9 @@ namespace {
 constexpr int kTagShift = 40;
 constexpr uint64_t kSeqMask = (uint64_t{1} << kTagShift) - 1;
 
-Status invalid(std::string message) { return Status(ErrorCode::kInvalidArgument, std::move(message)); }
+Status invalid(std::string message) {
+  return Status(ErrorCode::kInvalidArgument, std::move(message));
+}
 
 }  // namespace
 
@@ -143,12 +145,12 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
       }
       info.nics.push_back((*d)->info().name);
       if (info.provider.empty()) info.provider = (*d)->info().provider;
-      info.delivery_complete = (i == 0 ? true : info.delivery_complete) &&
-                               (*d)->info().delivery_complete;
+      info.delivery_complete =
+          (i == 0 ? true : info.delivery_complete) && (*d)->info().delivery_complete;
       std::unique_ptr<transport::Domain> domain = std::move(*d);
       if (config.faults.enabled) {
-        domain = std::make_unique<transport::FaultDomain>(std::move(domain), config.faults,
-                                                          g * 64 + i);
+        domain =
+            std::make_unique<transport::FaultDomain>(std::move(domain), config.faults, g * 64 + i);
       }
       domains.push_back(std::move(domain));
     }
@@ -220,9 +222,9 @@ Status EngineImpl::check_open() const {
 
 Status EngineImpl::check_group(uint32_t group) const {
   if (group >= workers_.size()) {
-    return Status(ErrorCode::kNotFound,
-                  fmt::format("device group {} does not exist (the engine has {})", group,
-                              workers_.size()));
+    return Status(
+        ErrorCode::kNotFound,
+        fmt::format("device group {} does not exist (the engine has {})", group, workers_.size()));
   }
   return Status::ok();
 }
@@ -250,9 +252,9 @@ Result<std::shared_ptr<LocalRegion>> EngineImpl::find_region(MemoryHandle handle
   std::lock_guard lock(regions_mu_);
   auto it = regions_.find(handle.id);
   if (it == regions_.end()) {
-    return Status(ErrorCode::kNotFound,
-                  fmt::format("memory handle {:#x} is not registered (it was unregistered)",
-                              handle.id));
+    return Status(
+        ErrorCode::kNotFound,
+        fmt::format("memory handle {:#x} is not registered (it was unregistered)", handle.id));
   }
   return it->second;
 }
@@ -302,9 +304,9 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uin
   region->regs = std::move(*regs);
   std::vector<RemoteMemory::Rail> rails;
   for (const auto& r : region->regs) rails.push_back({r->remote_addr(), r->remote_key()});
-  Registration out{MemoryHandle{region->id},
-                   RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length,
-                                std::move(rails))};
+  Registration out{
+      MemoryHandle{region->id},
+      RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length, std::move(rails))};
   std::lock_guard rl(regions_mu_);
   regions_.emplace(region->id, std::move(region));
   return out;
@@ -394,8 +396,8 @@ void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_of
   t.deferred.push_back(op);
 }
 
-Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain,
-                             const NicAddress& peer, uint32_t imm) {
+Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const NicAddress& peer,
+                             uint32_t imm) {
   Op op;
   op.transfer = &t;
   op.domain = domain;
@@ -420,13 +422,12 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
   const uint32_t group = (*src)->group;
   const uint32_t nics = workers_[group]->num_domains();
   if (Status s = check_remote(w.dst, group, "single write"); !s) return s;
-  if (Status s = engine::check_range("single write source", w.src_offset, w.length,
-                                     (*src)->length);
+  if (Status s = engine::check_range("single write source", w.src_offset, w.length, (*src)->length);
       !s) {
     return s;
   }
-  if (Status s = engine::check_range("single write destination", w.dst_offset, w.length,
-                                     w.dst.length());
+  if (Status s =
+          engine::check_range("single write destination", w.dst_offset, w.length, w.dst.length());
       !s) {
     return s;
   }
@@ -434,8 +435,8 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
     return invalid(fmt::format("single write pinned to NIC {}, but the group has {} NIC(s)",
                                w.routing.nic, nics));
   }
-  auto shards = engine::plan_single(w.length, nics, w.routing, next_rotation(group),
-                                    shard_params(group));
+  auto shards =
+      engine::plan_single(w.length, nics, w.routing, next_rotation(group), shard_params(group));
   auto t = new_transfer(std::move(cb));
   t->src = *src;
   t->dsts.push_back(w.dst);
@@ -464,17 +465,17 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
                               w.page_bytes, params.max_wr_bytes));
   }
   // Every page must lie inside both regions; offsets computed without overflow.
-  auto page_offset = [&](const char* side, size_t i, uint32_t index, uint64_t stride,
-                         uint64_t base, uint64_t region, uint64_t& out) -> Status {
+  auto page_offset = [&](const char* side, size_t i, uint32_t index, uint64_t stride, uint64_t base,
+                         uint64_t region, uint64_t& out) -> Status {
     uint64_t scaled = 0;
     if (__builtin_mul_overflow(static_cast<uint64_t>(index), stride, &scaled) ||
         __builtin_add_overflow(scaled, base, &out)) {
-      return Status(ErrorCode::kOutOfRange,
-                    fmt::format("paged write: {}_pages[{}] = {} overflows the offset", side, i,
-                                index));
+      return Status(
+          ErrorCode::kOutOfRange,
+          fmt::format("paged write: {}_pages[{}] = {} overflows the offset", side, i, index));
     }
-    return engine::check_range(
-        fmt::format("paged write: {}_pages[{}] = {}", side, i, index), out, w.page_bytes, region);
+    return engine::check_range(fmt::format("paged write: {}_pages[{}] = {}", side, i, index), out,
+                               w.page_bytes, region);
   };
   auto t = new_transfer(std::move(cb));
   t->src = *src;
@@ -482,17 +483,18 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
   const RemoteMemory& dst = t->dsts.back();
   t->ops.resize(w.src_pages.size());
   const uint32_t nics = workers_[group]->num_domains();
-  for (const engine::Run& run : engine::split_even(w.src_pages.size(), nics, next_rotation(group))) {
+  for (const engine::Run& run :
+       engine::split_even(w.src_pages.size(), nics, next_rotation(group))) {
     const uint32_t rail = engine::remote_rail(run.domain, dst.rails().size());
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t so = 0, d_off = 0;
-      if (Status s = page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset,
-                                 (*src)->length, so);
+      if (Status s =
+              page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset, (*src)->length, so);
           !s) {
         return s;
       }
-      if (Status s = page_offset("dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset,
-                                 dst.length(), d_off);
+      if (Status s = page_offset("dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset, dst.length(),
+                                 d_off);
           !s) {
         return s;
       }
@@ -538,13 +540,12 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
                     fmt::format("{}: its owner {} is not a member of peer group {}", what,
                                 tg.dst.owner().short_name(), sc.group.id));
     }
-    if (Status s = engine::check_range(what + " source", tg.src_offset, tg.length,
-                                       (*src)->length);
+    if (Status s = engine::check_range(what + " source", tg.src_offset, tg.length, (*src)->length);
         !s) {
       return s;
     }
-    if (Status s = engine::check_range(what + " destination", tg.dst_offset, tg.length,
-                                       tg.dst.length());
+    if (Status s =
+            engine::check_range(what + " destination", tg.dst_offset, tg.length, tg.dst.length());
         !s) {
       return s;
     }
@@ -561,8 +562,8 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
     const Routing routing = sc.sharding == Scatter::Sharding::kByBytes
                                 ? Routing::sharded(0)
                                 : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));
-    auto shards = engine::plan_single(tg.length, nics, routing,
-                                      rotation + static_cast<uint32_t>(i), params);
+    auto shards =
+        engine::plan_single(tg.length, nics, routing, rotation + static_cast<uint32_t>(i), params);
     add_writes(*t, **src, tg.src_offset, t->dsts.back(), tg.dst_offset, shards, sc.imm, group);
   }
   return hand_over(group, std::move(t));
@@ -610,9 +611,8 @@ Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks cb) {
   return hand_over(w.local_group, std::move(t));
 }
 
-Result<TransferId> EngineImpl::submit_send(const Address& peer,
-                                           std::span<const std::byte> message, Callbacks cb,
-                                           uint32_t group) {
+Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const std::byte> message,
+                                           Callbacks cb, uint32_t group) {
   std::shared_lock lock(close_mu_);
   if (Status s = check_open(); !s) return s;
   if (Status s = check_group(group); !s) return s;
@@ -675,12 +675,18 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::create(const Config& con
 
 TransferEngine::TransferEngine(std::unique_ptr<EngineImpl> impl) : impl_(std::move(impl)) {}
 TransferEngine::~TransferEngine() = default;
-void TransferEngine::close() { impl_->close(); }
-size_t TransferEngine::num_groups() const { return impl_->num_groups(); }
+void TransferEngine::close() {
+  impl_->close();
+}
+size_t TransferEngine::num_groups() const {
+  return impl_->num_groups();
+}
 const GroupInfo& TransferEngine::group_info(uint32_t group) const {
   return impl_->group_info(group);
 }
-const Address& TransferEngine::address(uint32_t group) const { return impl_->address(group); }
+const Address& TransferEngine::address(uint32_t group) const {
+  return impl_->address(group);
+}
 Result<Registration> TransferEngine::register_memory(void* ptr, uint64_t length, uint32_t group) {
   return impl_->register_memory(ptr, length, group);
 }
@@ -721,15 +727,21 @@ Status TransferEngine::set_receive_handler(
 Status TransferEngine::expect_imm(uint32_t imm, uint64_t count, std::function<void()> on_reached) {
   return impl_->expect_imm(imm, count, std::move(on_reached));
 }
-Status TransferEngine::cancel_expect_imm(uint32_t imm) { return impl_->cancel_expect_imm(imm); }
+Status TransferEngine::cancel_expect_imm(uint32_t imm) {
+  return impl_->cancel_expect_imm(imm);
+}
 void TransferEngine::set_unexpected_imm_handler(std::function<void(uint32_t)> handler) {
   impl_->set_unexpected_imm_handler(std::move(handler));
 }
-uint64_t TransferEngine::imm_count(uint32_t imm) const { return impl_->imm_count(imm); }
+uint64_t TransferEngine::imm_count(uint32_t imm) const {
+  return impl_->imm_count(imm);
+}
 bool TransferEngine::wait_imm(uint32_t imm, uint64_t total,
                               std::chrono::milliseconds timeout) const {
   return impl_->wait_imm(imm, total, timeout);
 }
-void TransferEngine::reset_imm(uint32_t imm) { impl_->reset_imm(imm); }
+void TransferEngine::reset_imm(uint32_t imm) {
+  impl_->reset_imm(imm);
+}
 
 }  // namespace fabric

@@ -39,8 +39,8 @@ Status ImmCounters::expect(uint32_t imm, uint64_t count, Callback cb, std::vecto
   Entry& e = entries_[imm];
   if (e.expected != 0) {
     return Status(ErrorCode::kAlreadyExists,
-                  fmt::format("immediate {} already has a pending expectation of {} arrivals",
-                              imm, e.expected));
+                  fmt::format("immediate {} already has a pending expectation of {} arrivals", imm,
+                              e.expected));
   }
   e.expected = count;
   e.callback = std::move(cb);

@@ -36,8 +36,8 @@ class ImmCounters {
 
  private:
   struct Entry {
-    uint64_t arrived = 0;  // every arrival since start or reset
-    uint64_t claimed = 0;  // arrivals consumed by expectations that fired
+    uint64_t arrived = 0;   // every arrival since start or reset
+    uint64_t claimed = 0;   // arrivals consumed by expectations that fired
     uint64_t expected = 0;  // 0: no pending expectation
     Callback callback;
   };

@@ -37,8 +37,8 @@ std::vector<Shard> plan_single(uint64_t length, uint32_t num_domains, const Rout
     return out;
   }
   const uint64_t align = std::max<uint64_t>(params.alignment, 1);
-  uint64_t size = length / shards + (length % shards != 0);     // ceil, without overflow
-  size = (size / align + (size % align != 0)) * align;          // round up to the alignment
+  uint64_t size = length / shards + (length % shards != 0);  // ceil, without overflow
+  size = (size / align + (size % align != 0)) * align;       // round up to the alignment
   uint32_t index = 0;
   for (uint64_t offset = 0; offset < length; offset += size, ++index) {
     uint64_t n = std::min(size, length - offset);

@@ -40,7 +40,7 @@ struct Op {
   bool has_imm = false;
   uint32_t domain = 0;
   uint32_t imm = 0;
-  int32_t send_slot = -1;  // kSend: the registered send buffer in use while posted
+  int32_t send_slot = -1;       // kSend: the registered send buffer in use while posted
   const Bytes* peer = nullptr;  // the peer NIC's endpoint name (kept alive by the transfer)
   const void* local = nullptr;
   uint64_t length = 0;

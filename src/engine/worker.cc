@@ -1,11 +1,11 @@
 #include "engine/worker.h"
 
+#include <fmt/format.h>
 #include <poll.h>
 #include <pthread.h>
+#include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
-#include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -20,7 +20,9 @@ constexpr size_t kBufferAlignment = 64;
 constexpr uint64_t kScratchBytes = 64;
 constexpr auto kMaxBlock = std::chrono::milliseconds(100);
 
-Status cancelled(std::string_view why) { return Status(ErrorCode::kCancelled, std::string(why)); }
+Status cancelled(std::string_view why) {
+  return Status(ErrorCode::kCancelled, std::string(why));
+}
 
 }  // namespace
 
@@ -44,7 +46,8 @@ Result<std::unique_ptr<Worker>> Worker::create(
   for (auto& domain : domains) {
     DomainState d;
     d.domain = std::move(domain);
-    d.scratch_buf.reset(static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, kScratchBytes)));
+    d.scratch_buf.reset(
+        static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, kScratchBytes)));
     std::memset(d.scratch_buf.get(), 0, kScratchBytes);
     auto reg = d.domain->register_memory(d.scratch_buf.get(), kScratchBytes);
     if (!reg) return reg.status();
@@ -53,8 +56,8 @@ Result<std::unique_ptr<Worker>> Worker::create(
   }
   // Registered send buffers on the first NIC, which carries all two-sided messages.
   auto pool = std::make_unique<SendPool>();
-  pool->slot_bytes = (config.max_message_bytes + kBufferAlignment - 1) / kBufferAlignment *
-                     kBufferAlignment;
+  pool->slot_bytes =
+      (config.max_message_bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
   const uint64_t total = pool->slot_bytes * std::max<uint32_t>(config.send_buffers, 1);
   pool->storage.reset(static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, total)));
   auto reg = w->domains_[0].domain->register_memory(pool->storage.get(), total);
@@ -173,7 +176,8 @@ Status Worker::start_receives(std::function<void(std::span<const std::byte>)> ha
   if (!reg) return reg.status();
   pool->reg = std::move(*reg);
   pool->slots.reserve(count);
-  for (uint32_t i = 0; i < count; ++i) pool->slots.push_back({pool->storage.get() + i * slot, slot});
+  for (uint32_t i = 0; i < count; ++i)
+    pool->slots.push_back({pool->storage.get() + i * slot, slot});
   recv_pool_ = std::move(pool);
   for (RecvSlot& s : recv_pool_->slots) repost(s);
   return Status::ok();
@@ -184,10 +188,10 @@ void Worker::repost(RecvSlot& slot) {
                              recv_pool_->reg->local_desc()};
   auto r = domains_[0].domain->post_recv(req);
   if (r.kind != transport::PostResult::Kind::kPosted) {
-    spdlog::error("group {}: cannot repost a receive buffer on '{}': {}", group_,
-                  domains_[0].domain->info().name,
-                  r.kind == transport::PostResult::Kind::kAgain ? "queue full"
-                                                                : r.error.to_string());
+    spdlog::error(
+        "group {}: cannot repost a receive buffer on '{}': {}", group_,
+        domains_[0].domain->info().name,
+        r.kind == transport::PostResult::Kind::kAgain ? "queue full" : r.error.to_string());
   }
 }
 
@@ -268,8 +272,8 @@ transport::PostResult Worker::post(DomainState& d, Op& op, transport::PeerHandle
     if (send_pool_->free.empty()) return transport::PostResult::again();
     op.send_slot = send_pool_->free.back();
     send_pool_->free.pop_back();
-    std::byte* buf = send_pool_->storage.get() + static_cast<uint64_t>(op.send_slot) *
-                                                     send_pool_->slot_bytes;
+    std::byte* buf =
+        send_pool_->storage.get() + static_cast<uint64_t>(op.send_slot) * send_pool_->slot_bytes;
     std::memcpy(buf, op.transfer->message.data(), op.transfer->message.size());
     op.local = buf;
     op.local_desc = send_pool_->reg->local_desc();
@@ -322,11 +326,10 @@ bool Worker::poll(uint32_t index) {
         if (c.error == ErrorCode::kOk) {
           complete_op(op, Status::ok());
         } else {
-          complete_op(op, Status(c.error, fmt::format("{} of {} bytes on NIC '{}' failed: {}",
-                                                      op.kind == Op::Kind::kSend ? "send"
-                                                                                 : "write",
-                                                      op.length, d.domain->info().name,
-                                                      c.error_message)));
+          complete_op(
+              op, Status(c.error, fmt::format("{} of {} bytes on NIC '{}' failed: {}",
+                                              op.kind == Op::Kind::kSend ? "send" : "write",
+                                              op.length, d.domain->info().name, c.error_message)));
         }
         break;
       }

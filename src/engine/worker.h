@@ -36,10 +36,9 @@ class Worker {
  public:
   // Takes ownership of the group's domains (rail order) and registers a scratch buffer on
   // each: the local source and remote target of zero-byte writes. Does not start the thread.
-  static Result<std::unique_ptr<Worker>> create(uint32_t group, const Config& config, int cpu,
-                                                std::vector<std::unique_ptr<transport::Domain>>
-                                                    domains,
-                                                WorkerServices services);
+  static Result<std::unique_ptr<Worker>> create(
+      uint32_t group, const Config& config, int cpu,
+      std::vector<std::unique_ptr<transport::Domain>> domains, WorkerServices services);
   ~Worker();
 
   void start();

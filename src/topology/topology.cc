@@ -1,9 +1,9 @@
 #include "topology/topology.h"
 
+#include <fmt/format.h>
 #include <hwloc.h>
 #include <pthread.h>
 #include <sched.h>
-#include <fmt/format.h>
 
 #include <cstring>
 #include <memory>

@@ -22,8 +22,8 @@ class MemoryRegistration {
   uint64_t remote_key() const { return remote_key_; }
 
  protected:
-  void* local_desc_ = nullptr;   // provider descriptor for local buffers (FI_MR_LOCAL)
-  uint64_t remote_addr_ = 0;     // what peers put as the target address of byte 0
+  void* local_desc_ = nullptr;  // provider descriptor for local buffers (FI_MR_LOCAL)
+  uint64_t remote_addr_ = 0;    // what peers put as the target address of byte 0
   uint64_t remote_key_ = 0;
 };
 
@@ -73,10 +73,10 @@ struct Completion {
 };
 
 struct DomainInfo {
-  std::string provider;       // "tcp;ofi_rxm", "shm", "efa", ...
-  std::string name;           // the domain (NIC) name
-  uint64_t max_write_bytes;   // largest single work request
-  bool delivery_complete;     // a write's completion means the data is visible at the target
+  std::string provider;      // "tcp;ofi_rxm", "shm", "efa", ...
+  std::string name;          // the domain (NIC) name
+  uint64_t max_write_bytes;  // largest single work request
+  bool delivery_complete;    // a write's completion means the data is visible at the target
 };
 
 struct [[nodiscard]] PostResult {
@@ -98,7 +98,7 @@ class Domain {
   virtual const Bytes& endpoint_name() const = 0;
 
   virtual Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr,
-                                                                       uint64_t length) = 0;
+                                                                      uint64_t length) = 0;
   // Resolves a peer's endpoint name into a handle for posting (cached by the caller).
   virtual Result<PeerHandle> resolve_peer(std::span<const std::byte> name) = 0;
 
@@ -118,6 +118,5 @@ class Domain {
   virtual int wait_fd() const = 0;
   virtual bool ready_to_wait() = 0;
 };
-
 
 }  // namespace fabric::transport

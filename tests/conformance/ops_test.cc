@@ -42,9 +42,9 @@ class Ops : public ::testing::TestWithParam<Backend> {
     Probe arrived;
     ASSERT_TRUE(b_->expect_imm(imm, 1, [cb = arrived.callbacks()] { cb.on_done(); }));
     Probe done;
-    auto id = a_->submit(SingleWrite{src->reg.handle, src_off, dst->reg.descriptor, dst_off, n,
-                                     imm, routing},
-                         done.callbacks());
+    auto id = a_->submit(
+        SingleWrite{src->reg.handle, src_off, dst->reg.descriptor, dst_off, n, imm, routing},
+        done.callbacks());
     ASSERT_TRUE(id) << id.status().to_string();
     ASSERT_TRUE(done.wait()) << done.wait().to_string();
     ASSERT_TRUE(arrived.wait()) << "immediate " << imm << " never counted";
@@ -101,8 +101,8 @@ TEST_P(Ops, PagedWritesRandomPages) {
   Probe arrived;
   ASSERT_TRUE(b_->expect_imm(55, kPages, [cb = arrived.callbacks()] { cb.on_done(); }));
   Probe done;
-  PagedWrite pw{src->reg.handle, dst->reg.descriptor, kPage, sp, kStride, kSrcOff,
-                dp,              kStride,             kDstOff, 55};
+  PagedWrite pw{
+      src->reg.handle, dst->reg.descriptor, kPage, sp, kStride, kSrcOff, dp, kStride, kDstOff, 55};
   ASSERT_TRUE(a_->submit(pw, done.callbacks()));
   ASSERT_TRUE(done.wait());
   ASSERT_TRUE(arrived.wait()) << "only " << b_->imm_count(55) << " of " << kPages << " pages";
@@ -149,15 +149,15 @@ TEST_P(Ops, ScatterToPeerGroupByPeerAndByBytes) {
         {db->reg.descriptor, 300, 2 << 20, 1 << 20},
     };
     Probe done;
-    ASSERT_TRUE(a_->submit(Scatter{src->reg.handle, *group, targets, imm, sharding},
-                           done.callbacks()));
+    ASSERT_TRUE(
+        a_->submit(Scatter{src->reg.handle, *group, targets, imm, sharding}, done.callbacks()));
     ASSERT_TRUE(done.wait());
     ASSERT_TRUE(b_->wait_imm(imm, 2, 20s));
     ASSERT_TRUE(c_->wait_imm(imm, 1, 20s));
     for (const auto& t : targets) {
       const auto& dst = t.dst == db->reg.descriptor ? db : dc;
-      ASSERT_EQ(0, std::memcmp(src->bytes.data() + t.src_offset,
-                               dst->bytes.data() + t.dst_offset, t.length));
+      ASSERT_EQ(0, std::memcmp(src->bytes.data() + t.src_offset, dst->bytes.data() + t.dst_offset,
+                               t.length));
     }
     EXPECT_EQ(b_->imm_count(imm), 2u);
     EXPECT_EQ(c_->imm_count(imm), 1u);
@@ -229,9 +229,9 @@ TEST_P(Ops, ThousandsInFlight) {
   ASSERT_TRUE(b_->expect_imm(444, kWrites, [cb = all_arrived.callbacks()] { cb.on_done(); }));
   Counter c;
   for (int i = 0; i < kWrites; ++i) {
-    ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, i * kSize, dst->reg.descriptor,
-                                       i * kSize, kSize, 444, {}},
-                           c.callbacks()));
+    ASSERT_TRUE(a_->submit(
+        SingleWrite{src->reg.handle, i * kSize, dst->reg.descriptor, i * kSize, kSize, 444, {}},
+        c.callbacks()));
   }
   ASSERT_TRUE(c.wait_total(kWrites, 60s));
   EXPECT_EQ(c.done(), kWrites) << c.first_error().to_string();
@@ -296,8 +296,8 @@ TEST_P(Ops, MultiNicShardingKeepsRailsAligned) {
   fill_pattern(src->bytes.data(), kSize, 11);
   ASSERT_EQ(dst->reg.descriptor.rails().size(), 2u);
   uint32_t imm = 1;
-  for (Routing r : {Routing::sharded(), Routing::sharded(1), Routing::pinned(1),
-                    Routing::pinned(0), Routing::sharded(2)}) {
+  for (Routing r : {Routing::sharded(), Routing::sharded(1), Routing::pinned(1), Routing::pinned(0),
+                    Routing::sharded(2)}) {
     std::memset(dst->bytes.data(), 0, kSize);
     Probe done;
     ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, kSize, imm, r},
@@ -360,8 +360,8 @@ TEST_P(Ops, RejectedSubmissionsPostNothing) {
   auto again = a_->register_memory(src->bytes.data(), 100);
   ASSERT_TRUE(again);
   expect_code(SingleWrite{src->reg.handle, 0, d, 0, 1, {}, {}}, ErrorCode::kNotFound);
-  expect_code(SingleWrite{again->handle, 0, d, 0, 101, {}, {}}, ErrorCode::kOutOfRange)
-      ;  // the new, shorter length applies: no stale entry
+  expect_code(SingleWrite{again->handle, 0, d, 0, 101, {}, {}},
+              ErrorCode::kOutOfRange);  // the new, shorter length applies: no stale entry
   EXPECT_EQ(again->descriptor.length(), 100u);
 
   // A closed engine rejects everything.
@@ -417,8 +417,8 @@ TEST_P(Ops, CloseWithTransfersInFlightCompletesEachOnce) {
   Counter c;
   constexpr int kWrites = 2000;
   for (int i = 0; i < kWrites; ++i) {
-    ASSERT_TRUE(a_->submit(
-        SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, 1 << 20, {}, {}}, c.callbacks()));
+    ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, 1 << 20, {}, {}},
+                           c.callbacks()));
   }
   a_->close();
   // close() returns after every callback ran.

@@ -146,15 +146,14 @@ TEST_P(TwoProcess, SingleAndPagedWritesLandInThePeer) {
   std::iota(pages.begin(), pages.end(), 0);
   std::shuffle(pages.begin(), pages.end(), std::mt19937(3));
   Probe paged;
-  ASSERT_TRUE(engine_->submit(PagedWrite{src->reg.handle, peer_memory_, kPage, pages, kPage, 0,
-                                         pages, kPage, big, 2},
-                              paged.callbacks()));
+  ASSERT_TRUE(engine_->submit(
+      PagedWrite{src->reg.handle, peer_memory_, kPage, pages, kPage, 0, pages, kPage, big, 2},
+      paged.callbacks()));
   ASSERT_TRUE(paged.wait());
   peer_.send("expect 2 " + std::to_string(kPages));
   EXPECT_EQ(peer_.read_line(), "got 2 " + std::to_string(kPages));
   peer_.send("checksum " + std::to_string(big) + " " + std::to_string(kPages * kPage));
-  EXPECT_EQ(peer_.read_value("checksum"),
-            std::to_string(fnv1a(src->bytes.data(), kPages * kPage)));
+  EXPECT_EQ(peer_.read_value("checksum"), std::to_string(fnv1a(src->bytes.data(), kPages * kPage)));
 }
 
 TEST_P(TwoProcess, PeerWritesIntoThisProcess) {

@@ -63,8 +63,7 @@ int main(int argc, char** argv) {
       uint64_t count = 0;
       in >> imm >> count;
       bool ok = engine.wait_imm(imm, count, std::chrono::seconds(30));
-      std::cout << (ok ? "got " : "timeout ") << imm << " " << engine.imm_count(imm)
-                << std::endl;
+      std::cout << (ok ? "got " : "timeout ") << imm << " " << engine.imm_count(imm) << std::endl;
     } else if (cmd == "checksum") {
       uint64_t off = 0, len = 0;
       in >> off >> len;
@@ -85,8 +84,8 @@ int main(int argc, char** argv) {
         continue;
       }
       fabric::testing::Probe done;
-      auto id = engine.submit(SingleWrite{reg->handle, src, *desc, dst, len, imm, {}},
-                              done.callbacks());
+      auto id =
+          engine.submit(SingleWrite{reg->handle, src, *desc, dst, len, imm, {}}, done.callbacks());
       Status s = id ? done.wait() : id.status();
       std::cout << (s ? std::string("done") : "error " + s.to_string()) << std::endl;
     } else if (cmd == "quit") {

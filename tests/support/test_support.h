@@ -27,8 +27,10 @@ struct Backend {
 };
 
 inline std::vector<Backend> all_backends() {
-  return {{"tcp", "tcp", false}, {"tcp_reorder", "tcp", true},
-          {"shm", "shm", false}, {"shm_reorder", "shm", true}};
+  return {{"tcp", "tcp", false},
+          {"tcp_reorder", "tcp", true},
+          {"shm", "shm", false},
+          {"shm_reorder", "shm", true}};
 }
 
 inline std::string backend_name(const ::testing::TestParamInfo<Backend>& info) {
@@ -53,15 +55,15 @@ inline Config make_config(const Backend& b, int nics = 1) {
 }
 
 // Creates an engine or skips the test when the provider is absent here.
-#define FABRIC_ENGINE_OR_SKIP(var, config)                                             \
-  std::unique_ptr<::fabric::TransferEngine> var;                                       \
-  {                                                                                    \
-    auto created_ = ::fabric::TransferEngine::create(config);                          \
-    if (!created_ && created_.status().code() == ::fabric::ErrorCode::kUnsupported) {  \
+#define FABRIC_ENGINE_OR_SKIP(var, config)                                              \
+  std::unique_ptr<::fabric::TransferEngine> var;                                        \
+  {                                                                                     \
+    auto created_ = ::fabric::TransferEngine::create(config);                           \
+    if (!created_ && created_.status().code() == ::fabric::ErrorCode::kUnsupported) {   \
       GTEST_SKIP() << "provider not available here: " << created_.status().to_string(); \
-    }                                                                                  \
-    ASSERT_TRUE(created_) << created_.status().to_string();                           \
-    var = std::move(*created_);                                                        \
+    }                                                                                   \
+    ASSERT_TRUE(created_) << created_.status().to_string();                             \
+    var = std::move(*created_);                                                         \
   }
 
 // Records how a transfer completed; fails the test if it completes twice.
@@ -69,8 +71,7 @@ class Probe {
  public:
   Callbacks callbacks() {
     auto st = state_;
-    return Callbacks{[st] { st->finish(Status::ok()); },
-                     [st](const Status& s) { st->finish(s); }};
+    return Callbacks{[st] { st->finish(Status::ok()); }, [st](const Status& s) { st->finish(s); }};
   }
   // Waits for the completion; returns it, or a kTimeout status.
   Status wait(std::chrono::milliseconds timeout = 20s) const {
@@ -143,7 +144,8 @@ class Counter {
           ++done;
         } else {
           if (failed++ == 0) first_error = s;
-          if (std::getenv("FABRIC_TEST_VERBOSE")) fprintf(stderr, "error: %s\n", s.to_string().c_str());
+          if (std::getenv("FABRIC_TEST_VERBOSE"))
+            fprintf(stderr, "error: %s\n", s.to_string().c_str());
         }
       }
       cv.notify_all();

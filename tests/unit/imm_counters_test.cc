@@ -14,7 +14,8 @@ TEST(ImmCounters, FiresOnceWhenCountReachedInAnyOrder) {
   Jobs due;
   std::vector<uint32_t> unexpected;
   int fired = 0;
-  ASSERT_TRUE(c.expect(7, 3, [&] { ++fired; }, due));
+  ASSERT_TRUE(c.expect(
+      7, 3, [&] { ++fired; }, due));
   EXPECT_TRUE(due.empty());
   std::vector<uint32_t> arrivals = {7, 8, 7, 9};
   c.arrive(arrivals, due, unexpected);
@@ -28,7 +29,8 @@ TEST(ImmCounters, FiresOnceWhenCountReachedInAnyOrder) {
   EXPECT_EQ(c.count(7), 4u);
   // The fourth arrival is unclaimed: an expectation of 1 is met at once.
   Jobs now;
-  ASSERT_TRUE(c.expect(7, 1, [&] { ++fired; }, now));
+  ASSERT_TRUE(c.expect(
+      7, 1, [&] { ++fired; }, now));
   ASSERT_EQ(now.size(), 1u);
 }
 
@@ -38,16 +40,24 @@ TEST(ImmCounters, ArrivalsBeforeTheExpectationCount) {
   std::vector<uint32_t> unexpected;
   std::vector<uint32_t> a = {1, 1};
   c.arrive(a, due, unexpected);
-  ASSERT_TRUE(c.expect(1, 2, [] {}, due));
+  ASSERT_TRUE(c.expect(
+      1, 2, [] {}, due));
   EXPECT_EQ(due.size(), 1u);
 }
 
 TEST(ImmCounters, ErrorsNameTheProblem) {
   ImmCounters c;
   Jobs due;
-  EXPECT_EQ(c.expect(1, 0, [] {}, due).code(), ErrorCode::kInvalidArgument);
-  ASSERT_TRUE(c.expect(1, 5, [] {}, due));
-  EXPECT_EQ(c.expect(1, 5, [] {}, due).code(), ErrorCode::kAlreadyExists);
+  EXPECT_EQ(c.expect(
+                 1, 0, [] {}, due)
+                .code(),
+            ErrorCode::kInvalidArgument);
+  ASSERT_TRUE(c.expect(
+      1, 5, [] {}, due));
+  EXPECT_EQ(c.expect(
+                 1, 5, [] {}, due)
+                .code(),
+            ErrorCode::kAlreadyExists);
   EXPECT_TRUE(c.cancel(1));
   EXPECT_EQ(c.cancel(1).code(), ErrorCode::kNotFound);
 }
@@ -56,7 +66,8 @@ TEST(ImmCounters, CancelledExpectationNeverFires) {
   ImmCounters c;
   Jobs due;
   std::vector<uint32_t> unexpected;
-  ASSERT_TRUE(c.expect(4, 1, [] { FAIL() << "cancelled callback ran"; }, due));
+  ASSERT_TRUE(c.expect(
+      4, 1, [] { FAIL() << "cancelled callback ran"; }, due));
   ASSERT_TRUE(c.cancel(4));
   std::vector<uint32_t> a = {4};
   c.arrive(a, due, unexpected);

@@ -14,7 +14,11 @@ PostResult FaultDomain::post_write(const WriteRequest& req) {
   if (config_.fail_write && config_.fail_write(sequence_)) {
     ++sequence_;
     ++injected_;
-    Completion c{Completion::Kind::kLocal, req.wr_id, 0, 0, ErrorCode::kFabric,
+    Completion c{Completion::Kind::kLocal,
+                 req.wr_id,
+                 0,
+                 0,
+                 ErrorCode::kFabric,
                  "injected failure (fault-injection domain)"};
     held_.push_back({std::move(c), 0});
     return PostResult::posted();

@@ -19,8 +19,7 @@ class FaultDomain final : public Domain {
 
   const DomainInfo& info() const override { return inner_->info(); }
   const Bytes& endpoint_name() const override { return inner_->endpoint_name(); }
-  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr,
-                                                              uint64_t length) override {
+  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override {
     return inner_->register_memory(ptr, length);
   }
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override {

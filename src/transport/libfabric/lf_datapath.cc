@@ -1,8 +1,8 @@
 // libfabric backend, hot path: posting work requests and reading completions.
+#include <fmt/format.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
-#include <fmt/format.h>
 
 #include "transport/libfabric/lf_domain.h"
 
@@ -34,9 +34,9 @@ ErrorCode classify(int err) {
 }
 
 PostResult post_failed(const char* op, const DomainInfo& info, ssize_t rc) {
-  return PostResult::failed(Status(classify(static_cast<int>(-rc)),
-                                   fmt::format("{} on '{}' failed: {}", op, info.name,
-                                               fi_strerror(static_cast<int>(-rc)))));
+  return PostResult::failed(Status(
+      classify(static_cast<int>(-rc)),
+      fmt::format("{} on '{}' failed: {}", op, info.name, fi_strerror(static_cast<int>(-rc)))));
 }
 
 }  // namespace
@@ -68,11 +68,10 @@ void LfDomain::release_context(void* context) {
 PostResult LfDomain::post_write(const WriteRequest& req) {
   void* ctx = context_for(req.wr_id);
   // A zero-byte write still passes a valid buffer and descriptor: EFA requires one.
-  ssize_t rc = req.has_imm
-                   ? fi_writedata(ep_.get(), req.local, req.length, req.local_desc, req.imm,
-                                  req.peer, req.remote_addr, req.remote_key, ctx)
-                   : fi_write(ep_.get(), req.local, req.length, req.local_desc, req.peer,
-                              req.remote_addr, req.remote_key, ctx);
+  ssize_t rc = req.has_imm ? fi_writedata(ep_.get(), req.local, req.length, req.local_desc, req.imm,
+                                          req.peer, req.remote_addr, req.remote_key, ctx)
+                           : fi_write(ep_.get(), req.local, req.length, req.local_desc, req.peer,
+                                      req.remote_addr, req.remote_key, ctx);
   if (rc == 0) return PostResult::posted();
   release_context(ctx);
   if (rc == -FI_EAGAIN) return PostResult::again();
@@ -101,14 +100,18 @@ void LfDomain::read_error(Completion& out) {
   fi_cq_err_entry err{};
   ssize_t rc = fi_cq_readerr(cq_.get(), &err, 0);
   if (rc != 1) {
-    out = Completion{Completion::Kind::kRemoteError, 0, 0, 0, ErrorCode::kFabric,
+    out = Completion{Completion::Kind::kRemoteError,
+                     0,
+                     0,
+                     0,
+                     ErrorCode::kFabric,
                      fmt::format("fi_cq_readerr on '{}' failed: {}", info_.name,
                                  fi_strerror(static_cast<int>(-rc)))};
     return;
   }
-  std::string text = fmt::format(
-      "{} (provider: {})", fi_strerror(err.err),
-      fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, nullptr, 0));
+  std::string text =
+      fmt::format("{} (provider: {})", fi_strerror(err.err),
+                  fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, nullptr, 0));
   Completion::Kind kind = Completion::Kind::kLocal;
   if (err.op_context == nullptr || (err.flags & FI_REMOTE_WRITE)) {
     kind = Completion::Kind::kRemoteError;
@@ -132,7 +135,11 @@ size_t LfDomain::poll(std::span<Completion> out) {
     return 1;
   }
   if (n < 0) {
-    out[0] = Completion{Completion::Kind::kRemoteError, 0, 0, 0, ErrorCode::kFabric,
+    out[0] = Completion{Completion::Kind::kRemoteError,
+                        0,
+                        0,
+                        0,
+                        ErrorCode::kFabric,
                         fmt::format("fi_cq_read on '{}' failed: {}", info_.name,
                                     fi_strerror(static_cast<int>(-n)))};
     return 1;

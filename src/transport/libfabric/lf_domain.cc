@@ -2,10 +2,10 @@
 // inserting peers.
 #include "transport/libfabric/lf_domain.h"
 
+#include <fmt/format.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
-#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <cstring>
@@ -62,8 +62,7 @@ fi_info* make_hints(const std::string& provider, bool delivery_complete) {
   // Modes we handle: local descriptors, virtual or offset addressing, provider-chosen keys.
   // (EFA needs FI_MR_LOCAL, FI_MR_PROV_KEY, FI_MR_VIRT_ADDR and FI_MR_ALLOCATED; FI_MR_HMEM
   // joins them with the GPU memory paths.)
-  hints->domain_attr->mr_mode =
-      FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
   hints->domain_attr->threading = FI_THREAD_DOMAIN;
   hints->domain_attr->data_progress = FI_PROGRESS_MANUAL;
   if (delivery_complete) hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
@@ -155,8 +154,8 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
       if (names.find(s) == std::string::npos) names += (names.empty() ? "" : ", ") + s;
     }
     return Status(ErrorCode::kNotFound,
-                  fmt::format("provider '{}' has no NIC named '{}' (it offers: {})", provider,
-                              nic, names.empty() ? "none" : names));
+                  fmt::format("provider '{}' has no NIC named '{}' (it offers: {})", provider, nic,
+                              names.empty() ? "none" : names));
   }
 
   std::unique_ptr<LfDomain> d(new LfDomain());
@@ -200,7 +199,8 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
   fid_ep* ep = nullptr;
   if ((rc = fi_endpoint(dom, fi, &ep, nullptr)) != 0) return fail("fi_endpoint", rc);
   d->ep_.reset(ep);
-  if ((rc = fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV)) != 0) return fail("fi_ep_bind(cq)", rc);
+  if ((rc = fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV)) != 0)
+    return fail("fi_ep_bind(cq)", rc);
   if ((rc = fi_ep_bind(ep, &av->fid, 0)) != 0) return fail("fi_ep_bind(av)", rc);
   if ((rc = fi_enable(ep)) != 0) return fail("fi_enable", rc);
 
@@ -254,12 +254,11 @@ Result<std::unique_ptr<MemoryRegistration>> LfDomain::register_memory(void* ptr,
   const uint64_t requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_++;
   fid_mr* mr = nullptr;
   int rc = fi_mr_reg(domain_.get(), ptr, length,
-                     FI_WRITE | FI_READ | FI_SEND | FI_RECV | FI_REMOTE_WRITE, 0, requested_key,
-                     0, &mr, nullptr);
+                     FI_WRITE | FI_READ | FI_SEND | FI_RECV | FI_REMOTE_WRITE, 0, requested_key, 0,
+                     &mr, nullptr);
   if (rc != 0) {
-    return Status(ErrorCode::kFabric,
-                  fmt::format("fi_mr_reg of {} bytes at {} on '{}' failed: {}", length, ptr,
-                              info_.name, fi_strerror(-rc)));
+    return Status(ErrorCode::kFabric, fmt::format("fi_mr_reg of {} bytes at {} on '{}' failed: {}",
+                                                  length, ptr, info_.name, fi_strerror(-rc)));
   }
   // Remote addressing: virtual addresses (FI_MR_VIRT_ADDR) or offsets from the region start.
   const uint64_t addr = (mr_mode_ & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;

@@ -48,8 +48,7 @@ class LfDomain final : public Domain {
   const DomainInfo& info() const override { return info_; }
   const Bytes& endpoint_name() const override { return name_; }
 
-  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr,
-                                                              uint64_t length) override;
+  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override;
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
 
   PostResult post_write(const WriteRequest& req) override;

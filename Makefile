@@ -1,0 +1,75 @@
+# fabric-lib front door. `make run` and `make test` each set up what they need.
+#
+#   make deps    install the Debian packages the build needs (idempotent, quiet when present)
+#   make build   configure and build; binaries land in build/bin/
+#   make run     loopback demonstration: two processes, verified writes, throughput per op
+#   make test    everything CI runs: format check, unit + conformance tests, ASan+UBSan, TSan
+#   make format  apply .clang-format to every source file
+
+SHELL := /bin/bash
+.ONESHELL:
+.SHELLFLAGS := -eu -o pipefail -c
+
+DEB_PACKAGES := cmake ninja-build g++ pkg-config make \
+  libfabric-dev libfabric-bin libhwloc-dev hwloc libfmt-dev libspdlog-dev libcli11-dev \
+  libgtest-dev googletest clang-format iproute2
+SOURCES = $(shell git ls-files '*.h' '*.cc' '*.cpp' '*.hpp' '*.cu' '*.cuh' 2>/dev/null)
+CTEST_ARGS ?= --output-on-failure --timeout 600
+
+.PHONY: deps build run test test-default test-asan test-tsan format check-format clean
+
+deps:
+	missing=()
+	for p in $(DEB_PACKAGES); do
+	  dpkg-query -W -f='$${Status}' "$$p" 2>/dev/null | grep -q "ok installed" || missing+=("$$p")
+	done
+	if [ $${#missing[@]} -gt 0 ]; then
+	  echo "installing: $${missing[*]}"
+	  SUDO=$$( [ "$$(id -u)" = 0 ] && echo "" || echo sudo )
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$${missing[@]}" >/dev/null
+	fi
+
+build: deps
+	cmake --preset default >/dev/null
+	cmake --build --preset default
+
+run: build
+	./build/bin/fabric-info --provider tcp --nic lo
+	echo
+	echo "== loopback demonstration over libfabric tcp =="
+	./build/bin/fabric-bench --provider tcp --nic lo --quick
+	echo
+	echo "== loopback demonstration over libfabric shm =="
+	./build/bin/fabric-bench --provider shm --nic shm --quick
+
+test: deps check-format test-default test-asan test-tsan
+	echo "all test suites passed"
+
+test-default: build
+	ctest --preset default $(CTEST_ARGS)
+
+test-asan: deps
+	cmake --preset asan >/dev/null
+	cmake --build --preset asan
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ctest --preset asan $(CTEST_ARGS)
+
+test-tsan: deps
+	cmake --preset tsan >/dev/null
+	cmake --build --preset tsan
+	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/tests/tsan.supp" \
+	  ctest --preset tsan $(CTEST_ARGS)
+
+format:
+	clang-format -i $(SOURCES)
+
+check-format:
+	if ! clang-format --dry-run --Werror $(SOURCES) 2>/dev/null; then
+	  echo "clang-format would change these files (run: make format):"
+	  clang-format --dry-run $(SOURCES) 2>&1 | grep -o '^[^:]*' | sort -u
+	  exit 1
+	fi
+
+clean:
+	rm -rf build build-asan build-tsan
