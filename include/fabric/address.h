@@ -48,7 +48,8 @@ class Address {
   const std::string& provider() const;
   const std::vector<NicAddress>& nics() const;
   size_t num_nics() const { return nics().size(); }
-  // A short human-readable form for logs: "tcp/2nic/3f9a1c2e".
+  // A short human-readable form for logs: "tcp;ofi_rxm/2nic/3f9a1c2e" (provider, NIC count,
+  // a hash of the encoding).
   std::string short_name() const;
 
   friend bool operator==(const Address& a, const Address& b);
@@ -82,7 +83,9 @@ class RemoteMemory {
   RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails);
 
   static Result<RemoteMemory> decode(std::span<const std::byte> bytes);
+  static Result<RemoteMemory> from_hex(std::string_view hex);
   Bytes encode() const;
+  std::string to_hex() const;
 
   bool empty() const { return data_ == nullptr; }
   const Address& owner() const;

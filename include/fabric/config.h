@@ -69,6 +69,14 @@ struct Config {
   uint64_t max_message_bytes = 64 * 1024;
   uint32_t send_buffers = 64;
 
+  // Writes larger than this are split into several work requests (on the same NIC), so that
+  // every work request completes in bounded time and peer_timeout stays meaningful.
+  uint64_t max_wr_bytes = 64ull << 20;
+  // A peer towards which work requests are outstanding and from which no completion came for
+  // this long is declared unreachable: its transfers fail with kPeerUnreachable, its address is
+  // dropped, and a later submission to the same address connects afresh.
+  std::chrono::milliseconds peer_timeout{30000};
+
   // How long close() lets posted work requests finish before cancelling them.
   std::chrono::milliseconds close_timeout{2000};
 

@@ -63,8 +63,10 @@ class TransferEngine {
   void close();
 
   size_t num_groups() const;
+  // What a group turned out to be; an empty GroupInfo for a group that does not exist.
   const GroupInfo& group_info(uint32_t group = 0) const;
-  // The address peers use to reach a group. Non-blocking.
+  // The address peers use to reach a group; an empty Address for a group that does not exist.
+  // Non-blocking.
   const Address& address(uint32_t group = 0) const;
 
   // --- memory -------------------------------------------------------------------------------

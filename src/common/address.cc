@@ -249,4 +249,14 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   return RemoteMemory(std::move(*owner), base, length, std::move(rails));
 }
 
+Result<RemoteMemory> RemoteMemory::from_hex(std::string_view hex) {
+  auto bytes = fabric::from_hex(hex);
+  if (!bytes) return bytes.status();
+  return decode(*bytes);
+}
+
+std::string RemoteMemory::to_hex() const {
+  return fabric::to_hex(encode());
+}
+
 }  // namespace fabric

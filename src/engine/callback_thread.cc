@@ -1,7 +1,7 @@
 #include "engine/callback_thread.h"
 
 #include <pthread.h>
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 
 #include <exception>
 
@@ -44,9 +44,9 @@ void CallbackThread::run_one(Job& job) {
   try {
     if (job) job();
   } catch (const std::exception& e) {
-    spdlog::error("a user callback threw and was isolated: {}", e.what());
+    detail::log().error("a user callback threw and was isolated: {}", e.what());
   } catch (...) {
-    spdlog::error("a user callback threw a non-standard exception and was isolated");
+    detail::log().error("a user callback threw a non-standard exception and was isolated");
   }
 }
 

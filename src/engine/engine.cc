@@ -3,7 +3,7 @@
 #include "fabric/engine.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 
 #include <atomic>
 #include <deque>
@@ -45,8 +45,14 @@ class EngineImpl {
 
   void close();
   size_t num_groups() const { return workers_.size(); }
-  const GroupInfo& group_info(uint32_t g) const { return infos_.at(g); }
-  const Address& address(uint32_t g) const { return addresses_.at(g); }
+  const GroupInfo& group_info(uint32_t g) const {
+    static const GroupInfo kNone;
+    return g < infos_.size() ? infos_[g] : kNone;
+  }
+  const Address& address(uint32_t g) const {
+    static const Address kNone;
+    return g < addresses_.size() ? addresses_[g] : kNone;
+  }
 
   Result<Registration> register_memory(void* ptr, uint64_t length, uint32_t group);
   Status unregister_memory(MemoryHandle handle);
@@ -123,6 +129,9 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
   if (config.cq_batch == 0 || config.post_budget == 0) {
     return invalid("config.cq_batch and config.post_budget must be at least 1");
   }
+  if (config.max_wr_bytes == 0 || config.peer_timeout.count() <= 0) {
+    return invalid("config.max_wr_bytes and config.peer_timeout must be positive");
+  }
   if (config.max_message_bytes == 0 || config.send_buffers == 0) {
     return invalid("config.max_message_bytes and config.send_buffers must be at least 1");
   }
@@ -193,16 +202,17 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
   }
   for (auto& w : e->workers_) w->start();
   for (uint32_t g = 0; g < e->workers_.size(); ++g) {
-    spdlog::debug("engine group {} up: {} NIC(s) [{}], worker CPU {}, address {}", g,
-                  e->infos_[g].nics.size(), fmt::join(e->infos_[g].nics, ", "), e->infos_[g].cpu,
-                  e->addresses_[g].short_name());
+    detail::log().debug("engine group {} up: {} NIC(s) [{}], worker CPU {}, address {}", g,
+                        e->infos_[g].nics.size(), fmt::join(e->infos_[g].nics, ", "),
+                        e->infos_[g].cpu, e->addresses_[g].short_name());
   }
   return e;
 }
 
 void EngineImpl::close() {
   if (callbacks_ && callbacks_->on_this_thread()) {
-    spdlog::error("TransferEngine::close() called from a callback; ignored (it would deadlock)");
+    detail::log().error(
+        "TransferEngine::close() called from a callback; ignored (it would deadlock)");
     return;
   }
   {
@@ -271,7 +281,7 @@ engine::ShardParams EngineImpl::shard_params(uint32_t group) const {
   for (uint32_t i = 0; i < workers_[group]->num_domains(); ++i) {
     max_wr = std::min(max_wr, workers_[group]->domain(i).info().max_write_bytes);
   }
-  return {config_.shard_min_bytes, config_.shard_alignment, max_wr};
+  return {config_.shard_min_bytes, config_.shard_alignment, std::min(max_wr, config_.max_wr_bytes)};
 }
 
 TransferId EngineImpl::hand_over(uint32_t group, std::unique_ptr<Transfer> t) {

@@ -30,6 +30,7 @@ struct LocalRegion {
 };
 
 struct Transfer;
+struct PeerQueue;
 
 // One work request. Its address is the wr_id the domain hands back on completion, so an Op
 // never moves once the transfer is accepted.
@@ -40,6 +41,7 @@ struct Op {
   bool has_imm = false;
   uint32_t domain = 0;
   uint32_t imm = 0;
+  bool abandoned = false;       // its peer was declared dead while the provider still held it
   int32_t send_slot = -1;       // kSend: the registered send buffer in use while posted
   const Bytes* peer = nullptr;  // the peer NIC's endpoint name (kept alive by the transfer)
   const void* local = nullptr;
@@ -47,6 +49,10 @@ struct Op {
   void* local_desc = nullptr;
   uint64_t remote_addr = 0;
   uint64_t remote_key = 0;
+  // While posted: the peer queue it went through, and its links in that queue's in-flight list.
+  PeerQueue* queue = nullptr;
+  Op* prev = nullptr;
+  Op* next = nullptr;
 };
 
 struct Transfer {
@@ -57,8 +63,10 @@ struct Transfer {
   // op has completed, so that the receiver counts one arrival after all the data is visible.
   std::vector<Op> deferred;
   bool deferred_started = false;
-  size_t pending = 0;  // ops queued or posted and not yet completed
-  Status error;        // the first failure
+  size_t pending = 0;     // ops queued or posted and not yet completed
+  size_t abandoned = 0;   // ops given up on (dead peer) that the provider still holds
+  bool finished = false;  // the user callback has been queued
+  Status error;           // the first failure
   // Keep-alives for what the ops point into.
   std::shared_ptr<LocalRegion> src;
   std::vector<RemoteMemory> dsts;

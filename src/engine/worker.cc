@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <pthread.h>
-#include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
+#include "common/log.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -188,7 +188,7 @@ void Worker::repost(RecvSlot& slot) {
                              recv_pool_->reg->local_desc()};
   auto r = domains_[0].domain->post_recv(req);
   if (r.kind != transport::PostResult::Kind::kPosted) {
-    spdlog::error(
+    detail::log().error(
         "group {}: cannot repost a receive buffer on '{}': {}", group_,
         domains_[0].domain->info().name,
         r.kind == transport::PostResult::Kind::kAgain ? "queue full" : r.error.to_string());
@@ -201,7 +201,7 @@ void Worker::run() {
   pthread_setname_np(pthread_self(), fmt::format("fabric-w{}", group_).c_str());
   if (cpu_ >= 0) {
     Status s = topology::pin_current_thread(cpu_);
-    if (!s) spdlog::warn("group {}: {}", group_, s.to_string());
+    if (!s) detail::log().warn("group {}: {}", group_, s.to_string());
   }
   last_active_ = std::chrono::steady_clock::now();
   for (;;) {
@@ -209,8 +209,12 @@ void Worker::run() {
     if (!stopping_ && stop_requested_.load()) begin_stop();
     for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
     for (auto& d : domains_) active |= post_some(d);
+    watch_peers();
     if (!jobs_.empty()) services_.callbacks->push(jobs_);
-    if (stopping_ && (posted_ == 0 || std::chrono::steady_clock::now() >= stop_deadline_)) break;
+    if (stopping_ &&
+        (posted_ == abandoned_ || std::chrono::steady_clock::now() >= stop_deadline_)) {
+      break;
+    }
     idle(active);
   }
   finish_stop();
@@ -253,6 +257,7 @@ void Worker::enqueue(Op& op) {
   }
   PeerQueue& q = d.queues[*peer];
   q.peer = *peer;
+  if (q.ops.empty() && q.inflight_count == 0) q.last_progress = std::chrono::steady_clock::now();
   q.ops.push_back(&op);
   ++queued_;
   if (!q.ready) {
@@ -298,6 +303,7 @@ bool Worker::post_some(DomainState& d) {
       --queued_;
       any = true;
       if (r.kind == transport::PostResult::Kind::kPosted) {
+        q.link(op);
         ++posted_;
         --budget;
       } else {
@@ -323,6 +329,14 @@ bool Worker::poll(uint32_t index) {
       case transport::Completion::Kind::kLocal: {
         Op& op = *reinterpret_cast<Op*>(c.wr_id);
         --posted_;
+        if (op.abandoned) {  // its transfer already failed; the provider has let go of it now
+          --abandoned_;
+          Transfer& t = *op.transfer;
+          if (--t.abandoned == 0 && t.finished) live_.erase(t.id);
+          break;
+        }
+        op.queue->last_progress = std::chrono::steady_clock::now();
+        op.queue->unlink(op);
         if (c.error == ErrorCode::kOk) {
           complete_op(op, Status::ok());
         } else {
@@ -340,7 +354,7 @@ bool Worker::poll(uint32_t index) {
         on_recv(c);
         break;
       case transport::Completion::Kind::kRemoteError:
-        spdlog::warn("group {} NIC '{}': {}", group_, d.domain->info().name, c.error_message);
+        detail::log().warn("group {} NIC '{}': {}", group_, d.domain->info().name, c.error_message);
         break;
     }
   }
@@ -359,7 +373,7 @@ void Worker::on_recv(const transport::Completion& c) {
   RecvSlot& slot = *reinterpret_cast<RecvSlot*>(c.wr_id);
   if (c.error != ErrorCode::kOk) {
     if (stopping_ || c.error == ErrorCode::kCancelled) return;
-    spdlog::warn("group {}: a receive failed: {}", group_, c.error_message);
+    detail::log().warn("group {}: a receive failed: {}", group_, c.error_message);
     repost(slot);
     return;
   }
@@ -403,7 +417,54 @@ void Worker::finish(Transfer& t) {
   } else if (t.callbacks.on_done) {
     jobs_.push_back(std::move(t.callbacks.on_done));
   }
-  live_.erase(t.id);  // destroys t
+  t.finished = true;
+  // Destroys t, unless the provider still holds some of its ops (a dead peer's).
+  if (t.abandoned == 0) live_.erase(t.id);
+}
+
+void Worker::watch_peers() {
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_watch_) return;
+  next_watch_ = now + std::chrono::milliseconds(10);
+  for (auto& d : domains_) {
+    std::vector<PeerQueue*> dead;
+    for (auto& [peer, q] : d.queues) {
+      // Busy (work queued or posted) and no completion since peer_timeout: dead.
+      const bool busy = q.inflight_count > 0 || !q.ops.empty();
+      if (busy && now - q.last_progress > config_.peer_timeout) dead.push_back(&q);
+    }
+    for (PeerQueue* q : dead) declare_dead(d, *q);
+  }
+}
+
+void Worker::declare_dead(DomainState& d, PeerQueue& q) {
+  const Status error(
+      ErrorCode::kPeerUnreachable,
+      fmt::format("no completion from the peer on NIC '{}' for {} ms with {} work requests "
+                  "posted and {} queued; the peer is considered dead",
+                  d.domain->info().name, config_.peer_timeout.count(), q.inflight_count,
+                  q.ops.size()));
+  detail::log().warn("group {}: {}", group_, error.message());
+  const transport::PeerHandle peer = q.peer;
+  std::vector<Op*> unposted(q.ops.begin(), q.ops.end());
+  queued_ -= unposted.size();
+  q.ops.clear();
+  std::vector<Op*> posted;
+  while (q.inflight != nullptr) {
+    Op* op = q.inflight;
+    q.unlink(*op);
+    posted.push_back(op);
+  }
+  d.queues.erase(peer);  // q is gone from here on
+  std::erase(d.ready, peer);
+  d.domain->forget_peer(peer);
+  for (Op* op : posted) {
+    op->abandoned = true;
+    ++op->transfer->abandoned;
+    ++abandoned_;
+    complete_op(*op, error);
+  }
+  for (Op* op : unposted) complete_op(*op, error);
 }
 
 // --- stopping -------------------------------------------------------------------------------
@@ -425,22 +486,26 @@ void Worker::begin_stop() {
 }
 
 void Worker::finish_stop() {
-  if (posted_ > 0) {
-    spdlog::warn("group {}: closing with {} work requests still in flight after {} ms", group_,
-                 posted_, config_.close_timeout.count());
+  if (posted_ > abandoned_) {
+    detail::log().warn("group {}: closing with {} work requests still in flight after {} ms",
+                       group_, posted_ - abandoned_, config_.close_timeout.count());
   }
   std::vector<Transfer*> left;
-  for (auto& [id, t] : live_) left.push_back(t.get());
+  for (auto& [id, t] : live_) {
+    if (!t->finished) left.push_back(t.get());
+  }
   for (Transfer* t : left) {
     if (t->error.is_ok()) t->error = cancelled("engine closed with the transfer in flight");
+    t->abandoned = 0;  // the domains close next; the provider lets go of everything
     finish(*t);
   }
+  live_.clear();
   if (!jobs_.empty()) services_.callbacks->push(jobs_);
 }
 
 void Worker::idle(bool active) {
   const auto now = std::chrono::steady_clock::now();
-  if (active || posted_ > 0 || queued_ > 0 || stopping_) {
+  if (active || posted_ > abandoned_ || queued_ > 0 || stopping_) {
     last_active_ = now;
     return;
   }

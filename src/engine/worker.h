@@ -24,6 +24,34 @@
 
 namespace fabric::engine {
 
+// The work requests of one domain towards one peer NIC: those waiting to be posted (FIFO), and
+// those posted and not yet completed (an intrusive list, for the dead-peer watchdog).
+struct PeerQueue {
+  transport::PeerHandle peer = 0;
+  std::deque<Op*> ops;
+  bool ready = false;  // listed in DomainState::ready
+  Op* inflight = nullptr;
+  size_t inflight_count = 0;
+  std::chrono::steady_clock::time_point last_progress;
+
+  void link(Op& op) {
+    op.queue = this;
+    op.prev = nullptr;
+    op.next = inflight;
+    if (inflight) inflight->prev = &op;
+    inflight = &op;
+    ++inflight_count;
+  }
+  void unlink(Op& op) {
+    if (op.prev) op.prev->next = op.next;
+    if (op.next) op.next->prev = op.prev;
+    if (inflight == &op) inflight = op.next;
+    op.prev = op.next = nullptr;
+    op.queue = nullptr;
+    --inflight_count;
+  }
+};
+
 // What the worker needs from its engine.
 struct WorkerServices {
   CallbackThread* callbacks;
@@ -78,11 +106,6 @@ class Worker {
                         uint64_t buffer_bytes, uint32_t count);
 
  private:
-  struct PeerQueue {
-    transport::PeerHandle peer = 0;
-    std::deque<Op*> ops;
-    bool ready = false;  // listed in DomainState::ready
-  };
   struct AlignedFree {
     void operator()(std::byte* p) const noexcept { std::free(p); }
   };
@@ -91,6 +114,7 @@ class Worker {
     std::byte* buf;
     uint64_t size;
   };
+  using PeerQueue = engine::PeerQueue;
   struct DomainState {
     std::unique_ptr<transport::Domain> domain;
     Buffer scratch_buf;
@@ -125,6 +149,8 @@ class Worker {
   void finish(Transfer& t);
   void on_recv(const transport::Completion& c);
   void repost(RecvSlot& slot);
+  void watch_peers();
+  void declare_dead(DomainState& d, PeerQueue& q);
   void begin_stop();
   void finish_stop();
   void idle(bool active);
@@ -140,7 +166,9 @@ class Worker {
 
   // Worker-thread state.
   std::unordered_map<TransferId, std::unique_ptr<Transfer>> live_;
-  size_t posted_ = 0;  // work requests in the provider's hands
+  size_t posted_ = 0;     // work requests in the provider's hands
+  size_t abandoned_ = 0;  // of those, given up on (dead peers)
+  std::chrono::steady_clock::time_point next_watch_;
   size_t queued_ = 0;  // work requests in peer queues
   bool stopping_ = false;
   std::chrono::steady_clock::time_point stop_deadline_;

@@ -99,8 +99,11 @@ class Domain {
 
   virtual Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr,
                                                                       uint64_t length) = 0;
-  // Resolves a peer's endpoint name into a handle for posting (cached by the caller).
+  // Resolves a peer's endpoint name into a handle for posting (cached by the domain).
   virtual Result<PeerHandle> resolve_peer(std::span<const std::byte> name) = 0;
+  // Drops a peer (declared dead): the handle becomes invalid and the next resolve_peer of its
+  // name connects afresh.
+  virtual void forget_peer(PeerHandle peer) = 0;
 
   // Posting: kPosted (a completion will come for wr_id), kAgain (queue full: nothing posted,
   // retry after polling; not a failure), or kFailed (nothing posted, `error` says why).

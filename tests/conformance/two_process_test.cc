@@ -59,6 +59,14 @@ class PeerProcess {
     }
     if (out_ >= 0) close(out_);
   }
+  // Kills the child with SIGKILL and reaps it.
+  void kill_now() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
   void send(const std::string& line) {
     std::string l = line + "\n";
     [[maybe_unused]] ssize_t n = write(in_, l.data(), l.size());
@@ -183,6 +191,41 @@ TEST_P(TwoProcess, ImmediatesAndBarrierAcrossProcesses) {
   EXPECT_EQ(peer_.read_line(), "got 60 50");
   peer_.send("expect 61 1");
   EXPECT_EQ(peer_.read_line(), "got 61 1");
+}
+
+TEST_P(TwoProcess, PeerKilledMidTransferFailsItsTransfersOnly) {
+  auto src = make_buffer(*engine_, 4 << 20);
+  Counter c;
+  constexpr int kWrites = 200;
+  for (int i = 0; i < kWrites; ++i) {
+    ASSERT_TRUE(engine_->submit(SingleWrite{src->reg.handle, 0, peer_memory_, 0, 4 << 20, 1, {}},
+                                c.callbacks()));
+  }
+  peer_.kill_now();
+  // Every transfer completes exactly once, done or failed, within a bound; none hangs.
+  ASSERT_TRUE(c.wait_total(kWrites, 60s)) << c.done() << " done, " << c.failed() << " failed";
+  // A write issued after the death fails rather than hangs.
+  Probe after;
+  ASSERT_TRUE(engine_->submit(SingleWrite{src->reg.handle, 0, peer_memory_, 0, 4096, 1, {}},
+                              after.callbacks()));
+  Status s = after.wait(60s);
+  EXPECT_NE(s.code(), ErrorCode::kTimeout) << "a write to a dead peer hung";
+  EXPECT_EQ(s.code(), ErrorCode::kPeerUnreachable) << s.to_string();
+  if (GetParam().provider == "shm") {
+    // Measured with libfabric 1.17: after a peer dies with writes outstanding, the shm endpoint
+    // answers every later write, to any peer, with -FI_EAGAIN. The engine fails those writes
+    // after peer_timeout (checked above) but cannot revive the endpoint yet (issue 8).
+    GTEST_SKIP() << "shm endpoint stays wedged after a peer's death (libfabric 1.17)";
+  }
+  // The engine keeps serving a live peer.
+  auto other = TransferEngine::create(make_config(GetParam()));
+  ASSERT_TRUE(other);
+  auto dst = make_buffer(**other, 4096);
+  Probe ok;
+  ASSERT_TRUE(engine_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, 4096, 2, {}},
+                              ok.callbacks()));
+  EXPECT_TRUE(ok.wait());
+  EXPECT_TRUE((*other)->wait_imm(2, 1, 20s));
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, TwoProcess, ::testing::ValuesIn(all_backends()),

@@ -26,6 +26,11 @@ struct Backend {
   bool reorder;          // wrap every domain in the fault-injection (reordering) domain
 };
 
+// Names the parameter in test listings instead of dumping its bytes.
+inline void PrintTo(const Backend& b, std::ostream* os) {
+  *os << b.name;
+}
+
 inline std::vector<Backend> all_backends() {
   return {{"tcp", "tcp", false},
           {"tcp_reorder", "tcp", true},
@@ -51,6 +56,7 @@ inline Config make_config(const Backend& b, int nics = 1) {
   c.faults.seed = 12345;
   c.faults.max_hold_polls = 16;
   c.close_timeout = std::chrono::milliseconds(3000);
+  c.peer_timeout = std::chrono::milliseconds(3000);
   return c;
 }
 

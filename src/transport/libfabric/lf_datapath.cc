@@ -1,8 +1,10 @@
 // libfabric backend, hot path: posting work requests and reading completions.
 #include <fmt/format.h>
+
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <cerrno>
 
 #include "transport/libfabric/lf_domain.h"
 
@@ -26,8 +28,6 @@ ErrorCode classify(int err) {
     case FI_EREMOTEIO:
     case FI_EKEYREJECTED:
       return ErrorCode::kRemoteAccess;
-    case FI_ECANCELED:
-      return ErrorCode::kCancelled;
     default:
       return ErrorCode::kFabric;
   }
@@ -37,6 +37,34 @@ PostResult post_failed(const char* op, const DomainInfo& info, ssize_t rc) {
   return PostResult::failed(Status(
       classify(static_cast<int>(-rc)),
       fmt::format("{} on '{}' failed: {}", op, info.name, fi_strerror(static_cast<int>(-rc)))));
+}
+
+// The tcp provider reports connection and key failures as FI_ECANCELED / FI_EIO with the
+// socket errno (or its own ENOENT for an unknown key) in prov_errno: refine the code with it.
+ErrorCode classify_entry(const DomainInfo& info, int err, int prov_errno) {
+  if (info.provider.rfind("tcp", 0) == 0 && (err == FI_ECANCELED || err == FI_EIO)) {
+    switch (prov_errno) {
+      case ECONNRESET:
+      case ECONNREFUSED:
+      case ECONNABORTED:
+      case ENOTCONN:
+      case EPIPE:
+      case EHOSTUNREACH:
+      case ENETUNREACH:
+      case ETIMEDOUT:
+        return ErrorCode::kPeerUnreachable;
+      case ENOENT:
+      case EACCES:
+      case EPERM:
+      case EINVAL:
+        return ErrorCode::kRemoteAccess;
+      default:
+        break;
+    }
+  }
+  // A provider cancelling an operation is not the engine closing: report it as a fabric error.
+  if (err == FI_ECANCELED) return ErrorCode::kFabric;
+  return classify(err);
 }
 
 }  // namespace
@@ -123,7 +151,8 @@ void LfDomain::read_error(Completion& out) {
     wr_id = wr_id_from(err.op_context);
     release_context(err.op_context);
   }
-  out = Completion{kind, wr_id, 0, 0, classify(err.err), std::move(text)};
+  out = Completion{kind,           wr_id, 0, 0, classify_entry(info_, err.err, err.prov_errno),
+                   std::move(text)};
 }
 
 size_t LfDomain::poll(std::span<Completion> out) {

@@ -6,8 +6,9 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -17,7 +18,7 @@ template <typename T>
 void FidCloser<T>::operator()(T* p) const noexcept {
   if (p == nullptr) return;
   int rc = fi_close(&p->fid);
-  if (rc != 0) spdlog::warn("fi_close failed: {}", fi_strerror(-rc));
+  if (rc != 0) detail::log().warn("fi_close failed: {}", fi_strerror(-rc));
 }
 template struct FidCloser<fid_fabric>;
 template struct FidCloser<fid_domain>;
@@ -37,11 +38,22 @@ struct ProviderQuirks {
   // as a success; shm in libfabric 1.17 never completes delivery-complete RMA (tested here),
   // and its transmit completion already follows the copy into the target.
   bool delivery_complete = true;
+  // EFA: ask for FI_HMEM (and FI_MR_HMEM registration), so that the same endpoint can later
+  // register GPU memory; EFA is the one provider here that can DMA to it.
+  bool hmem = false;
+  // EFA: keep same-host peers on the EFA device instead of its built-in shm transport, so that
+  // every peer sees the same memory keys and completion semantics (the reference does the
+  // same). Newer libfabric has FI_OPT_SHARED_MEMORY_PERMITTED; 1.17 reads this variable.
+  bool disable_efa_shm = false;
 };
 
 ProviderQuirks quirks_for(const std::string& provider) {
   ProviderQuirks q;
   if (provider == "shm") q.delivery_complete = false;
+  if (provider == "efa") {
+    q.hmem = true;
+    q.disable_efa_shm = true;
+  }
   return q;
 }
 
@@ -53,6 +65,7 @@ struct InfoList {
 };
 
 fi_info* make_hints(const std::string& provider, bool delivery_complete) {
+  const ProviderQuirks quirks = quirks_for(provider);
   fi_info* hints = fi_allocinfo();
   if (hints == nullptr) return nullptr;
   hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
@@ -65,6 +78,10 @@ fi_info* make_hints(const std::string& provider, bool delivery_complete) {
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
   hints->domain_attr->threading = FI_THREAD_DOMAIN;
   hints->domain_attr->data_progress = FI_PROGRESS_MANUAL;
+  if (quirks.hmem) {
+    hints->caps |= FI_HMEM;
+    hints->domain_attr->mr_mode |= FI_MR_HMEM;
+  }
   if (delivery_complete) hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
   if (!provider.empty()) hints->fabric_attr->prov_name = strdup(provider.c_str());
   return hints;
@@ -120,6 +137,10 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
   const std::string provider = resolve_provider(requested_provider);
   const ProviderQuirks quirks = quirks_for(provider);
 
+  if (quirks.disable_efa_shm) {
+    // Process-wide, but only for EFA and only when the user has not chosen otherwise.
+    setenv("FI_EFA_ENABLE_SHM_TRANSFER", "0", /*overwrite=*/0);
+  }
   InfoList list;
   bool delivery_complete = quirks.delivery_complete;
   int rc = get_info(provider, delivery_complete, list);
@@ -219,9 +240,9 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
   d->info_ = DomainInfo{fi->fabric_attr->prov_name, fi->domain_attr->name,
                         fi->ep_attr->max_msg_size, delivery_complete};
   d->cq_buf_.resize(64);
-  spdlog::debug("opened {} domain '{}' (mr_mode {:#x}, max message {}, delivery complete {})",
-                d->info_.provider, d->info_.name, d->mr_mode_, d->info_.max_write_bytes,
-                delivery_complete);
+  detail::log().debug("opened {} domain '{}' (mr_mode {:#x}, max message {}, delivery complete {})",
+                      d->info_.provider, d->info_.name, d->mr_mode_, d->info_.max_write_bytes,
+                      delivery_complete);
   return d;
 }
 
@@ -280,6 +301,20 @@ Result<PeerHandle> LfDomain::resolve_peer(std::span<const std::byte> name) {
   }
   peers_.emplace(std::move(key), addr);
   return static_cast<PeerHandle>(addr);
+}
+
+void LfDomain::forget_peer(PeerHandle peer) {
+  for (auto it = peers_.begin(); it != peers_.end(); ++it) {
+    if (it->second != peer) continue;
+    fi_addr_t addr = static_cast<fi_addr_t>(peer);
+    int rc = fi_av_remove(av_.get(), &addr, 1, 0);
+    if (rc != 0) {
+      detail::log().warn("'{}': fi_av_remove of a dead peer failed: {}", info_.name,
+                         fi_strerror(-rc));
+    }
+    peers_.erase(it);
+    return;
+  }
 }
 
 }  // namespace fabric::transport

@@ -50,6 +50,7 @@ class LfDomain final : public Domain {
 
   Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override;
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
+  void forget_peer(PeerHandle peer) override;
 
   PostResult post_write(const WriteRequest& req) override;
   PostResult post_send(const SendRequest& req) override;
