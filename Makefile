@@ -19,7 +19,7 @@ CTEST_ARGS ?= --output-on-failure --timeout 600
 .PHONY: deps build run test test-default test-asan test-tsan format check-format clean
 
 deps:
-	missing=()
+	@missing=()
 	for p in $(DEB_PACKAGES); do
 	  dpkg-query -W -f='$${Status}' "$$p" 2>/dev/null | grep -q "ok installed" || missing+=("$$p")
 	done
@@ -31,11 +31,11 @@ deps:
 	fi
 
 build: deps
-	cmake --preset default >/dev/null
+	@cmake --preset default >/dev/null
 	cmake --build --preset default
 
 run: build
-	./build/bin/fabric-info --provider tcp --nic lo
+	@./build/bin/fabric-info --provider tcp --nic lo
 	echo
 	echo "== loopback demonstration over libfabric tcp =="
 	./build/bin/fabric-bench --provider tcp --nic lo --quick
@@ -44,32 +44,32 @@ run: build
 	./build/bin/fabric-bench --provider shm --nic shm --quick
 
 test: deps check-format test-default test-asan test-tsan
-	echo "all test suites passed"
+	@echo "all test suites passed"
 
 test-default: build
-	ctest --preset default $(CTEST_ARGS)
+	@ctest --preset default $(CTEST_ARGS)
 
 test-asan: deps
-	cmake --preset asan >/dev/null
+	@cmake --preset asan >/dev/null
 	cmake --build --preset asan
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ctest --preset asan $(CTEST_ARGS)
 
 test-tsan: deps
-	cmake --preset tsan >/dev/null
+	@cmake --preset tsan >/dev/null
 	cmake --build --preset tsan
 	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/tests/tsan.supp" \
 	  ctest --preset tsan $(CTEST_ARGS)
 
 format:
-	clang-format -i $(SOURCES)
+	@clang-format -i $(SOURCES)
 
 check-format:
-	if ! clang-format --dry-run --Werror $(SOURCES) 2>/dev/null; then
+	@if ! clang-format --dry-run --Werror $(SOURCES) 2>/dev/null; then
 	  echo "clang-format would change these files (run: make format):"
 	  clang-format --dry-run $(SOURCES) 2>&1 | grep -o '^[^:]*' | sort -u
 	  exit 1
 	fi
 
 clean:
-	rm -rf build build-asan build-tsan
+	@rm -rf build build-asan build-tsan
