@@ -12,6 +12,19 @@
 namespace fabric::testing {
 namespace {
 
+// An expectation callback that checks the contract: when the immediate is counted, the whole
+// payload is already visible at the receiver.
+std::function<void()> expect_landed(Probe& probe, const std::byte* want, const std::byte* got,
+                                    uint64_t n) {
+  return [cb = probe.callbacks(), want, got, n] {
+    if (std::memcmp(want, got, n) == 0) {
+      cb.on_done();
+    } else {
+      cb.on_error(Status(ErrorCode::kInternal, "immediate counted before its data landed"));
+    }
+  };
+}
+
 class Ops : public ::testing::TestWithParam<Backend> {
  protected:
   void open(int nics_a = 1, int nics_b = 1) {
@@ -40,14 +53,17 @@ class Ops : public ::testing::TestWithParam<Backend> {
     auto dst = make_buffer(*b_, n + dst_off);
     fill_pattern(src->bytes.data(), src->bytes.size(), n);
     Probe arrived;
-    ASSERT_TRUE(b_->expect_imm(imm, 1, [cb = arrived.callbacks()] { cb.on_done(); }));
+    ASSERT_TRUE(b_->expect_imm(
+        imm, 1,
+        expect_landed(arrived, src->bytes.data() + src_off, dst->bytes.data() + dst_off, n)));
     Probe done;
     auto id = a_->submit(
         SingleWrite{src->reg.handle, src_off, dst->reg.descriptor, dst_off, n, imm, routing},
         done.callbacks());
     ASSERT_TRUE(id) << id.status().to_string();
     ASSERT_TRUE(done.wait()) << done.wait().to_string();
-    ASSERT_TRUE(arrived.wait()) << "immediate " << imm << " never counted";
+    Status landed = arrived.wait();
+    ASSERT_TRUE(landed) << "immediate " << imm << ": " << landed.to_string();
     ASSERT_EQ(0, std::memcmp(src->bytes.data() + src_off, dst->bytes.data() + dst_off, n))
         << "data mismatch for a " << n << "-byte write";
     // Bytes around the destination range are untouched.
@@ -299,13 +315,16 @@ TEST_P(Ops, MultiNicShardingKeepsRailsAligned) {
   for (Routing r : {Routing::sharded(), Routing::sharded(1), Routing::pinned(1), Routing::pinned(0),
                     Routing::sharded(2)}) {
     std::memset(dst->bytes.data(), 0, kSize);
+    Probe arrived;  // one immediate, after the data of every shard
+    ASSERT_TRUE(b_->expect_imm(
+        imm, 1, expect_landed(arrived, src->bytes.data(), dst->bytes.data(), kSize)));
     Probe done;
     ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, kSize, imm, r},
                            done.callbacks()));
     Status s = done.wait();
     ASSERT_TRUE(s) << s.to_string();
-    ASSERT_TRUE(b_->wait_imm(imm, 1, 20s));
-    EXPECT_EQ(0, std::memcmp(src->bytes.data(), dst->bytes.data(), kSize));
+    s = arrived.wait();
+    ASSERT_TRUE(s) << s.to_string();
     EXPECT_EQ(b_->imm_count(imm), 1u) << "one arrival per write, however it was sharded";
     ++imm;
   }
