@@ -288,7 +288,7 @@ Result<std::unique_ptr<MemoryRegistration>> LfDomain::register_memory(void* ptr,
 }
 
 Result<PeerHandle> LfDomain::resolve_peer(std::span<const std::byte> name) {
-  std::string key(reinterpret_cast<const char*>(name.data()), name.size());
+  const std::string_view key(reinterpret_cast<const char*>(name.data()), name.size());
   auto it = peers_.find(key);
   if (it != peers_.end()) return it->second;
   fi_addr_t addr = FI_ADDR_UNSPEC;
@@ -299,7 +299,7 @@ Result<PeerHandle> LfDomain::resolve_peer(std::span<const std::byte> name) {
                               "vector (is it an address of this provider?)",
                               info_.name, name.size()));
   }
-  peers_.emplace(std::move(key), addr);
+  peers_.emplace(std::string(key), addr);
   return static_cast<PeerHandle>(addr);
 }
 

@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -90,7 +91,12 @@ class LfDomain final : public Domain {
   int wait_fd_ = -1;
   bool needs_context_ = false;
   uint64_t next_key_ = 1;  // for providers without FI_MR_PROV_KEY
-  std::unordered_map<std::string, PeerHandle> peers_;
+  // Endpoint name -> address-vector entry; looked up by string_view, without allocating.
+  struct NameHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, PeerHandle, NameHash, std::equal_to<>> peers_;
   std::vector<std::unique_ptr<ContextSlot>> free_contexts_;
   std::vector<fi_cq_data_entry> cq_buf_;
 };

@@ -1,0 +1,397 @@
+// fabric-bench-raw: the ceiling fabric-bench measures the engine against. A minimal libfabric
+// program, two processes (it forks before anything else runs), each with one endpoint, one CQ
+// and one registered buffer. Same provider, same endpoint type, same completion semantics as
+// the engine (delivery-complete where the engine asks for it), no engine in between.
+//
+//   fabric-bench-raw --provider tcp --nic lo --size 65536 --count 4096 --window 8
+//   fabric-bench-raw --provider tcp --nic lo --size 0 --count 2000 --mode lat
+//
+// --mode bw (default): the client posts fi_writedata with remote CQ data, `window` writes in
+// flight, into the server's buffer; the server reads its CQ until it has counted every
+// immediate. Prints
+//   raw PROVIDER SIZE COUNT SECONDS GBPS POST_US CPU_S
+// SECONDS: from the first post to the last local completion (after which, with delivery
+// complete, the server has every immediate); POST_US: mean time inside one successful
+// fi_writedata; CPU_S: CPU time of both processes during the timed writes.
+//
+// --mode lat: ping-pong. The client writes `size` bytes with an immediate; the server answers
+// each arrival with the same write back; the client waits for the answer before the next.
+// Prints
+//   rawlat PROVIDER SIZE COUNT P50_US P99_US
+// the round-trip times. Both sides busy-poll their CQ. Untimed warm-up writes come first.
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Every loop ends by this deadline, whatever the peer does.
+constexpr auto kDeadline = std::chrono::seconds(120);
+constexpr size_t kCqBatch = 64;
+// Ping-pong: operation contexts in the ring (local completions may lag the answers).
+constexpr uint64_t kLatContexts = 64;
+
+struct Options {
+  std::string provider = "tcp";
+  std::string nic = "lo";
+  std::string mode = "bw";
+  uint64_t size = 65536;
+  uint64_t count = 1024;
+  uint64_t window = 8;
+  uint64_t warmup = 16;
+};
+
+[[noreturn]] void die(const char* what, int rc) {
+  std::fprintf(stderr, "fabric-bench-raw: %s: %s\n", what, fi_strerror(-rc));
+  std::exit(1);
+}
+
+#define CHECK(call)                   \
+  do {                                \
+    int rc_ = static_cast<int>(call); \
+    if (rc_ != 0) die(#call, rc_);    \
+  } while (0)
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
+  return s(u.ru_utime) + s(u.ru_stime);
+}
+
+// One side: endpoint, CQ, and a buffer registered for local and remote writes.
+struct Side {
+  fi_info* info = nullptr;
+  fid_fabric* fabric = nullptr;
+  fid_domain* domain = nullptr;
+  fid_cq* cq = nullptr;
+  fid_av* av = nullptr;
+  fid_ep* ep = nullptr;
+  fid_mr* mr = nullptr;
+  std::vector<char> name;
+  std::vector<char> buf;
+  fi_addr_t peer = FI_ADDR_UNSPEC;
+  uint64_t peer_addr = 0;  // the peer's buffer, as its writes target it
+  uint64_t peer_key = 0;
+  std::vector<fi_context2> ctx;
+
+  void* desc() const { return fi_mr_desc(mr); }
+  ~Side() {  // the endpoint before what it is bound to
+    if (ep) fi_close(&ep->fid);
+    if (mr) fi_close(&mr->fid);
+    if (av) fi_close(&av->fid);
+    if (cq) fi_close(&cq->fid);
+    if (domain) fi_close(&domain->fid);
+    if (fabric) fi_close(&fabric->fid);
+    if (info) fi_freeinfo(info);
+  }
+};
+
+void open_side(Side& s, const Options& o, uint64_t buffer_bytes) {
+  fi_info* hints = fi_allocinfo();
+  hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+  hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  if (o.provider != "shm") hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;  // as the engine
+  hints->fabric_attr->prov_name = strdup(o.provider.c_str());
+  fi_info* list = nullptr;
+  CHECK(fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints, &list));
+  fi_freeinfo(hints);
+  for (fi_info* i = list; i != nullptr && s.info == nullptr; i = i->next) {
+    if (o.nic == i->domain_attr->name &&
+        (i->addr_format == FI_SOCKADDR_IN || o.provider != "tcp")) {
+      s.info = fi_dupinfo(i);
+    }
+  }
+  fi_freeinfo(list);
+  if (s.info == nullptr) {
+    std::fprintf(stderr, "fabric-bench-raw: provider %s has no NIC %s\n", o.provider.c_str(),
+                 o.nic.c_str());
+    std::exit(1);
+  }
+  CHECK(fi_fabric(s.info->fabric_attr, &s.fabric, nullptr));
+  CHECK(fi_domain(s.fabric, s.info, &s.domain, nullptr));
+  fi_cq_attr cq_attr{};
+  cq_attr.format = FI_CQ_FORMAT_DATA;
+  cq_attr.size = 8192;
+  CHECK(fi_cq_open(s.domain, &cq_attr, &s.cq, nullptr));
+  fi_av_attr av_attr{};
+  av_attr.type = FI_AV_TABLE;
+  CHECK(fi_av_open(s.domain, &av_attr, &s.av, nullptr));
+  CHECK(fi_endpoint(s.domain, s.info, &s.ep, nullptr));
+  CHECK(fi_ep_bind(s.ep, &s.cq->fid, FI_TRANSMIT | FI_RECV));
+  CHECK(fi_ep_bind(s.ep, &s.av->fid, 0));
+  CHECK(fi_enable(s.ep));
+  size_t len = 256;
+  s.name.resize(len);
+  CHECK(fi_getname(&s.ep->fid, s.name.data(), &len));
+  s.name.resize(len);
+  s.buf.assign(std::max<uint64_t>(buffer_bytes, 64), 'x');
+  CHECK(fi_mr_reg(s.domain, s.buf.data(), s.buf.size(), FI_WRITE | FI_REMOTE_WRITE, 0, 7, 0, &s.mr,
+                  nullptr));
+}
+
+void write_all(int fd, const void* p, size_t n) {
+  if (::write(fd, p, n) != static_cast<ssize_t>(n)) std::exit(1);
+}
+void read_all(int fd, void* p, size_t n) {
+  auto* c = static_cast<char*>(p);
+  while (n > 0) {
+    ssize_t r = ::read(fd, c, n);
+    if (r <= 0) std::exit(1);
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+}
+
+// Each side tells the other its endpoint name and where its buffer is; then each inserts the
+// other into its address vector.
+void exchange(Side& s, int out, int in) {
+  const uint64_t addr = (s.info->domain_attr->mr_mode & FI_MR_VIRT_ADDR)
+                            ? reinterpret_cast<uint64_t>(s.buf.data())
+                            : 0;
+  const uint64_t key = fi_mr_key(s.mr);
+  const uint64_t len = s.name.size();
+  write_all(out, &len, sizeof len);
+  write_all(out, s.name.data(), len);
+  write_all(out, &addr, sizeof addr);
+  write_all(out, &key, sizeof key);
+  uint64_t peer_len = 0;
+  read_all(in, &peer_len, sizeof peer_len);
+  std::vector<char> peer_name(peer_len);
+  read_all(in, peer_name.data(), peer_len);
+  read_all(in, &s.peer_addr, sizeof s.peer_addr);
+  read_all(in, &s.peer_key, sizeof s.peer_key);
+  if (fi_av_insert(s.av, peer_name.data(), 1, &s.peer, 0, nullptr) != 1) {
+    die("fi_av_insert", -FI_EINVAL);
+  }
+}
+
+// What one fi_cq_read found: local completions and arrivals of remote CQ data.
+struct Polled {
+  uint64_t local = 0;
+  uint64_t remote = 0;
+};
+
+Polled poll_cq(Side& s) {
+  fi_cq_data_entry entries[kCqBatch];
+  Polled p;
+  ssize_t n = fi_cq_read(s.cq, entries, kCqBatch);
+  if (n == -FI_EAVAIL) {
+    fi_cq_err_entry err{};
+    fi_cq_readerr(s.cq, &err, 0);
+    std::fprintf(stderr, "fabric-bench-raw: completion error: %s\n", fi_strerror(err.err));
+    std::exit(1);
+  }
+  for (ssize_t i = 0; i < n; ++i) {
+    if (entries[i].flags & FI_REMOTE_CQ_DATA) {
+      ++p.remote;
+    } else {
+      ++p.local;
+    }
+  }
+  return p;
+}
+
+// Posts one write of `size` bytes from slot `slot` of the buffer to the peer's slot, with
+// context `ctx` (which must not be in use); true once posted, false on EAGAIN.
+bool post(Side& s, uint64_t size, uint64_t slot, uint64_t ctx, double* post_seconds) {
+  const auto t0 = Clock::now();
+  ssize_t rc = fi_writedata(s.ep, s.buf.data() + slot * size, size, s.desc(), 1, s.peer,
+                            s.peer_addr + slot * size, s.peer_key, &s.ctx[ctx % s.ctx.size()]);
+  if (rc == -FI_EAGAIN) return false;
+  if (rc != 0) die("fi_writedata", static_cast<int>(rc));
+  if (post_seconds) *post_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  return true;
+}
+
+struct Blast {
+  double seconds = 0;
+  double post_seconds = 0;
+};
+
+// Posts `count` writes, `window` in flight, until every local completion has come.
+Blast blast(Side& s, const Options& o, uint64_t count) {
+  Blast b;
+  uint64_t posted = 0, done = 0;
+  const auto start = Clock::now();
+  const auto deadline = start + kDeadline;
+  while (done < count) {
+    while (posted < count && posted - done < o.window) {
+      if (!post(s, o.size, posted % o.window, posted % o.window, &b.post_seconds)) break;
+      ++posted;
+    }
+    done += poll_cq(s).local;
+    if (Clock::now() > deadline) die("writes did not complete in time", -FI_ETIMEDOUT);
+  }
+  b.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return b;
+}
+
+// The target. bw: counts immediates, measuring its CPU time once the warm-up has arrived.
+// lat: answers every arrival with a write back.
+int serve(const Options& o, int out, int in) {
+  Side s;
+  open_side(s, o, o.mode == "lat" ? o.size : o.size * o.window);
+  s.ctx.resize(o.mode == "lat" ? kLatContexts : o.window);
+  exchange(s, out, in);
+  uint64_t counts[2] = {0, 0};  // warm-up, total
+  read_all(in, counts, sizeof counts);
+  const auto deadline = Clock::now() + kDeadline;
+  uint64_t seen = 0;
+  double cpu0 = counts[0] == 0 ? cpu_seconds() : 0;
+  if (o.mode == "lat") {
+    uint64_t owed = 0, posted = 0, completed = 0;
+    while ((seen < counts[1] || owed > 0 || completed < posted) && Clock::now() < deadline) {
+      Polled p = poll_cq(s);
+      seen += p.remote;
+      owed += p.remote;
+      completed += p.local;
+      while (owed > 0 && posted - completed < kLatContexts && post(s, o.size, 0, posted, nullptr)) {
+        --owed;
+        ++posted;
+      }
+    }
+  } else {
+    while (seen < counts[1] && Clock::now() < deadline) {
+      const uint64_t before = seen;
+      seen += poll_cq(s).remote;
+      if (before < counts[0] && seen >= counts[0]) cpu0 = cpu_seconds();
+    }
+  }
+  const double cpu = cpu_seconds() - cpu0;
+  write_all(out, &seen, sizeof seen);
+  write_all(out, &cpu, sizeof cpu);
+  return seen == counts[1] ? 0 : 1;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const auto rank = static_cast<size_t>(std::ceil(p / 100 * static_cast<double>(v.size())));
+  return v[std::max<size_t>(rank, 1) - 1];
+}
+
+// Ping-pong round trips; the times of the last `timed` of `total`.
+std::vector<double> ping_pong(Side& s, const Options& o, uint64_t total, uint64_t timed) {
+  std::vector<double> rtt_us;
+  uint64_t answers = 0, completed = 0;
+  const auto deadline = Clock::now() + kDeadline;
+  for (uint64_t k = 0; k < total; ++k) {
+    const auto t0 = Clock::now();
+    while (k - completed >= kLatContexts || !post(s, o.size, 0, k, nullptr)) {
+      completed += poll_cq(s).local;
+      if (Clock::now() > deadline) die("writes did not complete in time", -FI_ETIMEDOUT);
+    }
+    while (answers <= k) {
+      Polled p = poll_cq(s);
+      answers += p.remote;
+      completed += p.local;
+      if (Clock::now() > deadline) die("no answer in time", -FI_ETIMEDOUT);
+    }
+    if (k >= total - timed) {
+      rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+  }
+  while (completed < total && Clock::now() < deadline) completed += poll_cq(s).local;
+  return rtt_us;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"fabric-bench-raw: the raw libfabric ceiling for fabric-bench"};
+  app.add_option("--provider", o.provider, "libfabric provider")->capture_default_str();
+  app.add_option("--nic", o.nic, "domain name")->capture_default_str();
+  app.add_option("--mode", o.mode, "bw: windowed writes; lat: ping-pong round trips")
+      ->check(CLI::IsMember({"bw", "lat"}))
+      ->capture_default_str();
+  app.add_option("--size", o.size, "bytes per write (0: immediate only)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+      ->capture_default_str();
+  app.add_option("--count", o.count, "writes (bw) or round trips (lat) timed")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{10'000'000}))
+      ->capture_default_str();
+  app.add_option("--window", o.window, "writes in flight (bw)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{4096}))
+      ->capture_default_str();
+  app.add_option("--warmup", o.warmup, "untimed writes or round trips first")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{100'000}))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  if (o.mode == "lat") o.window = 1;
+
+  int down[2], up[2];
+  if (pipe(down) != 0 || pipe(up) != 0) return 1;
+  pid_t child = fork();  // before any thread or libfabric call exists
+  if (child == 0) {
+    close(down[1]);
+    close(up[0]);
+    return serve(o, up[1], down[0]);
+  }
+  close(down[0]);
+  close(up[1]);
+  int rc = 0;
+  {
+    Side s;
+    open_side(s, o, o.mode == "lat" ? o.size : o.size * o.window);
+    s.ctx.resize(o.mode == "lat" ? kLatContexts : o.window);
+    exchange(s, down[1], up[0]);
+    const uint64_t counts[2] = {o.warmup, o.warmup + o.count};
+    write_all(down[1], counts, sizeof counts);
+    if (o.mode == "lat") {
+      std::vector<double> rtt = ping_pong(s, o, o.warmup + o.count, o.count);
+      uint64_t seen = 0;
+      double server_cpu = 0;
+      read_all(up[0], &seen, sizeof seen);
+      read_all(up[0], &server_cpu, sizeof server_cpu);
+      std::printf("rawlat %s %lu %lu %.3f %.3f\n", o.provider.c_str(),
+                  static_cast<unsigned long>(o.size), static_cast<unsigned long>(o.count),
+                  percentile(rtt, 50), percentile(rtt, 99));
+    } else {
+      if (o.warmup > 0) blast(s, o, o.warmup);
+      const double cpu0 = cpu_seconds();
+      const Blast b = blast(s, o, o.count);
+      const double cpu = cpu_seconds() - cpu0;
+      uint64_t seen = 0;
+      double server_cpu = 0;
+      read_all(up[0], &seen, sizeof seen);
+      read_all(up[0], &server_cpu, sizeof server_cpu);
+      if (seen != counts[1]) {
+        std::fprintf(stderr, "fabric-bench-raw: the server counted %lu of %lu immediates\n",
+                     static_cast<unsigned long>(seen), static_cast<unsigned long>(counts[1]));
+        rc = 1;
+      } else {
+        std::printf("raw %s %lu %lu %.6f %.3f %.3f %.4f\n", o.provider.c_str(),
+                    static_cast<unsigned long>(o.size), static_cast<unsigned long>(o.count),
+                    b.seconds, static_cast<double>(o.size * o.count) * 8 / b.seconds / 1e9,
+                    b.post_seconds * 1e6 / static_cast<double>(o.count), cpu + server_cpu);
+      }
+    }
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
+  return rc;
+}
