@@ -1,0 +1,96 @@
+"""fabric_lib: one-sided RDMA-style writes with immediates between processes.
+
+Python bindings of fabric-lib's TransferEngine (libfabric tcp, shm, efa). A receiver registers
+memory and hands its engine address and the registration's descriptor (both bytes, picklable)
+to a sender over any side channel (a pipe, torch.distributed: see fabric_lib.distributed); the
+sender writes into it, and the receiver counts the immediates that arrive::
+
+    engine = fabric_lib.TransferEngine(fabric_lib.Config(provider="tcp", nics=["lo"]))
+    reg = engine.register(tensor)                     # NumPy, PyTorch (CPU), buffer protocol
+    send_to_peer(bytes(engine.address), bytes(reg.descriptor))
+    ...
+    engine.paged_write(src_reg, dst_descriptor, page_bytes, src_pages, dst_pages, imm=7).result()
+    await engine.write(src_reg, dst_descriptor)       # every submission is also awaitable
+
+Every library status is raised as its own exception class, derived from FabricError.
+"""
+
+import atexit as _atexit
+
+from ._fabric_lib import (
+    HAS_CUDA,
+    Address,
+    AlreadyExists,
+    Cancelled,
+    Closed,
+    Config,
+    ErrorCode,
+    FabricError,
+    FaultConfig,
+    GroupConfig,
+    GroupConfigList,
+    GroupInfo,
+    InternalError,
+    InvalidArgument,
+    MemoryHandle,
+    NotFound,
+    OutOfRange,
+    PeerGroup,
+    PeerUnreachable,
+    ProviderError,
+    Registration,
+    RemoteAccess,
+    RemoteMemory,
+    Routing,
+    ScatterTarget,
+    Sharding,
+    Timeout,
+    TransferEngine,
+    Unsupported,
+    __version__,
+    _close_all,
+    error_class,
+)
+from ._futures import Expectation, Transfer
+from ._info import Info, info
+
+# No engine thread may outlive the interpreter: close every engine still open at exit.
+_atexit.register(_close_all)
+
+__all__ = [
+    "HAS_CUDA",
+    "Address",
+    "AlreadyExists",
+    "Cancelled",
+    "Closed",
+    "Config",
+    "ErrorCode",
+    "Expectation",
+    "FabricError",
+    "FaultConfig",
+    "GroupConfig",
+    "GroupConfigList",
+    "GroupInfo",
+    "Info",
+    "InternalError",
+    "InvalidArgument",
+    "MemoryHandle",
+    "NotFound",
+    "OutOfRange",
+    "PeerGroup",
+    "PeerUnreachable",
+    "ProviderError",
+    "Registration",
+    "RemoteAccess",
+    "RemoteMemory",
+    "Routing",
+    "ScatterTarget",
+    "Sharding",
+    "Timeout",
+    "Transfer",
+    "TransferEngine",
+    "Unsupported",
+    "__version__",
+    "error_class",
+    "info",
+]

@@ -1,0 +1,132 @@
+// Shared pieces of the fabric_lib Python module (fabric_lib._fabric_lib).
+//
+// GIL rules, which every file of the module follows:
+//  - Every call into the engine that can wait (create, close, register, peer groups, receive
+//    set-up, wait_imm) and every submission runs with the GIL released.
+//  - User callbacks run on the engine's callback thread, which takes the GIL only for the
+//    Python part of each callback; the worker threads never take it (fault hooks aside).
+//  - A Python object held by C++ engine state lives in a PyRef, whose destructor takes the GIL
+//    when needed, and which the module clears under the GIL as soon as it is done with it, so
+//    that engine threads practically never drop the last reference.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "fabric/fabric.h"
+
+// Config.groups is bound as a list-like view of the C++ vector, so that
+// `config.groups[0].nics = [...]` changes the config and not a copy. Every file includes this.
+PYBIND11_MAKE_OPAQUE(std::vector<fabric::GroupConfig>)
+
+namespace fabric::python {
+
+namespace py = pybind11;
+
+// True while the interpreter is shutting down; Python objects are then leaked, not released.
+bool interpreter_finalizing();
+
+// A strong reference to a Python object that any thread may destroy.
+class PyRef {
+ public:
+  PyRef() = default;
+  explicit PyRef(py::object obj) : obj_(std::move(obj)) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  // Holding the GIL.
+  PyRef& operator=(PyRef&& other) noexcept {
+    obj_ = std::move(other.obj_);
+    return *this;
+  }
+  ~PyRef() { reset(); }
+
+  // Holding the GIL.
+  const py::object& get() const { return obj_; }
+  explicit operator bool() const { return static_cast<bool>(obj_); }
+  // Drops the reference; takes the GIL if this thread does not hold it.
+  void reset();
+
+ private:
+  py::object obj_;
+};
+
+// --- errors (errors.cc) ---------------------------------------------------------------------
+
+// Carries a non-ok Status out of a binding; translated into the Python exception of its code.
+struct StatusError {
+  Status status;
+};
+
+// Throws StatusError unless `s` is ok.
+inline void check(const Status& s) {
+  if (!s) throw StatusError{s};
+}
+template <typename T>
+T check(Result<T> r) {
+  if (!r) throw StatusError{r.status()};
+  return std::move(*r);
+}
+
+// The Python exception instance for a non-ok status (holding the GIL).
+py::object make_exception(const Status& status);
+// Reports an exception that user callback `callback` raised on an engine thread through
+// sys.unraisablehook ("Exception ignored in: <callback>"), and swallows it. Holding the GIL.
+void report_callback_error(py::error_already_set& e, py::handle callback);
+
+void bind_errors(py::module_& m);
+
+// --- memory (memory.cc) ---------------------------------------------------------------------
+
+// A contiguous range of memory taken from a Python object (buffer protocol or DLPack), kept
+// valid while this object lives.
+class PinnedMemory {
+ public:
+  // Takes `obj`'s memory. Raises InvalidArgument for read-only or non-contiguous memory, and
+  // Unsupported for device memory this build cannot register. Holding the GIL.
+  static std::unique_ptr<PinnedMemory> from_object(py::handle obj);
+  // A raw pointer; `owner` (may be None) is kept alive with it.
+  static std::unique_ptr<PinnedMemory> from_pointer(uintptr_t ptr, uint64_t length,
+                                                    py::object owner);
+  ~PinnedMemory();  // holding the GIL
+  PinnedMemory(const PinnedMemory&) = delete;
+  PinnedMemory& operator=(const PinnedMemory&) = delete;
+
+  void* ptr() const { return ptr_; }
+  uint64_t length() const { return length_; }
+  // "cpu" today; "cuda:N" once the GPU build registers device memory (issue 9).
+  const std::string& device() const { return device_; }
+  const py::object& owner() const { return owner_; }
+
+ private:
+  PinnedMemory() = default;
+  void* ptr_ = nullptr;
+  uint64_t length_ = 0;
+  std::string device_ = "cpu";
+  py::object owner_;    // the registered object
+  py::object capsule_;  // DLPack: the exported capsule; its destructor releases the export
+  Py_buffer view_{};    // buffer protocol: the view, released in the destructor
+  bool has_view_ = false;
+};
+
+// Page indices from a sequence of ints, a 1-D integer array (buffer protocol) or a 1-D integer
+// tensor (DLPack, host memory). `what` names the argument in errors. Holding the GIL.
+std::vector<uint32_t> to_page_indices(py::handle obj, const char* what);
+
+// --- value types (types.cc) -----------------------------------------------------------------
+
+// An Address from an Address or bytes-like encoding; raises InvalidArgument naming `what`.
+Address to_address(py::handle obj, const char* what);
+// A RemoteMemory from a RemoteMemory or bytes-like encoding.
+RemoteMemory to_remote(py::handle obj, const char* what);
+
+// --- the rest -------------------------------------------------------------------------------
+
+void bind_config(py::module_& m);
+void bind_types(py::module_& m);
+void bind_engine(py::module_& m);
+void bind_info(py::module_& m);
+
+}  // namespace fabric::python

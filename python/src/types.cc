@@ -1,0 +1,464 @@
+// Value types: Address and RemoteMemory (bytes, picklable), handles, routing, scatter targets,
+// group info, and the typed configuration.
+#include <pybind11/chrono.h>
+#include <pybind11/stl_bind.h>
+
+#include <cmath>
+#include <functional>
+#include <string_view>
+
+#include "bindings.h"
+
+namespace fabric::python {
+namespace {
+
+// Reads a bytes-like object (bytes, bytearray, memoryview, ...) and hands its bytes to `fn`.
+template <typename Fn>
+auto with_bytes(py::handle obj, const char* what, Fn&& fn) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_SIMPLE) != 0) {
+    PyErr_Clear();
+    throw py::type_error(std::string(what) + ": expected bytes, not " +
+                         std::string(py::str(py::type::handle_of(obj).attr("__qualname__"))));
+  }
+  std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> guard(&view, PyBuffer_Release);
+  return fn(std::span<const std::byte>(static_cast<const std::byte*>(view.buf),
+                                       static_cast<size_t>(view.len)));
+}
+
+py::bytes to_pybytes(const Bytes& b) {
+  return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
+// Durations: read as a datetime.timedelta or a number of seconds; returned as timedelta.
+template <typename Duration>
+Duration to_duration(py::handle v, const char* what) {
+  double seconds;
+  if (py::isinstance(v, py::module_::import("datetime").attr("timedelta"))) {
+    seconds = py::cast<double>(v.attr("total_seconds")());
+  } else if (PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())) {
+    seconds = py::cast<double>(v);
+  } else {
+    throw py::type_error(std::string(what) + ": expected a datetime.timedelta or seconds");
+  }
+  if (!std::isfinite(seconds) || seconds < 0) {
+    throw StatusError{Status(ErrorCode::kInvalidArgument,
+                             std::string(what) + ": must be a finite, non-negative duration")};
+  }
+  using Seconds = std::chrono::duration<double>;
+  return std::chrono::round<Duration>(Seconds(seconds));
+}
+
+template <typename Duration, Duration Config::*Field>
+void duration_property(py::class_<Config>& cls, const char* name, const char* doc) {
+  cls.def_property(
+      name, [](const Config& c) { return c.*Field; },
+      [name](Config& c, py::handle v) { c.*Field = to_duration<Duration>(v, name); }, doc);
+}
+
+// FaultConfig.fail_write: a Python callable run on the worker thread for each work request.
+struct FailWriteHook {
+  std::shared_ptr<PyRef> fn;
+  bool operator()(uint64_t sequence) const {
+    if (interpreter_finalizing()) return false;
+    py::gil_scoped_acquire gil;
+    try {
+      py::object r = fn->get()(sequence);
+      int truth = PyObject_IsTrue(r.ptr());
+      if (truth < 0) throw py::error_already_set();
+      return truth == 1;
+    } catch (py::error_already_set& e) {
+      report_callback_error(e, fn->get());
+      return false;
+    }
+  }
+};
+
+template <typename T>
+py::object not_implemented_unless(py::handle other) {
+  if (!py::isinstance<T>(other)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  return py::object();
+}
+
+}  // namespace
+
+Address to_address(py::handle obj, const char* what) {
+  if (py::isinstance<Address>(obj)) return py::cast<Address>(obj);
+  return with_bytes(obj, what, [&](std::span<const std::byte> b) {
+    auto r = Address::decode(b);
+    if (!r)
+      throw StatusError{Status(r.status().code(), std::string(what) + ": " + r.status().message())};
+    return std::move(*r);
+  });
+}
+
+RemoteMemory to_remote(py::handle obj, const char* what) {
+  if (py::isinstance<RemoteMemory>(obj)) return py::cast<RemoteMemory>(obj);
+  return with_bytes(obj, what, [&](std::span<const std::byte> b) {
+    auto r = RemoteMemory::decode(b);
+    if (!r)
+      throw StatusError{Status(r.status().code(), std::string(what) + ": " + r.status().message())};
+    return std::move(*r);
+  });
+}
+
+void bind_types(py::module_& m) {
+  py::class_<Address>(m, "Address",
+                      "The address of one device group of an engine: what a peer needs to reach "
+                      "it. Converts to and from versioned bytes (bytes(a), Address(data)); "
+                      "picklable, hashable, comparable.")
+      .def(py::init([](py::handle data) { return to_address(data, "Address"); }), py::arg("data"),
+           "Decodes bytes made by bytes(address); raises InvalidArgument.")
+      .def_static(
+          "from_hex", [](const std::string& hex) { return check(Address::from_hex(hex)); },
+          py::arg("text"), "Decodes the lower-case hex form made by hex().")
+      .def(
+          "to_bytes", [](const Address& a) { return to_pybytes(a.encode()); },
+          "The versioned encoding, as bytes.")
+      .def(
+          "__bytes__", [](const Address& a) { return to_pybytes(a.encode()); },
+          "The versioned encoding, as bytes.")
+      .def("hex", &Address::to_hex, "The encoding as lower-case hex text.")
+      .def_property_readonly(
+          "provider", [](const Address& a) { return a.provider(); },
+          "The provider of the group, e.g. 'tcp;ofi_rxm'.")
+      .def_property_readonly("num_nics", &Address::num_nics, "The number of NICs (rails).")
+      .def_property_readonly("short_name", &Address::short_name,
+                             "A short form for logs: provider, NIC count, a hash of the bytes.")
+      .def(
+          "__eq__",
+          [](const Address& a, py::handle other) -> py::object {
+            if (auto ni = not_implemented_unless<Address>(other)) return ni;
+            return py::bool_(a == py::cast<const Address&>(other));
+          },
+          py::arg("other"), "Equal when the encodings are equal.")
+      .def(
+          "__hash__", [](const Address& a) { return py::hash(to_pybytes(a.encode())); },
+          "The hash of the encoding.")
+      .def(
+          "__repr__", [](const Address& a) { return "Address('" + a.short_name() + "')"; },
+          "Address('<short name>').")
+      .def(py::pickle([](const Address& a) { return to_pybytes(a.encode()); },
+                      [](py::bytes b) { return to_address(b, "Address.__setstate__"); }));
+
+  py::class_<RemoteMemory>(m, "RemoteMemory",
+                           "A registered region of a peer, as its owner described it: what a "
+                           "writer needs. Converts to and from versioned bytes (bytes(d), "
+                           "RemoteMemory(data)); picklable, hashable, comparable.")
+      .def(py::init([](py::handle data) { return to_remote(data, "RemoteMemory"); }),
+           py::arg("data"), "Decodes bytes made by bytes(descriptor); raises InvalidArgument.")
+      .def_static(
+          "from_hex", [](const std::string& hex) { return check(RemoteMemory::from_hex(hex)); },
+          py::arg("text"), "Decodes the lower-case hex form made by hex().")
+      .def(
+          "to_bytes", [](const RemoteMemory& r) { return to_pybytes(r.encode()); },
+          "The versioned encoding, as bytes.")
+      .def(
+          "__bytes__", [](const RemoteMemory& r) { return to_pybytes(r.encode()); },
+          "The versioned encoding, as bytes.")
+      .def("hex", &RemoteMemory::to_hex, "The encoding as lower-case hex text.")
+      .def_property_readonly(
+          "owner", [](const RemoteMemory& r) { return r.owner(); },
+          "The Address of the owner's device group.")
+      .def_property_readonly("base", &RemoteMemory::base,
+                             "The owner's virtual address of the region (informational).")
+      .def_property_readonly("length", &RemoteMemory::length, "The region's length in bytes.")
+      .def_property_readonly(
+          "rails",
+          [](const RemoteMemory& r) {
+            py::list out;
+            for (const auto& rail : r.rails()) out.append(py::make_tuple(rail.addr, rail.key));
+            return out;
+          },
+          "One (fabric address, key) pair per NIC, rail-aligned with the owner's NICs.")
+      .def(
+          "__eq__",
+          [](const RemoteMemory& a, py::handle other) -> py::object {
+            if (auto ni = not_implemented_unless<RemoteMemory>(other)) return ni;
+            return py::bool_(a == py::cast<const RemoteMemory&>(other));
+          },
+          py::arg("other"), "Equal when the encodings are equal.")
+      .def(
+          "__hash__", [](const RemoteMemory& r) { return py::hash(to_pybytes(r.encode())); },
+          "The hash of the encoding.")
+      .def(
+          "__len__", [](const RemoteMemory& r) { return r.length(); },
+          "The region's length in bytes.")
+      .def(
+          "__repr__",
+          [](const RemoteMemory& r) {
+            return "RemoteMemory(" + std::to_string(r.length()) + " bytes of '" +
+                   r.owner().short_name() + "')";
+          },
+          "RemoteMemory(<length> bytes of '<owner>').")
+      .def(py::pickle([](const RemoteMemory& r) { return to_pybytes(r.encode()); },
+                      [](py::bytes b) { return to_remote(b, "RemoteMemory.__setstate__"); }));
+
+  py::class_<MemoryHandle>(m, "MemoryHandle",
+                           "A local registration handle of one engine (Registration.handle). "
+                           "Never reused: a handle kept after unregister() is unknown.")
+      .def(py::init([](uint64_t id) { return MemoryHandle{id}; }), py::arg("id"),
+           "A handle from its id (for handles kept as integers).")
+      .def_property_readonly(
+          "id", [](const MemoryHandle& h) { return h.id; }, "The handle's id.")
+      .def(
+          "__int__", [](const MemoryHandle& h) { return h.id; }, "The handle's id.")
+      .def(
+          "__eq__",
+          [](const MemoryHandle& a, py::handle other) -> py::object {
+            if (auto ni = not_implemented_unless<MemoryHandle>(other)) return ni;
+            return py::bool_(a == py::cast<const MemoryHandle&>(other));
+          },
+          py::arg("other"), "Equal when the ids are equal.")
+      .def(
+          "__hash__", [](const MemoryHandle& h) { return py::hash(py::int_(h.id)); },
+          "The hash of the id.")
+      .def(
+          "__repr__",
+          [](const MemoryHandle& h) { return "MemoryHandle(" + std::to_string(h.id) + ")"; },
+          "MemoryHandle(<id>).");
+
+  py::class_<PeerGroup>(m, "PeerGroup",
+                        "A set of peer addresses that scatter() and barrier() address together "
+                        "(TransferEngine.add_peer_group).")
+      .def_property_readonly(
+          "id", [](const PeerGroup& g) { return g.id; }, "The group's id.")
+      .def(
+          "__eq__",
+          [](const PeerGroup& a, py::handle other) -> py::object {
+            if (auto ni = not_implemented_unless<PeerGroup>(other)) return ni;
+            return py::bool_(a == py::cast<const PeerGroup&>(other));
+          },
+          py::arg("other"), "Equal when the ids are equal.")
+      .def(
+          "__hash__", [](const PeerGroup& g) { return py::hash(py::int_(g.id)); },
+          "The hash of the id.")
+      .def(
+          "__repr__", [](const PeerGroup& g) { return "PeerGroup(" + std::to_string(g.id) + ")"; },
+          "PeerGroup(<id>).");
+
+  py::class_<Routing> routing(m, "Routing",
+                              "How a single write is spread over the NICs of the group: "
+                              "Routing.sharded(shards) or Routing.pinned(nic).");
+  py::enum_<Routing::Kind>(routing, "Kind", "Sharded across NICs, or pinned to one.")
+      .value("SHARDED", Routing::Kind::kSharded)
+      .value("PINNED", Routing::Kind::kPinned);
+  routing
+      .def_static("sharded", &Routing::sharded, py::arg("shards") = 0,
+                  "Split into at most `shards` shards rotated across NICs (0: one per NIC). "
+                  "Writes below Config.shard_min_bytes are never split.")
+      .def_static("pinned", &Routing::pinned, py::arg("nic"),
+                  "Use local NIC (rail) `nic`; the peer's NIC of the same rail receives.")
+      .def_property_readonly(
+          "kind", [](const Routing& r) { return r.kind; }, "SHARDED or PINNED.")
+      .def_property_readonly(
+          "shards", [](const Routing& r) { return r.shards; }, "SHARDED: the most shards.")
+      .def_property_readonly(
+          "nic", [](const Routing& r) { return r.nic; }, "PINNED: the local NIC.")
+      .def(
+          "__repr__",
+          [](const Routing& r) {
+            return r.kind == Routing::Kind::kPinned
+                       ? "Routing.pinned(" + std::to_string(r.nic) + ")"
+                       : "Routing.sharded(" + std::to_string(r.shards) + ")";
+          },
+          "Routing.sharded(n) or Routing.pinned(nic).");
+
+  py::enum_<Scatter::Sharding>(m, "Sharding", "How scatter() spreads its targets over NICs.")
+      .value("BY_PEER", Scatter::Sharding::kByPeer,
+             "Each target goes whole to one NIC, targets rotated across NICs.")
+      .value("BY_BYTES", Scatter::Sharding::kByBytes,
+             "Each target large enough is split across all NICs.");
+
+  py::class_<ScatterTarget>(m, "ScatterTarget",
+                            "One target of scatter(): `length` bytes from the source's "
+                            "`src_offset` to `dst` at `dst_offset`. A (dst, length, src_offset, "
+                            "dst_offset) tuple is accepted wherever a ScatterTarget is.")
+      .def(py::init([](py::handle dst, uint64_t length, uint64_t src_offset, uint64_t dst_offset) {
+             return ScatterTarget{to_remote(dst, "ScatterTarget.dst"), length, src_offset,
+                                  dst_offset};
+           }),
+           py::arg("dst"), py::arg("length"), py::arg("src_offset") = 0, py::arg("dst_offset") = 0,
+           "dst: a RemoteMemory (or its bytes) whose owner is a member of the peer group.")
+      .def_property(
+          "dst", [](const ScatterTarget& t) { return t.dst; },
+          [](ScatterTarget& t, py::handle v) { t.dst = to_remote(v, "ScatterTarget.dst"); },
+          "The destination region.")
+      .def_readwrite("length", &ScatterTarget::length, "Bytes to write.")
+      .def_readwrite("src_offset", &ScatterTarget::src_offset, "Offset in the source region.")
+      .def_readwrite("dst_offset", &ScatterTarget::dst_offset, "Offset in the destination region.")
+      .def(
+          "__repr__",
+          [](const ScatterTarget& t) {
+            return "ScatterTarget(" + std::to_string(t.length) +
+                   " bytes, src_offset=" + std::to_string(t.src_offset) +
+                   ", dst_offset=" + std::to_string(t.dst_offset) + ")";
+          },
+          "ScatterTarget(<length> bytes, src_offset=..., dst_offset=...).");
+
+  py::class_<GroupInfo>(m, "GroupInfo", "What a device group turned out to be, once opened.")
+      .def_readonly("provider", &GroupInfo::provider, "The provider, e.g. 'tcp;ofi_rxm'.")
+      .def_readonly("nics", &GroupInfo::nics, "Domain names, in rail order.")
+      .def_readonly("cpu", &GroupInfo::cpu, "The worker's CPU, or -1 when unpinned.")
+      .def_readonly("delivery_complete", &GroupInfo::delivery_complete,
+                    "Whether writes complete only once visible at the target.")
+      .def(
+          "__repr__",
+          [](const GroupInfo& g) {
+            std::string nics;
+            for (const auto& n : g.nics) nics += (nics.empty() ? "" : ",") + n;
+            return "GroupInfo(provider='" + g.provider + "', nics=[" + nics +
+                   "], cpu=" + std::to_string(g.cpu) +
+                   ", delivery_complete=" + (g.delivery_complete ? "True" : "False") + ")";
+          },
+          "GroupInfo(provider=..., nics=[...], cpu=..., delivery_complete=...).");
+}
+
+void bind_config(py::module_& m) {
+  py::class_<GroupConfig> group_config(
+      m, "GroupConfig",
+      "One device group: the NICs that serve one GPU or host buffer pool, polled by one worker "
+      "thread. CPU_AUTO: pin the worker next to the first NIC when it has a NUMA node; "
+      "CPU_NONE: never pin.");
+  group_config.attr("CPU_AUTO") = GroupConfig::kCpuAuto;
+  group_config.attr("CPU_NONE") = GroupConfig::kCpuNone;
+  group_config
+      .def(py::init([](std::optional<std::vector<std::string>> nics, int cpu) {
+             GroupConfig g;
+             if (nics) g.nics = std::move(*nics);
+             g.cpu = cpu;
+             return g;
+           }),
+           py::arg("nics") = py::none(), py::arg("cpu") = GroupConfig::kCpuAuto,
+           "nics: domain names ('lo', 'shm', 'eth0', ...; none: the provider's first); cpu: "
+           "CPU_AUTO, CPU_NONE or a CPU number for the worker thread.")
+      .def_readwrite("nics", &GroupConfig::nics,
+                     "Domain names as libfabric reports them; empty: the provider's first. A NIC "
+                     "may be listed twice. Assign a new list (in-place edits of the returned "
+                     "list are lost).")
+      .def_readwrite("cpu", &GroupConfig::cpu,
+                     "CPU to pin the worker to: CPU_AUTO (a core near the first NIC), CPU_NONE "
+                     "(never pin) or a CPU number.")
+      .def(
+          "__repr__",
+          [](const GroupConfig& g) {
+            std::string nics;
+            for (const auto& n : g.nics) nics += (nics.empty() ? "'" : ", '") + n + "'";
+            return "GroupConfig(nics=[" + nics + "], cpu=" + std::to_string(g.cpu) + ")";
+          },
+          "GroupConfig(nics=[...], cpu=...).");
+
+  py::bind_vector<std::vector<GroupConfig>>(
+      m, "GroupConfigList", "Config.groups: a list of GroupConfig that edits the config in place.");
+  py::implicitly_convertible<py::list, std::vector<GroupConfig>>();
+  py::implicitly_convertible<py::tuple, std::vector<GroupConfig>>();
+
+  py::class_<FaultConfig>(m, "FaultConfig",
+                          "Fault injection for tests (Config.faults): reorders completions and "
+                          "immediates, fails chosen writes. Off by default.")
+      .def(py::init<>(), "Disabled fault injection.")
+      .def_readwrite("enabled", &FaultConfig::enabled, "Wrap every domain in the fault domain.")
+      .def_readwrite("seed", &FaultConfig::seed, "Seed of the shuffling.")
+      .def_readwrite("max_hold_polls", &FaultConfig::max_hold_polls,
+                     "A held completion is released after at most this many polls.")
+      .def_property(
+          "fail_write",
+          [](const FaultConfig& f) -> py::object {
+            if (const auto* hook = f.fail_write.target<FailWriteHook>()) return hook->fn->get();
+            return py::none();
+          },
+          [](FaultConfig& f, py::object fn) {
+            if (fn.is_none()) {
+              f.fail_write = nullptr;
+            } else {
+              if (!PyCallable_Check(fn.ptr())) throw py::type_error("fail_write: not callable");
+              f.fail_write = FailWriteHook{std::make_shared<PyRef>(std::move(fn))};
+            }
+          },
+          "Called as fail_write(sequence) on the worker thread (holding the GIL) before each "
+          "write is posted; a true result fails that write with ProviderError. None: never "
+          "fail.");
+
+  py::class_<Config> config(m, "Config",
+                            "The one typed configuration of a TransferEngine. Every field has a "
+                            "working default.");
+  config
+      .def(py::init([](const std::string& provider, std::optional<std::vector<std::string>> nics,
+                       int cpu, const py::kwargs& fields) {
+             Config c;
+             c.provider = provider;
+             if (nics) c.groups[0].nics = std::move(*nics);
+             c.groups[0].cpu = cpu;
+             if (fields.empty()) return c;
+             // Any other field by name, through its property (same checks as assignment).
+             py::object obj = py::cast(c);
+             py::object type = py::type::of(obj);
+             py::object property = py::module_::import("builtins").attr("property");
+             for (auto [key, value] : fields) {
+               auto name = py::cast<std::string>(key);
+               if (name.empty() || name[0] == '_' || !py::hasattr(type, name.c_str()) ||
+                   !py::isinstance(type.attr(name.c_str()), property)) {
+                 throw py::type_error("Config has no field '" + name + "'");
+               }
+               py::setattr(obj, key, value);
+             }
+             return py::cast<Config>(obj);
+           }),
+           py::arg("provider") = "auto", py::arg("nics") = py::none(),
+           py::arg("cpu") = GroupConfig::kCpuAuto,
+           "provider, nics and cpu set up the one default group; any other field can be given "
+           "by name (Config(provider='tcp', nics=['lo'], spin_time=0.0001)).")
+      .def_readwrite("provider", &Config::provider,
+                     "'auto' (efa when present, else tcp), 'tcp', 'shm', 'efa', 'verbs', or any "
+                     "libfabric provider with RDM endpoints, RMA and remote CQ data.")
+      .def_readwrite("groups", &Config::groups,
+                     "One GroupConfig per device group (default: one group on the provider's "
+                     "first domain).")
+      .def_readwrite("shard_min_bytes", &Config::shard_min_bytes,
+                     "Single writes and byte-sharded scatter targets below this use one NIC.")
+      .def_readwrite("shard_alignment", &Config::shard_alignment,
+                     "Shard boundaries are aligned to this many bytes.")
+      .def_readwrite("cq_batch", &Config::cq_batch, "Most completions read from a CQ per call.")
+      .def_readwrite("post_budget", &Config::post_budget,
+                     "Most work requests posted per domain in one pass of the worker loop.")
+      .def_readwrite("max_message_bytes", &Config::max_message_bytes,
+                     "Largest message send() accepts.")
+      .def_readwrite("send_buffers", &Config::send_buffers,
+                     "Send buffers each group keeps registered.")
+      .def_readwrite("max_wr_bytes", &Config::max_wr_bytes,
+                     "Writes larger than this are split into several work requests.")
+      .def_readwrite("faults", &Config::faults, "Fault injection (tests only; off by default).")
+      .def(
+          "apply_env_overrides", [](Config& c) { check(c.apply_env_overrides()); },
+          "Applies FABRIC_PROVIDER, FABRIC_NICS (comma-separated, group 0), FABRIC_CPU, "
+          "FABRIC_SPIN_US and FABRIC_IDLE_SLEEP_US; raises InvalidArgument naming a malformed "
+          "variable.")
+      .def(
+          "__repr__",
+          [](const Config& c) {
+            std::string groups;
+            for (const auto& g : c.groups) {
+              std::string nics;
+              for (const auto& n : g.nics) nics += (nics.empty() ? "'" : ", '") + n + "'";
+              groups += (groups.empty() ? "" : ", ") + std::string("GroupConfig(nics=[") + nics +
+                        "], cpu=" + std::to_string(g.cpu) + ")";
+            }
+            return "Config(provider='" + c.provider + "', groups=[" + groups + "])";
+          },
+          "Config(provider=..., groups=[...]).");
+  duration_property<std::chrono::microseconds, &Config::spin_time>(
+      config, "spin_time",
+      "How long an idle worker spins before sleeping (timedelta; set with a timedelta or "
+      "seconds).");
+  duration_property<std::chrono::microseconds, &Config::idle_sleep>(
+      config, "idle_sleep", "The idle worker's sleep step (timedelta or seconds).");
+  duration_property<std::chrono::milliseconds, &Config::peer_timeout>(
+      config, "peer_timeout",
+      "A peer silent this long with work outstanding is declared unreachable (timedelta or "
+      "seconds).");
+  duration_property<std::chrono::milliseconds, &Config::close_timeout>(
+      config, "close_timeout",
+      "How long close() lets posted work finish before cancelling it (timedelta or seconds).");
+}
+
+}  // namespace fabric::python
