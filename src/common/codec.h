@@ -25,8 +25,9 @@ class ByteWriter {
   template <typename T>
   void put(T v) {
     static_assert(std::endian::native == std::endian::little, "wire format is little-endian");
-    const auto* p = reinterpret_cast<const std::byte*>(&v);
-    out_.insert(out_.end(), p, p + sizeof(T));
+    const size_t at = out_.size();
+    out_.resize(at + sizeof(T));
+    std::memcpy(out_.data() + at, &v, sizeof(T));
   }
   std::vector<std::byte> out_;
 };
