@@ -3,7 +3,11 @@
 #   make deps    install the Debian packages the build needs (idempotent, quiet when present)
 #   make build   configure and build; binaries land in build/bin/
 #   make run     loopback demonstration: two processes, verified writes, throughput per op
-#   make test    everything CI runs: format check, unit + conformance tests, ASan+UBSan, TSan
+#   make test    everything CI runs: format check, unit + conformance tests, Python tests,
+#                ASan+UBSan, TSan
+#   make test-python  the fabric_lib Python module's pytest suite (Debian's /usr/bin/python3)
+#   make bench   the full benchmark over tcp and shm, with its baselines (UCX, iperf3, raw
+#                libfabric): tables on stdout, bench/results/<provider>.{json,md,png}
 #   make format  apply .clang-format to every source file
 
 SHELL := /bin/bash
@@ -12,11 +16,23 @@ SHELL := /bin/bash
 
 DEB_PACKAGES := cmake ninja-build g++ pkg-config make \
   libfabric-dev libfabric-bin libhwloc-dev hwloc libfmt-dev libspdlog-dev libcli11-dev \
-  libgtest-dev googletest clang-format iproute2
+  libgtest-dev googletest clang-format iproute2 \
+  pybind11-dev python3-dev python3-pip python3-pytest python3-pytest-timeout python3-numpy \
+  python3-torch
+# Only `make bench` installs these: the baselines fabric-bench compares with (ucx_perftest,
+# iperf3, run in a private network namespace made with unshare and ip) and the plot.
+BENCH_PACKAGES := ucx-utils iperf3 python3-matplotlib iproute2 util-linux
+BENCH_PROVIDERS ?= tcp shm
+BENCH_ARGS ?=
 SOURCES = $(shell git ls-files '*.h' '*.cc' '*.cpp' '*.hpp' '*.cu' '*.cuh' 2>/dev/null)
 CTEST_ARGS ?= --output-on-failure --timeout 600
+# The Python tests run on Debian's interpreter (a python3 earlier on PATH may see no Debian
+# packages), against the package as built in build/python.
+PYTHON := /usr/bin/python3
+PYTEST_ARGS ?= -q -rs
 
-.PHONY: deps build run test test-default test-asan test-tsan format check-format clean
+.PHONY: deps build run test test-default test-python test-asan test-tsan bench bench-deps format \
+  check-format clean
 
 deps:
 	@missing=()
@@ -43,11 +59,18 @@ run: build
 	echo "== loopback demonstration over libfabric shm =="
 	./build/bin/fabric-bench --provider shm --nic shm --quick
 
-test: deps check-format test-default test-asan test-tsan
+test: deps check-format test-default test-python test-asan test-tsan
 	@echo "all test suites passed"
 
 test-default: build
 	@ctest --preset default $(CTEST_ARGS)
+
+test-python: build
+	@if ! ls build/python/fabric_lib/_fabric_lib*.so >/dev/null 2>&1; then
+	  echo "the fabric_lib Python module was not built: FABRIC_BUILD_PYTHON is off in build/ (are pybind11-dev and python3-dev installed? run: make deps, then cmake --preset default -DFABRIC_BUILD_PYTHON=ON)"
+	  exit 1
+	fi
+	PYTHONPATH=$(CURDIR)/build/python $(PYTHON) -m pytest $(PYTEST_ARGS) tests/python
 
 test-asan: deps
 	@cmake --preset asan >/dev/null
@@ -60,6 +83,20 @@ test-tsan: deps
 	cmake --build --preset tsan
 	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/tests/tsan.supp" \
 	  ctest --preset tsan $(CTEST_ARGS)
+
+bench-deps:
+	@$(MAKE) --no-print-directory deps DEB_PACKAGES="$(BENCH_PACKAGES)"
+
+bench: deps bench-deps
+	@cmake --preset default >/dev/null
+	cmake --build --preset default --target fabric-bench fabric-bench-raw
+	mkdir -p bench/results
+	for p in $(BENCH_PROVIDERS); do
+	  echo
+	  echo "== fabric-bench over libfabric $$p =="
+	  ./build/bin/fabric-bench --provider $$p $(BENCH_ARGS) --json bench/results/$$p.json \
+	    --markdown bench/results/$$p.md --plot bench/results/$$p.png
+	done
 
 format:
 	@clang-format -i $(SOURCES)

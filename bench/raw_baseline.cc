@@ -1,14 +1,17 @@
 // fabric-bench-raw: the ceiling fabric-bench measures the engine against. A minimal libfabric
 // program, two processes (it forks before anything else runs), each with one endpoint, one CQ
-// and one registered buffer. Same provider, same endpoint type, same completion semantics as
-// the engine (delivery-complete where the engine asks for it), no engine in between.
+// and one registered buffer. Same provider, same endpoint (FI_EP_RDM, FI_THREAD_DOMAIN, manual
+// progress: no provider thread), same completion semantics as the engine (delivery-complete
+// where the engine asks for it), no engine in between.
 //
 //   fabric-bench-raw --provider tcp --nic lo --size 65536 --count 4096 --window 8
 //   fabric-bench-raw --provider tcp --nic lo --size 0 --count 2000 --mode lat
 //
 // --mode bw (default): the client posts fi_writedata with remote CQ data, `window` writes in
 // flight, into the server's buffer; the server reads its CQ until it has counted every
-// immediate. Prints
+// immediate. Write i goes from slot i % slots of the client's buffer to the same slot of the
+// server's, with enough slots to cover --span bytes (at least `window`): a span as large as
+// the engine's pass keeps the memory footprint (and so the cache misses) alike. Prints
 //   raw PROVIDER SIZE COUNT SECONDS GBPS POST_US CPU_S
 // SECONDS: from the first post to the last local completion (after which, with delivery
 // complete, the server has every immediate); POST_US: mean time inside one successful
@@ -18,7 +21,18 @@
 // each arrival with the same write back; the client waits for the answer before the next.
 // Prints
 //   rawlat PROVIDER SIZE COUNT P50_US P99_US
-// the round-trip times. Both sides busy-poll their CQ. Untimed warm-up writes come first.
+// the round-trip times. Untimed warm-up writes (--warmup) come first.
+//
+// --commands: the two processes stay up and measure once per line of stdin, printing one line
+// each (or `error ...`): `bw SIZE COUNT WINDOW WARMUP [SPAN]` or `lat SIZE COUNT WARMUP`; `quit` or
+// EOF ends. fabric-bench runs it so, as libfabric's start-up takes most of a second here.
+//
+// Waiting (--wait): like the engine's worker with its default Config, each side busy-polls its
+// CQ while it has writes outstanding, and otherwise sleeps on the CQ's wait fd once --spin-us
+// have passed without a completion (fd, the default). With --wait spin both sides always
+// busy-poll: the lowest latency when every process has a core of its own, and a loss when they
+// share the cores (a spinning target takes CPU time from the sender).
+#include <poll.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -36,6 +50,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -48,6 +63,8 @@ constexpr auto kDeadline = std::chrono::seconds(120);
 constexpr size_t kCqBatch = 64;
 // Ping-pong: operation contexts in the ring (local completions may lag the answers).
 constexpr uint64_t kLatContexts = 64;
+// --span is capped here (each process allocates the span).
+constexpr uint64_t kMaxSpan = 256ull << 20;
 
 struct Options {
   std::string provider = "tcp";
@@ -56,7 +73,11 @@ struct Options {
   uint64_t size = 65536;
   uint64_t count = 1024;
   uint64_t window = 8;
+  uint64_t span = 0;
   uint64_t warmup = 16;
+  std::string wait = "fd";
+  uint64_t spin_us = 200;
+  bool commands = false;
 };
 
 [[noreturn]] void die(const char* what, int rc) {
@@ -86,6 +107,9 @@ struct Side {
   fid_av* av = nullptr;
   fid_ep* ep = nullptr;
   fid_mr* mr = nullptr;
+  int wait_fd = -1;  // the CQ's, when it has one and --wait fd
+  std::chrono::microseconds spin{200};
+  Clock::time_point last_activity = Clock::now();
   std::vector<char> name;
   std::vector<char> buf;
   fi_addr_t peer = FI_ADDR_UNSPEC;
@@ -105,13 +129,14 @@ struct Side {
   }
 };
 
-void open_side(Side& s, const Options& o, uint64_t buffer_bytes) {
+void open_side(Side& s, const Options& o) {
   fi_info* hints = fi_allocinfo();
   hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
   hints->ep_attr->type = FI_EP_RDM;
   hints->mode = FI_CONTEXT | FI_CONTEXT2;
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
   hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  hints->domain_attr->data_progress = FI_PROGRESS_MANUAL;  // as the engine: no progress thread
   if (o.provider != "shm") hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;  // as the engine
   hints->fabric_attr->prov_name = strdup(o.provider.c_str());
   fi_info* list = nullptr;
@@ -134,7 +159,15 @@ void open_side(Side& s, const Options& o, uint64_t buffer_bytes) {
   fi_cq_attr cq_attr{};
   cq_attr.format = FI_CQ_FORMAT_DATA;
   cq_attr.size = 8192;
-  CHECK(fi_cq_open(s.domain, &cq_attr, &s.cq, nullptr));
+  cq_attr.wait_obj = o.wait == "fd" ? FI_WAIT_FD : FI_WAIT_NONE;  // as the engine opens it
+  if (fi_cq_open(s.domain, &cq_attr, &s.cq, nullptr) != 0) {
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    CHECK(fi_cq_open(s.domain, &cq_attr, &s.cq, nullptr));
+  }
+  if (cq_attr.wait_obj == FI_WAIT_FD && fi_control(&s.cq->fid, FI_GETWAIT, &s.wait_fd) != 0) {
+    s.wait_fd = -1;
+  }
+  s.spin = std::chrono::microseconds(o.spin_us);
   fi_av_attr av_attr{};
   av_attr.type = FI_AV_TABLE;
   CHECK(fi_av_open(s.domain, &av_attr, &s.av, nullptr));
@@ -146,42 +179,39 @@ void open_side(Side& s, const Options& o, uint64_t buffer_bytes) {
   s.name.resize(len);
   CHECK(fi_getname(&s.ep->fid, s.name.data(), &len));
   s.name.resize(len);
-  s.buf.assign(std::max<uint64_t>(buffer_bytes, 64), 'x');
-  CHECK(fi_mr_reg(s.domain, s.buf.data(), s.buf.size(), FI_WRITE | FI_REMOTE_WRITE, 0, 7, 0, &s.mr,
-                  nullptr));
 }
 
 void write_all(int fd, const void* p, size_t n) {
   if (::write(fd, p, n) != static_cast<ssize_t>(n)) std::exit(1);
 }
-void read_all(int fd, void* p, size_t n) {
+// Reads n bytes; false at EOF before the first byte.
+bool read_some(int fd, void* p, size_t n) {
   auto* c = static_cast<char*>(p);
+  const size_t want = n;
   while (n > 0) {
     ssize_t r = ::read(fd, c, n);
+    if (r == 0 && n == want) return false;
     if (r <= 0) std::exit(1);
     c += r;
     n -= static_cast<size_t>(r);
   }
+  return true;
+}
+void read_all(int fd, void* p, size_t n) {
+  if (!read_some(fd, p, n)) std::exit(1);
 }
 
-// Each side tells the other its endpoint name and where its buffer is; then each inserts the
-// other into its address vector.
+// Each side tells the other its endpoint name; then each inserts the other into its address
+// vector.
 void exchange(Side& s, int out, int in) {
-  const uint64_t addr = (s.info->domain_attr->mr_mode & FI_MR_VIRT_ADDR)
-                            ? reinterpret_cast<uint64_t>(s.buf.data())
-                            : 0;
-  const uint64_t key = fi_mr_key(s.mr);
   const uint64_t len = s.name.size();
   write_all(out, &len, sizeof len);
   write_all(out, s.name.data(), len);
-  write_all(out, &addr, sizeof addr);
-  write_all(out, &key, sizeof key);
   uint64_t peer_len = 0;
   read_all(in, &peer_len, sizeof peer_len);
+  if (peer_len > 4096) std::exit(1);
   std::vector<char> peer_name(peer_len);
   read_all(in, peer_name.data(), peer_len);
-  read_all(in, &s.peer_addr, sizeof s.peer_addr);
-  read_all(in, &s.peer_key, sizeof s.peer_key);
   if (fi_av_insert(s.av, peer_name.data(), 1, &s.peer, 0, nullptr) != 1) {
     die("fi_av_insert", -FI_EINVAL);
   }
@@ -213,6 +243,24 @@ Polled poll_cq(Side& s) {
   return p;
 }
 
+// poll_cq, and for a side with nothing outstanding: after `spin` without a completion, a
+// sleep on the CQ's wait fd (100 ms at most) until the fabric has something.
+Polled next(Side& s, bool outstanding) {
+  Polled p = poll_cq(s);
+  const auto now = Clock::now();
+  if (p.local + p.remote > 0 || outstanding || s.wait_fd < 0) {
+    s.last_activity = now;
+    return p;
+  }
+  if (now - s.last_activity < s.spin) return p;
+  fid* fids[] = {&s.cq->fid};
+  if (fi_trywait(s.fabric, fids, 1) == 0) {
+    pollfd pfd{s.wait_fd, POLLIN, 0};
+    ::poll(&pfd, 1, 100);
+  }
+  return p;
+}
+
 // Posts one write of `size` bytes from slot `slot` of the buffer to the peer's slot, with
 // context `ctx` (which must not be in use); true once posted, false on EAGAIN.
 bool post(Side& s, uint64_t size, uint64_t slot, uint64_t ctx, double* post_seconds) {
@@ -230,59 +278,102 @@ struct Blast {
   double post_seconds = 0;
 };
 
-// Posts `count` writes, `window` in flight, until every local completion has come.
-Blast blast(Side& s, const Options& o, uint64_t count) {
+// Posts `count` writes, `window` in flight, cycling through `slots` slots, until every local
+// completion has come.
+Blast blast(Side& s, uint64_t size, uint64_t window, uint64_t slots, uint64_t count) {
   Blast b;
   uint64_t posted = 0, done = 0;
   const auto start = Clock::now();
   const auto deadline = start + kDeadline;
   while (done < count) {
-    while (posted < count && posted - done < o.window) {
-      if (!post(s, o.size, posted % o.window, posted % o.window, &b.post_seconds)) break;
+    while (posted < count && posted - done < window) {
+      if (!post(s, size, posted % slots, posted % window, &b.post_seconds)) break;
       ++posted;
     }
-    done += poll_cq(s).local;
+    done += next(s, posted > done).local;
     if (Clock::now() > deadline) die("writes did not complete in time", -FI_ETIMEDOUT);
   }
   b.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return b;
 }
 
-// The target. bw: counts immediates, measuring its CPU time once the warm-up has arrived.
-// lat: answers every arrival with a write back.
+// One measurement, as the client tells the server over their pipe.
+struct Run {
+  uint64_t mode = 0;  // kBw, kLat or kQuit
+  uint64_t size = 0;
+  uint64_t count = 0;
+  uint64_t window = 1;
+  uint64_t warmup = 0;
+  uint64_t span = 0;  // bw: bytes the slots cover, at least window * size
+  uint64_t slots() const {
+    if (mode == kLat || size == 0) return 1;
+    return std::max(window, std::min(span, kMaxSpan) / size);
+  }
+  uint64_t buffer_bytes() const { return slots() * size; }
+  static constexpr uint64_t kBw = 0, kLat = 1, kQuit = 2;
+};
+
+// Makes the side's buffer hold `bytes` (registering it afresh when it grows), then tells the
+// peer where it is and learns where the peer's is.
+void prepare(Side& s, const Run& r, int out, int in) {
+  const uint64_t bytes = std::max<uint64_t>(r.buffer_bytes(), 64);
+  if (s.buf.size() < bytes) {
+    if (s.mr) fi_close(&s.mr->fid);
+    s.mr = nullptr;
+    s.buf.assign(bytes, 'x');
+    CHECK(fi_mr_reg(s.domain, s.buf.data(), s.buf.size(), FI_WRITE | FI_REMOTE_WRITE, 0, 7, 0,
+                    &s.mr, nullptr));
+  }
+  s.ctx.resize(r.mode == Run::kLat ? kLatContexts : r.window);
+  const uint64_t mine[2] = {(s.info->domain_attr->mr_mode & FI_MR_VIRT_ADDR)
+                                ? reinterpret_cast<uint64_t>(s.buf.data())
+                                : 0,
+                            fi_mr_key(s.mr)};
+  write_all(out, mine, sizeof mine);
+  uint64_t theirs[2] = {0, 0};
+  read_all(in, theirs, sizeof theirs);
+  s.peer_addr = theirs[0];
+  s.peer_key = theirs[1];
+}
+
+// The target: for each run, counts immediates (bw, measuring its CPU time once the warm-up
+// has arrived) or answers every arrival with a write back (lat); then reports what it saw.
 int serve(const Options& o, int out, int in) {
   Side s;
-  open_side(s, o, o.mode == "lat" ? o.size : o.size * o.window);
-  s.ctx.resize(o.mode == "lat" ? kLatContexts : o.window);
+  open_side(s, o);
   exchange(s, out, in);
-  uint64_t counts[2] = {0, 0};  // warm-up, total
-  read_all(in, counts, sizeof counts);
-  const auto deadline = Clock::now() + kDeadline;
-  uint64_t seen = 0;
-  double cpu0 = counts[0] == 0 ? cpu_seconds() : 0;
-  if (o.mode == "lat") {
-    uint64_t owed = 0, posted = 0, completed = 0;
-    while ((seen < counts[1] || owed > 0 || completed < posted) && Clock::now() < deadline) {
-      Polled p = poll_cq(s);
-      seen += p.remote;
-      owed += p.remote;
-      completed += p.local;
-      while (owed > 0 && posted - completed < kLatContexts && post(s, o.size, 0, posted, nullptr)) {
-        --owed;
-        ++posted;
+  for (;;) {
+    Run r;
+    if (!read_some(in, &r, sizeof r) || r.mode == Run::kQuit) return 0;
+    prepare(s, r, out, in);
+    const uint64_t total = r.warmup + r.count;
+    const auto deadline = Clock::now() + kDeadline;
+    uint64_t seen = 0;
+    double cpu0 = r.warmup == 0 ? cpu_seconds() : 0;
+    if (r.mode == Run::kLat) {
+      uint64_t owed = 0, posted = 0, completed = 0;
+      while ((seen < total || owed > 0 || completed < posted) && Clock::now() < deadline) {
+        Polled p = next(s, owed > 0 || completed < posted);
+        seen += p.remote;
+        owed += p.remote;
+        completed += p.local;
+        while (owed > 0 && posted - completed < kLatContexts &&
+               post(s, r.size, 0, posted, nullptr)) {
+          --owed;
+          ++posted;
+        }
+      }
+    } else {
+      while (seen < total && Clock::now() < deadline) {
+        const uint64_t before = seen;
+        seen += next(s, false).remote;
+        if (before < r.warmup && seen >= r.warmup) cpu0 = cpu_seconds();
       }
     }
-  } else {
-    while (seen < counts[1] && Clock::now() < deadline) {
-      const uint64_t before = seen;
-      seen += poll_cq(s).remote;
-      if (before < counts[0] && seen >= counts[0]) cpu0 = cpu_seconds();
-    }
+    const double cpu = cpu_seconds() - cpu0;
+    write_all(out, &seen, sizeof seen);
+    write_all(out, &cpu, sizeof cpu);
   }
-  const double cpu = cpu_seconds() - cpu0;
-  write_all(out, &seen, sizeof seen);
-  write_all(out, &cpu, sizeof cpu);
-  return seen == counts[1] ? 0 : 1;
 }
 
 double percentile(std::vector<double> v, double p) {
@@ -293,18 +384,18 @@ double percentile(std::vector<double> v, double p) {
 }
 
 // Ping-pong round trips; the times of the last `timed` of `total`.
-std::vector<double> ping_pong(Side& s, const Options& o, uint64_t total, uint64_t timed) {
+std::vector<double> ping_pong(Side& s, uint64_t size, uint64_t total, uint64_t timed) {
   std::vector<double> rtt_us;
   uint64_t answers = 0, completed = 0;
   const auto deadline = Clock::now() + kDeadline;
   for (uint64_t k = 0; k < total; ++k) {
     const auto t0 = Clock::now();
-    while (k - completed >= kLatContexts || !post(s, o.size, 0, k, nullptr)) {
-      completed += poll_cq(s).local;
+    while (k - completed >= kLatContexts || !post(s, size, 0, k, nullptr)) {
+      completed += next(s, true).local;
       if (Clock::now() > deadline) die("writes did not complete in time", -FI_ETIMEDOUT);
     }
     while (answers <= k) {
-      Polled p = poll_cq(s);
+      Polled p = next(s, completed <= k);
       answers += p.remote;
       completed += p.local;
       if (Clock::now() > deadline) die("no answer in time", -FI_ETIMEDOUT);
@@ -313,8 +404,67 @@ std::vector<double> ping_pong(Side& s, const Options& o, uint64_t total, uint64_
       rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
   }
-  while (completed < total && Clock::now() < deadline) completed += poll_cq(s).local;
+  while (completed < total && Clock::now() < deadline) completed += next(s, true).local;
   return rtt_us;
+}
+
+// Runs one measurement with the server; prints its line. False when the server did not see
+// every immediate.
+bool measure(Side& s, const Options& o, const Run& r, int out, int in) {
+  write_all(out, &r, sizeof r);
+  prepare(s, r, out, in);
+  uint64_t seen = 0;
+  double server_cpu = 0;
+  if (r.mode == Run::kLat) {
+    std::vector<double> rtt = ping_pong(s, r.size, r.warmup + r.count, r.count);
+    read_all(in, &seen, sizeof seen);
+    read_all(in, &server_cpu, sizeof server_cpu);
+    if (seen == r.warmup + r.count) {
+      std::printf("rawlat %s %lu %lu %.3f %.3f\n", o.provider.c_str(),
+                  static_cast<unsigned long>(r.size), static_cast<unsigned long>(r.count),
+                  percentile(rtt, 50), percentile(rtt, 99));
+    }
+  } else {
+    if (r.warmup > 0) blast(s, r.size, r.window, r.slots(), r.warmup);
+    const double cpu0 = cpu_seconds();
+    const Blast b = blast(s, r.size, r.window, r.slots(), r.count);
+    const double cpu = cpu_seconds() - cpu0;
+    read_all(in, &seen, sizeof seen);
+    read_all(in, &server_cpu, sizeof server_cpu);
+    if (seen == r.warmup + r.count) {
+      std::printf("raw %s %lu %lu %.6f %.3f %.3f %.4f\n", o.provider.c_str(),
+                  static_cast<unsigned long>(r.size), static_cast<unsigned long>(r.count),
+                  b.seconds, static_cast<double>(r.size * r.count) * 8 / b.seconds / 1e9,
+                  b.post_seconds * 1e6 / static_cast<double>(r.count), cpu + server_cpu);
+    }
+  }
+  if (seen != r.warmup + r.count) {
+    std::printf("error the server counted %lu of %lu immediates\n",
+                static_cast<unsigned long>(seen), static_cast<unsigned long>(r.warmup + r.count));
+  }
+  std::fflush(stdout);
+  return seen == r.warmup + r.count;
+}
+
+// --commands: one measurement per line of stdin, until EOF or `quit`:
+//   bw SIZE COUNT WINDOW WARMUP [SPAN] | lat SIZE COUNT WARMUP
+// Each prints its line (or `error ...`); bad lines print `error usage ...`.
+bool parse_run(const std::string& line, Run& r) {
+  char word[8] = {};
+  unsigned long long v[5] = {};
+  const int n = std::sscanf(line.c_str(), "%7s %llu %llu %llu %llu %llu", word, &v[0], &v[1], &v[2],
+                            &v[3], &v[4]);
+  const std::string mode = word;
+  if (mode == "bw" && (n == 5 || n == 6) && v[1] > 0 && v[2] > 0 && v[2] <= 4096 &&
+      v[0] <= (1ull << 30)) {
+    r = Run{Run::kBw, v[0], v[1], v[2], v[3], v[4]};
+    return true;
+  }
+  if (mode == "lat" && n == 4 && v[1] > 0 && v[0] <= (1ull << 30)) {
+    r = Run{Run::kLat, v[0], v[1], 1, v[2], 0};
+    return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -333,14 +483,23 @@ int main(int argc, char** argv) {
   app.add_option("--count", o.count, "writes (bw) or round trips (lat) timed")
       ->check(CLI::Range(uint64_t{1}, uint64_t{10'000'000}))
       ->capture_default_str();
+  app.add_option("--span", o.span, "bw: bytes the write slots cover (at most 256 MiB)")
+      ->capture_default_str();
   app.add_option("--window", o.window, "writes in flight (bw)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{4096}))
       ->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed writes or round trips first")
       ->check(CLI::Range(uint64_t{0}, uint64_t{100'000}))
       ->capture_default_str();
+  app.add_option("--wait", o.wait, "fd: sleep on the CQ when idle, as the engine; spin: never")
+      ->check(CLI::IsMember({"fd", "spin"}))
+      ->capture_default_str();
+  app.add_option("--spin-us", o.spin_us, "--wait fd: busy-poll this long before sleeping")
+      ->capture_default_str();
+  app.add_flag("--commands", o.commands,
+               "measure once per line of stdin: bw SIZE COUNT WINDOW WARMUP [SPAN] | lat SIZE "
+               "COUNT WARMUP; quit or EOF ends");
   CLI11_PARSE(app, argc, argv);
-  if (o.mode == "lat") o.window = 1;
 
   int down[2], up[2];
   if (pipe(down) != 0 || pipe(up) != 0) return 1;
@@ -352,46 +511,32 @@ int main(int argc, char** argv) {
   }
   close(down[0]);
   close(up[1]);
-  int rc = 0;
+  bool ok = true;
   {
     Side s;
-    open_side(s, o, o.mode == "lat" ? o.size : o.size * o.window);
-    s.ctx.resize(o.mode == "lat" ? kLatContexts : o.window);
+    open_side(s, o);
     exchange(s, down[1], up[0]);
-    const uint64_t counts[2] = {o.warmup, o.warmup + o.count};
-    write_all(down[1], counts, sizeof counts);
-    if (o.mode == "lat") {
-      std::vector<double> rtt = ping_pong(s, o, o.warmup + o.count, o.count);
-      uint64_t seen = 0;
-      double server_cpu = 0;
-      read_all(up[0], &seen, sizeof seen);
-      read_all(up[0], &server_cpu, sizeof server_cpu);
-      std::printf("rawlat %s %lu %lu %.3f %.3f\n", o.provider.c_str(),
-                  static_cast<unsigned long>(o.size), static_cast<unsigned long>(o.count),
-                  percentile(rtt, 50), percentile(rtt, 99));
-    } else {
-      if (o.warmup > 0) blast(s, o, o.warmup);
-      const double cpu0 = cpu_seconds();
-      const Blast b = blast(s, o, o.count);
-      const double cpu = cpu_seconds() - cpu0;
-      uint64_t seen = 0;
-      double server_cpu = 0;
-      read_all(up[0], &seen, sizeof seen);
-      read_all(up[0], &server_cpu, sizeof server_cpu);
-      if (seen != counts[1]) {
-        std::fprintf(stderr, "fabric-bench-raw: the server counted %lu of %lu immediates\n",
-                     static_cast<unsigned long>(seen), static_cast<unsigned long>(counts[1]));
-        rc = 1;
-      } else {
-        std::printf("raw %s %lu %lu %.6f %.3f %.3f %.4f\n", o.provider.c_str(),
-                    static_cast<unsigned long>(o.size), static_cast<unsigned long>(o.count),
-                    b.seconds, static_cast<double>(o.size * o.count) * 8 / b.seconds / 1e9,
-                    b.post_seconds * 1e6 / static_cast<double>(o.count), cpu + server_cpu);
+    if (o.commands) {
+      std::string line;
+      while (std::getline(std::cin, line) && line != "quit") {
+        Run r;
+        if (!parse_run(line, r)) {
+          std::printf("error usage: bw SIZE COUNT WINDOW WARMUP [SPAN] | lat SIZE COUNT WARMUP\n");
+          std::fflush(stdout);
+          continue;
+        }
+        ok = measure(s, o, r, down[1], up[0]) && ok;
       }
+    } else {
+      const Run r{o.mode == "lat" ? Run::kLat : Run::kBw, o.size,   o.count,
+                  o.mode == "lat" ? 1 : o.window,         o.warmup, o.span};
+      ok = measure(s, o, r, down[1], up[0]);
     }
+    const Run quit{Run::kQuit, 0, 0, 1, 0, 0};
+    write_all(down[1], &quit, sizeof quit);
   }
   int status = 0;
   waitpid(child, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
-  return rc;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ok = false;
+  return ok ? 0 : 1;
 }

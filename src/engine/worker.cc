@@ -205,14 +205,14 @@ void Worker::run() {
   }
   last_active_ = std::chrono::steady_clock::now();
   for (;;) {
+    now_ = std::chrono::steady_clock::now();  // one clock read per pass
     bool active = drain_inbox();
     if (!stopping_ && stop_requested_.load()) begin_stop();
     for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
     for (auto& d : domains_) active |= post_some(d);
     watch_peers();
     if (!jobs_.empty()) services_.callbacks->push(jobs_);
-    if (stopping_ &&
-        (posted_ == abandoned_ || std::chrono::steady_clock::now() >= stop_deadline_)) {
+    if (stopping_ && (posted_ == abandoned_ || now_ >= stop_deadline_)) {
       break;
     }
     idle(active);
@@ -257,7 +257,7 @@ void Worker::enqueue(Op& op) {
   }
   PeerQueue& q = d.queues[*peer];
   q.peer = *peer;
-  if (q.ops.empty() && q.inflight_count == 0) q.last_progress = std::chrono::steady_clock::now();
+  if (q.ops.empty() && q.inflight_count == 0) q.last_progress = now_;
   q.ops.push_back(&op);
   ++queued_;
   if (!q.ready) {
@@ -335,7 +335,7 @@ bool Worker::poll(uint32_t index) {
           if (--t.abandoned == 0 && t.finished) live_.erase(t.id);
           break;
         }
-        op.queue->last_progress = std::chrono::steady_clock::now();
+        op.queue->last_progress = now_;
         op.queue->unlink(op);
         if (c.error == ErrorCode::kOk) {
           complete_op(op, Status::ok());
@@ -423,7 +423,7 @@ void Worker::finish(Transfer& t) {
 }
 
 void Worker::watch_peers() {
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = now_;
   if (now < next_watch_) return;
   next_watch_ = now + std::chrono::milliseconds(10);
   for (auto& d : domains_) {
@@ -504,7 +504,7 @@ void Worker::finish_stop() {
 }
 
 void Worker::idle(bool active) {
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = now_;
   if (active || posted_ > abandoned_ || queued_ > 0 || stopping_) {
     last_active_ = now;
     return;

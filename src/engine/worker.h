@@ -169,7 +169,8 @@ class Worker {
   size_t posted_ = 0;     // work requests in the provider's hands
   size_t abandoned_ = 0;  // of those, given up on (dead peers)
   std::chrono::steady_clock::time_point next_watch_;
-  size_t queued_ = 0;  // work requests in peer queues
+  std::chrono::steady_clock::time_point now_;  // read once per loop pass
+  size_t queued_ = 0;                          // work requests in peer queues
   bool stopping_ = false;
   std::chrono::steady_clock::time_point stop_deadline_;
   std::chrono::steady_clock::time_point last_active_;

@@ -1,0 +1,626 @@
+#include "ops.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <numeric>
+#include <random>
+
+namespace fabric::bench {
+
+namespace {
+
+// Bounds on waiting, so that a broken fabric fails the run instead of hanging it.
+constexpr milliseconds kPassTimeout{60'000};
+constexpr milliseconds kRoundTimeout{10'000};
+// Immediates: the ones peers answer (imm-only round trips, barriers), the warm-up, and from
+// kFirstPassImm on one fresh value per pass, so that each pass counts only its own arrivals.
+constexpr uint32_t kPing = 1;
+constexpr uint32_t kPong = 2;
+constexpr uint32_t kWarmupImm = 3;
+// Source offsets are multiples of this.
+constexpr uint64_t kSourceAlign = 4096;
+// Untimed round trips before the timed ones.
+constexpr uint64_t kWarmupRounds = 20;
+
+double us(Clock::duration d) {
+  return std::chrono::duration<double, std::micro>(d).count();
+}
+
+// Completion of a numbered sequence of transfers, with the time each finished. The window rule
+// of a pass is "submit transfer i only once every transfer below i - window has finished".
+// Shared with the callbacks, which may outlive an abandoned pass.
+class Completions {
+ public:
+  explicit Completions(size_t total) : state_(std::make_shared<State>(total)) {}
+
+  Callbacks callbacks(size_t index) {
+    return Callbacks{[st = state_, index] { st->finish(index, Status::ok()); },
+                     [st = state_, index](const Status& s) { st->finish(index, s); }};
+  }
+  // Blocks until transfers [0, n) have all finished (done or failed); false at the deadline.
+  bool wait_prefix(size_t n, Clock::time_point deadline) const {
+    std::unique_lock lock(state_->mu);
+    return state_->cv.wait_until(lock, deadline, [&] { return state_->prefix >= n; });
+  }
+  size_t failed() const {
+    std::lock_guard lock(state_->mu);
+    return state_->failed;
+  }
+  Status first_error() const {
+    std::lock_guard lock(state_->mu);
+    return state_->first_error;
+  }
+  // When transfer i finished; only valid once wait_prefix covered it.
+  Clock::time_point done_at(size_t i) const {
+    std::lock_guard lock(state_->mu);
+    return state_->done_at[i];
+  }
+  Status status() const {
+    std::lock_guard lock(state_->mu);
+    if (state_->failed == 0) return Status::ok();
+    return Status(state_->first_error.code(),
+                  fmt::format("{} transfer(s) failed, first: {}", state_->failed,
+                              state_->first_error.message()));
+  }
+
+ private:
+  struct State {
+    explicit State(size_t total) : finished(total, 0), done_at(total) {}
+    void finish(size_t index, const Status& s) {
+      const auto now = Clock::now();
+      {
+        std::lock_guard lock(mu);
+        finished[index] = 1;
+        done_at[index] = now;
+        while (prefix < finished.size() && finished[prefix]) ++prefix;
+        if (!s && failed++ == 0) first_error = s;
+      }
+      cv.notify_all();
+    }
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<uint8_t> finished;
+    std::vector<Clock::time_point> done_at;
+    size_t prefix = 0;  // transfers [0, prefix) have all finished
+    size_t failed = 0;
+    Status first_error;
+  };
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace
+
+std::string_view op_name(Op op) {
+  switch (op) {
+    case Op::kSingle:
+      return "single";
+    case Op::kPaged:
+      return "paged";
+    case Op::kImm:
+      return "imm";
+    case Op::kScatter:
+      return "scatter";
+    case Op::kBarrier:
+      return "barrier";
+  }
+  return "?";
+}
+
+std::string Row::label() const {
+  switch (op) {
+    case Op::kSingle:
+      return fmt::format("single {}", human_bytes(bytes));
+    case Op::kPaged:
+      return fmt::format("paged {} x {}", human_bytes(page_bytes), pages);
+    case Op::kImm:
+      return "imm";
+    case Op::kScatter:
+      return fmt::format("scatter {} x {} peers", human_bytes(bytes), peers);
+    case Op::kBarrier:
+      return fmt::format("barrier {} peers", peers);
+  }
+  return "?";
+}
+
+Plan plan_for(const Row& row, const Budget& b) {
+  Plan p;
+  switch (row.op) {
+    case Op::kSingle:
+      p.transfers = std::clamp<uint64_t>(b.pass_bytes / row.bytes, 2, b.max_transfers);
+      p.wrs = p.transfers;
+      p.bytes = p.transfers * row.bytes;
+      break;
+    case Op::kPaged: {
+      const uint64_t per_transfer = row.page_bytes * row.pages;
+      const uint64_t most = std::max<uint64_t>(1, b.max_pages / row.pages);
+      p.transfers = std::clamp<uint64_t>(b.pass_bytes / per_transfer, 1, most);
+      p.wrs = p.transfers * row.pages;
+      p.bytes = p.transfers * per_transfer;
+      break;
+    }
+    case Op::kScatter:
+      p.transfers =
+          std::clamp<uint64_t>(b.pass_bytes / (row.bytes * row.peers), 2, b.max_transfers);
+      p.wrs = p.transfers * row.peers;
+      p.bytes = p.wrs * row.bytes;
+      break;
+    case Op::kImm:
+      p.transfers = b.messages;
+      p.wrs = b.messages;
+      break;
+    case Op::kBarrier:
+      p.transfers = b.rounds;
+      p.wrs = b.rounds * row.peers;
+      break;
+  }
+  p.window = std::min(b.window, p.transfers);
+  return p;
+}
+
+// --- Session -----------------------------------------------------------------------------------
+
+Session::Session(TransferEngine& engine, Registration src, const PageBuffer& src_bytes,
+                 StartPeer start_peer, uint64_t seed)
+    : engine_(engine),
+      src_(std::move(src)),
+      src_bytes_(src_bytes),
+      start_peer_(std::move(start_peer)),
+      seed_(seed) {}
+
+Session::~Session() = default;
+
+Status Session::ensure_peers(uint32_t n) {
+  while (peers_.size() < n) {
+    auto p = start_peer_();
+    if (!p) return p.status();
+    // Every peer answers kPing with kPong: imm-only round trips and barriers use it.
+    if (Status s = (*p)->answer(kPing, kPong); !s) return s;
+    peers_.push_back(std::move(*p));
+  }
+  return Status::ok();
+}
+
+Status Session::warm_up() {
+  Completions done(peers_.size());
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    ImmWrite w;
+    w.peer = peers_[i]->address();
+    w.imm = kWarmupImm;
+    auto id = engine_.submit(w, done.callbacks(i));
+    if (!id) return id.status();
+  }
+  if (!done.wait_prefix(peers_.size(), Clock::now() + kPassTimeout)) {
+    return Status(ErrorCode::kTimeout, "the warm-up immediates did not complete");
+  }
+  return done.status();
+}
+
+Status Session::quit_peers() {
+  Status first;
+  for (auto& p : peers_) {
+    if (Status s = p->quit(); !s && first.is_ok()) first = s;
+  }
+  peers_.clear();
+  return first;
+}
+
+Result<PassResult> Session::run(const Row& row, const Budget& b, uint32_t iteration) {
+  switch (row.op) {
+    case Op::kSingle:
+      return single(row, b, iteration);
+    case Op::kPaged:
+      return paged(row, b, iteration);
+    case Op::kImm:
+      return imm(row, b, iteration);
+    case Op::kScatter:
+      return scatter(row, b, iteration);
+    case Op::kBarrier:
+      return barrier(row, b, iteration);
+  }
+  return Status(ErrorCode::kInvalidArgument, "unknown operation");
+}
+
+Session::Window Session::run_window(uint64_t count, uint64_t window, const SubmitFn& submit,
+                                    const std::vector<Expectation>& expects) {
+  Window w;
+  Completions done(count);
+  std::vector<Clock::time_point> submitted_at(count);
+  const auto start = Clock::now();
+  const auto deadline = start + kPassTimeout;
+  for (uint64_t i = 0; i < count; ++i) {
+    if (i >= window && !done.wait_prefix(i - window + 1, deadline)) break;
+    if (done.failed() > 0) break;
+    const auto t0 = Clock::now();
+    submitted_at[i] = t0;
+    Result<TransferId> id = submit(i, done.callbacks(i));
+    w.submit_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    if (!id) {
+      w.error = id.status();
+      break;
+    }
+    ++w.submitted;
+  }
+  Status finished;
+  if (!done.wait_prefix(w.submitted, deadline)) {
+    finished = Status(ErrorCode::kTimeout, "transfers did not complete within the timeout");
+  } else {
+    finished = done.status();
+  }
+  for (size_t k = 0; k < expects.size() && finished.is_ok() && w.submitted == count; ++k) {
+    const Expectation& e = expects[k];
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+    finished = peers_[e.peer]->expect(e.imm, e.count, std::max(left, milliseconds(1)));
+  }
+  w.seconds = seconds_since(start);
+  if (w.error.is_ok()) w.error = finished;
+  if (w.error.is_ok() && w.submitted != count) {
+    w.error = Status(ErrorCode::kTimeout, "transfers did not complete within the timeout");
+  }
+  if (w.error.is_ok()) {
+    w.lat_us.reserve(count);
+    for (uint64_t i = 0; i < count; ++i) w.lat_us.push_back(us(done.done_at(i) - submitted_at[i]));
+  }
+  return w;
+}
+
+Result<double> Session::cpu_of(size_t peers) {
+  double total = cpu_seconds();
+  for (size_t i = 0; i < peers; ++i) {
+    auto c = peers_[i]->cpu();
+    if (!c) return c.status();
+    total += *c;
+  }
+  return total;
+}
+
+uint64_t Session::src_offset(uint32_t iteration, uint64_t i, uint64_t size) const {
+  const uint64_t positions = (src_bytes_.size() - size) / kSourceAlign + 1;
+  return ((iteration * 1000003ull + i) * 7919 + 13) % positions * kSourceAlign;
+}
+
+Status Session::verify(PeerClient& peer, uint64_t len, uint64_t first, uint64_t step,
+                       uint64_t count, const std::function<uint64_t(uint64_t k)>& expected,
+                       const std::function<std::string(uint64_t k)>& describe) {
+  auto expected_of = [&](uint64_t lo, uint64_t n) {
+    uint64_t h = kHashSeed;
+    for (uint64_t k = lo; k < lo + n; ++k) h = hash_combine(h, expected(k));
+    return h;
+  };
+  auto got = peer.hash(len, first, step, count);
+  if (!got) return got.status();
+  if (*got == expected_of(0, count)) return Status::ok();
+  // Narrow down to the first bad range: the first half that differs, log2(count) requests.
+  uint64_t lo = 0, n = count;
+  while (n > 1) {
+    const uint64_t half = n / 2;
+    auto h = peer.hash(len, first + lo * step, step, half);
+    if (!h) return h.status();
+    if (*h == expected_of(lo, half)) {
+      lo += half;
+      n -= half;
+    } else {
+      n = half;
+    }
+  }
+  return Status(ErrorCode::kInternal,
+                fmt::format("verification failed: {} (bytes [{}, {}) at peer {})", describe(lo),
+                            first + lo * step, first + lo * step + len, peer.pid()));
+}
+
+Result<PeerGroup> Session::group_of(uint32_t n) {
+  if (auto it = groups_.find(n); it != groups_.end()) return it->second;
+  std::vector<Address> members;
+  for (uint32_t i = 0; i < n; ++i) members.push_back(peers_[i]->address());
+  auto g = engine_.add_peer_group(std::move(members));
+  if (!g) return g.status();
+  groups_.emplace(n, *g);
+  return *g;
+}
+
+// --- the operations ----------------------------------------------------------------------------
+
+Result<PassResult> Session::single(const Row& row, const Budget& b, uint32_t iteration) {
+  const Plan plan = plan_for(row, b);
+  const uint64_t size = row.bytes;
+  PeerClient& peer = *peers_[0];
+  if (Status s = peer.ensure_buffer(plan.bytes); !s) return s;
+  if (Status s = peer.poison(0, plan.bytes); !s) return s;
+  const uint32_t imm = fresh_imm();
+  auto cpu0 = cpu_of(1);
+  if (!cpu0) return cpu0.status();
+  // Write i lands in its own slot i, so that every write of the pass can be verified.
+  Window w = run_window(plan.transfers, plan.window,
+                        [&](uint64_t i, Callbacks cb) {
+                          SingleWrite sw;
+                          sw.src = src_.handle;
+                          sw.src_offset = src_offset(iteration, i, size);
+                          sw.dst = peer.memory();
+                          sw.dst_offset = i * size;
+                          sw.length = size;
+                          sw.imm = imm;
+                          return engine_.submit(sw, std::move(cb));
+                        },
+                        {{0, imm, plan.transfers}});
+  auto cpu1 = cpu_of(1);
+  if (!w.error) return w.error;
+  if (!cpu1) return cpu1.status();
+  if (Status s = verify(
+          peer, size, 0, size, plan.transfers,
+          [&](uint64_t i) {
+            return hash_bytes(src_bytes_.data() + src_offset(iteration, i, size), size);
+          },
+          [&](uint64_t i) { return fmt::format("single write {} of the pass", i); });
+      !s) {
+    return s;
+  }
+  PassResult r;
+  r.seconds = w.seconds;
+  r.bytes = plan.bytes;
+  r.ops = plan.transfers;
+  r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  r.cpu_seconds = *cpu1 - *cpu0;
+  r.lat_us = std::move(w.lat_us);
+  return r;
+}
+
+Result<PassResult> Session::paged(const Row& row, const Budget& b, uint32_t iteration) {
+  const Plan plan = plan_for(row, b);
+  const uint64_t page = row.page_bytes;
+  const uint64_t stride = page + kPageGap;
+  const uint64_t dst_pages = plan.transfers * row.pages;
+  const uint64_t dst_bytes = dst_pages * stride;
+  const uint64_t src_pages = src_bytes_.size() / stride;
+  if (dst_pages > UINT32_MAX || src_pages == 0) {
+    return Status(ErrorCode::kOutOfRange, fmt::format("{}: too many pages", row.label()));
+  }
+  PeerClient& peer = *peers_[0];
+  if (Status s = peer.ensure_buffer(dst_bytes); !s) return s;
+  if (Status s = peer.poison(0, dst_bytes); !s) return s;
+
+  // Page lists, drawn before the clock starts. Destination pages: a random permutation of the
+  // pass's pages, so that no page is written twice in a pass. Source pages: random, repeats
+  // allowed. from[d]: the source page that lands in destination page d.
+  std::mt19937_64 rng(seed_ * 1000003 + iteration * 7919 + page * 31 + row.pages);
+  std::vector<uint32_t> perm(dst_pages);
+  std::iota(perm.begin(), perm.end(), 0u);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::uniform_int_distribution<uint32_t> any_src(0, static_cast<uint32_t>(src_pages - 1));
+  std::vector<uint32_t> from(dst_pages);
+  std::vector<PagedWrite> writes(plan.transfers);
+  const uint32_t imm = fresh_imm();
+  for (uint64_t j = 0; j < plan.transfers; ++j) {
+    PagedWrite& w = writes[j];
+    w.src = src_.handle;
+    w.dst = peer.memory();
+    w.page_bytes = page;
+    w.src_stride = stride;
+    w.dst_stride = stride;
+    w.imm = imm;
+    w.dst_pages.assign(perm.begin() + static_cast<ptrdiff_t>(j * row.pages),
+                       perm.begin() + static_cast<ptrdiff_t>((j + 1) * row.pages));
+    w.src_pages.resize(row.pages);
+    for (uint64_t i = 0; i < row.pages; ++i) {
+      w.src_pages[i] = any_src(rng);
+      from[w.dst_pages[i]] = w.src_pages[i];
+    }
+  }
+
+  auto cpu0 = cpu_of(1);
+  if (!cpu0) return cpu0.status();
+  Window w =
+      run_window(plan.transfers, plan.window,
+                 [&](uint64_t j, Callbacks cb) { return engine_.submit(writes[j], std::move(cb)); },
+                 {{0, imm, dst_pages}});
+  auto cpu1 = cpu_of(1);
+  if (!w.error) return w.error;
+  if (!cpu1) return cpu1.status();
+  if (Status s = verify(
+          peer, page, 0, stride, dst_pages,
+          [&](uint64_t d) {
+            return hash_bytes(src_bytes_.data() + static_cast<uint64_t>(from[d]) * stride, page);
+          },
+          [&](uint64_t d) {
+            return fmt::format("destination page {} (source page {})", d, from[d]);
+          });
+      !s) {
+    return s;
+  }
+  std::vector<std::byte> poison(kPageGap, kPoison);
+  const uint64_t gap_hash = hash_bytes(poison.data(), poison.size());
+  if (Status s = verify(
+          peer, kPageGap, page, stride, dst_pages, [&](uint64_t) { return gap_hash; },
+          [&](uint64_t d) {
+            return fmt::format("the gap after destination page {} was written", d);
+          });
+      !s) {
+    return s;
+  }
+  PassResult r;
+  r.seconds = w.seconds;
+  r.bytes = plan.bytes;
+  r.ops = plan.wrs;
+  r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  r.cpu_seconds = *cpu1 - *cpu0;
+  r.lat_us = std::move(w.lat_us);
+  return r;
+}
+
+Result<PassResult> Session::imm(const Row& row, const Budget& b, uint32_t iteration) {
+  (void)iteration;
+  const Plan plan = plan_for(row, b);
+  PeerClient& peer = *peers_[0];
+  PassResult r;
+
+  // Round trips: an imm-only write to the peer, whose answer (an imm-only write back) the
+  // client waits for with wait_imm. Untimed warm-up round trips first.
+  const uint64_t rounds = kWarmupRounds + b.rounds;
+  const uint64_t base = engine_.imm_count(kPong);
+  const auto deadline = Clock::now() + kPassTimeout;
+  Completions pings(rounds);
+  for (uint64_t k = 0; k < rounds; ++k) {
+    if (Clock::now() > deadline) {
+      return Status(ErrorCode::kTimeout, fmt::format("{} of {} round trips in {} s", k, rounds,
+                                                     kPassTimeout.count() / 1000));
+    }
+    ImmWrite w;
+    w.peer = peer.address();
+    w.imm = kPing;
+    const auto t0 = Clock::now();
+    auto id = engine_.submit(w, pings.callbacks(k));
+    if (!id) return id.status();
+    if (!engine_.wait_imm(kPong, base + k + 1, kRoundTimeout)) {
+      return Status(ErrorCode::kTimeout,
+                    fmt::format("round trip {}: no answer within {} ms", k, kRoundTimeout.count()));
+    }
+    if (k >= kWarmupRounds) r.lat_us.push_back(us(Clock::now() - t0));
+  }
+  if (!pings.wait_prefix(rounds, Clock::now() + kPassTimeout)) {
+    return Status(ErrorCode::kTimeout, "round-trip writes did not complete");
+  }
+  if (Status s = pings.status(); !s) return s;
+  if (engine_.imm_count(kPong) != base + rounds) {
+    return Status(ErrorCode::kInternal, fmt::format("{} answers arrived for {} round trips",
+                                                    engine_.imm_count(kPong) - base, rounds));
+  }
+
+  // Message rate: imm-only writes, a window in flight, all counted by the peer.
+  const uint32_t imm = fresh_imm();
+  auto cpu0 = cpu_of(1);
+  if (!cpu0) return cpu0.status();
+  Window w = run_window(plan.transfers, plan.window,
+                        [&](uint64_t, Callbacks cb) {
+                          ImmWrite iw;
+                          iw.peer = peer.address();
+                          iw.imm = imm;
+                          return engine_.submit(iw, std::move(cb));
+                        },
+                        {{0, imm, plan.transfers}});
+  auto cpu1 = cpu_of(1);
+  if (!w.error) return w.error;
+  if (!cpu1) return cpu1.status();
+  r.seconds = w.seconds;
+  r.ops = plan.transfers;
+  r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  r.cpu_seconds = *cpu1 - *cpu0;
+  return r;
+}
+
+Result<PassResult> Session::scatter(const Row& row, const Budget& b, uint32_t iteration) {
+  const Plan plan = plan_for(row, b);
+  const uint64_t size = row.bytes;
+  const uint32_t n = row.peers;
+  if (Status s = ensure_peers(n); !s) return s;
+  auto group = group_of(n);
+  if (!group) return group.status();
+  const uint64_t dst_bytes = plan.transfers * size;
+  for (uint32_t i = 0; i < n; ++i) {
+    if (Status s = peers_[i]->ensure_buffer(dst_bytes); !s) return s;
+    if (Status s = peers_[i]->poison(0, dst_bytes); !s) return s;
+  }
+  // Scatter j sends target i (to peer i) from source range j * n + i into the peer's slot j.
+  const uint32_t imm = fresh_imm();
+  std::vector<Scatter> scatters(plan.transfers);
+  for (uint64_t j = 0; j < plan.transfers; ++j) {
+    Scatter& sc = scatters[j];
+    sc.src = src_.handle;
+    sc.group = *group;
+    sc.imm = imm;
+    for (uint32_t i = 0; i < n; ++i) {
+      sc.targets.push_back(ScatterTarget{peers_[i]->memory(), size,
+                                         src_offset(iteration, j * n + i, size), j * size});
+    }
+  }
+  std::vector<Expectation> expects;
+  for (uint32_t i = 0; i < n; ++i) expects.push_back({i, imm, plan.transfers});
+  auto cpu0 = cpu_of(n);
+  if (!cpu0) return cpu0.status();
+  Window w = run_window(
+      plan.transfers, plan.window,
+      [&](uint64_t j, Callbacks cb) { return engine_.submit(scatters[j], std::move(cb)); },
+      expects);
+  auto cpu1 = cpu_of(n);
+  if (!w.error) return w.error;
+  if (!cpu1) return cpu1.status();
+  for (uint32_t i = 0; i < n; ++i) {
+    if (Status s = verify(
+            *peers_[i], size, 0, size, plan.transfers,
+            [&](uint64_t j) {
+              return hash_bytes(src_bytes_.data() + src_offset(iteration, j * n + i, size), size);
+            },
+            [&](uint64_t j) { return fmt::format("scatter {}, target {}", j, i); });
+        !s) {
+      return s;
+    }
+  }
+  PassResult r;
+  r.seconds = w.seconds;
+  r.bytes = plan.bytes;
+  r.ops = plan.wrs;
+  r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  r.cpu_seconds = *cpu1 - *cpu0;
+  r.lat_us = std::move(w.lat_us);
+  return r;
+}
+
+Result<PassResult> Session::barrier(const Row& row, const Budget& b, uint32_t iteration) {
+  (void)iteration;
+  const uint32_t n = row.peers;
+  if (Status s = ensure_peers(n); !s) return s;
+  auto group = group_of(n);
+  if (!group) return group.status();
+  // A round: a Barrier (an imm-only write to each of the n peers), each peer answering with an
+  // imm-only write back; the round ends when the client has counted all n answers.
+  PassResult r;
+  const uint64_t rounds = kWarmupRounds + b.rounds;
+  const uint64_t base = engine_.imm_count(kPong);
+  Completions done(rounds);
+  auto cpu0 = cpu_of(n);
+  if (!cpu0) return cpu0.status();
+  double submit_seconds = 0;
+  Clock::time_point start;
+  const auto deadline = Clock::now() + kPassTimeout;
+  for (uint64_t k = 0; k < rounds; ++k) {
+    if (Clock::now() > deadline) {
+      return Status(ErrorCode::kTimeout, fmt::format("{} of {} barriers in {} s", k, rounds,
+                                                     kPassTimeout.count() / 1000));
+    }
+    Barrier bar;
+    bar.group = *group;
+    bar.imm = kPing;
+    const auto t0 = Clock::now();
+    if (k == kWarmupRounds) start = t0;
+    auto id = engine_.submit(bar, done.callbacks(k));
+    const auto t1 = Clock::now();
+    if (!id) return id.status();
+    if (!engine_.wait_imm(kPong, base + n * (k + 1), kRoundTimeout)) {
+      return Status(ErrorCode::kTimeout,
+                    fmt::format("barrier {}: {} of {} answers within {} ms", k,
+                                engine_.imm_count(kPong) - base - n * k, n, kRoundTimeout.count()));
+    }
+    if (k >= kWarmupRounds) {
+      r.lat_us.push_back(us(Clock::now() - t0));
+      submit_seconds += std::chrono::duration<double>(t1 - t0).count();
+    }
+  }
+  r.seconds = seconds_since(start);
+  auto cpu1 = cpu_of(n);
+  if (!cpu1) return cpu1.status();
+  if (!done.wait_prefix(rounds, Clock::now() + kPassTimeout)) {
+    return Status(ErrorCode::kTimeout, "barrier writes did not complete");
+  }
+  if (Status s = done.status(); !s) return s;
+  if (engine_.imm_count(kPong) != base + n * rounds) {
+    return Status(ErrorCode::kInternal,
+                  fmt::format("{} answers arrived for {} barriers to {} peers",
+                              engine_.imm_count(kPong) - base, rounds, n));
+  }
+  r.ops = b.rounds;
+  r.post_us = submit_seconds * 1e6 / static_cast<double>(b.rounds * n);
+  r.cpu_seconds = *cpu1 - *cpu0;
+  return r;
+}
+
+}  // namespace fabric::bench

@@ -1,0 +1,132 @@
+// The operations fabric-bench measures on the engine. Each run is one pass: a fixed number
+// of transfers with a window of them in flight, timed from the first submission until every
+// transfer's done callback has run and every peer has counted every immediate; then, with
+// the clock stopped, the pass is verified: every destination range written in the pass
+// against the source range it came from (and, for paged writes, the gaps between pages
+// against the poison they must still hold), every immediate counted exactly.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fabric/fabric.h"
+#include "harness.h"
+#include "peer.h"
+
+namespace fabric::bench {
+
+enum class Op { kSingle, kPaged, kImm, kScatter, kBarrier };
+std::string_view op_name(Op op);
+
+// The gap between pages of a paged write: stride = page + kPageGap (the reference's layout).
+constexpr uint64_t kPageGap = 128;
+
+// What one row of the table measures.
+struct Row {
+  Op op = Op::kSingle;
+  uint64_t bytes = 0;       // single: bytes per write; scatter: bytes per target
+  uint64_t page_bytes = 0;  // paged
+  uint64_t pages = 0;       // paged: pages per transfer
+  uint32_t peers = 1;       // scatter, barrier
+  std::string label() const;
+};
+
+// How much one pass does.
+struct Budget {
+  uint64_t pass_bytes = 256 * kMiB;  // payload per pass (at least two transfers' worth)
+  uint64_t max_transfers = 5'000;    // transfers per pass (single, scatter)
+  uint64_t max_pages = 20'000;       // pages per pass (paged; at least one transfer's)
+  uint64_t window = 32;              // transfers in flight
+  uint64_t rounds = 1'000;           // round trips (imm latency, barrier)
+  uint64_t messages = 20'000;        // imm-only writes (message rate)
+};
+
+// The shape of a pass of a row, as the budget makes it.
+struct Plan {
+  uint64_t transfers = 0;  // per pass
+  uint64_t window = 0;
+  uint64_t wrs = 0;  // work requests per pass: writes, pages, targets or messages
+  uint64_t bytes = 0;
+};
+Plan plan_for(const Row& row, const Budget& budget);
+
+// One pass, measured.
+struct PassResult {
+  double seconds = 0;  // the timed phase (imm: the message-rate phase)
+  uint64_t bytes = 0;
+  uint64_t ops = 0;            // writes, pages, messages or barrier rounds
+  double post_us = 0;          // client thread time inside submit(), per work request
+  double cpu_seconds = 0;      // client and peers, during the timed phase
+  std::vector<double> lat_us;  // per transfer (submit to done); imm and barrier: round trips
+};
+
+// The client's side of every pass: its engine, its source buffer, and the peer processes.
+class Session {
+ public:
+  using StartPeer = std::function<Result<std::unique_ptr<PeerClient>>()>;
+
+  Session(TransferEngine& engine, Registration src, const PageBuffer& src_bytes,
+          StartPeer start_peer, uint64_t seed);
+  ~Session();
+
+  // Makes sure `n` peers run (peer 0 is the one single, paged and imm writes go to).
+  Status ensure_peers(uint32_t n);
+  // One untimed immediate to each peer, so that connection set-up is charged to no pass.
+  Status warm_up();
+  // Runs one pass of `row`. `iteration` varies the data and the page choice.
+  Result<PassResult> run(const Row& row, const Budget& budget, uint32_t iteration);
+  // Asks every peer to quit; the first error.
+  Status quit_peers();
+
+  size_t num_peers() const { return peers_.size(); }
+  PeerClient& peer(size_t i) { return *peers_[i]; }
+
+ private:
+  struct Expectation {
+    size_t peer;
+    uint32_t imm;
+    uint64_t count;
+  };
+  struct Window {
+    uint64_t submitted = 0;
+    double seconds = 0;
+    double submit_seconds = 0;
+    std::vector<double> lat_us;
+    Status error;
+  };
+  using SubmitFn = std::function<Result<TransferId>(uint64_t i, Callbacks cb)>;
+
+  Window run_window(uint64_t count, uint64_t window, const SubmitFn& submit,
+                    const std::vector<Expectation>& expects);
+  Result<double> cpu_of(size_t peers);
+  uint64_t src_offset(uint32_t iteration, uint64_t i, uint64_t size) const;
+  // Compares a peer's hash of `count` ranges at first + k * step with the expected one;
+  // narrows a mismatch down to its first range, named by describe(k).
+  Status verify(PeerClient& peer, uint64_t len, uint64_t first, uint64_t step, uint64_t count,
+                const std::function<uint64_t(uint64_t k)>& expected,
+                const std::function<std::string(uint64_t k)>& describe);
+  Result<PeerGroup> group_of(uint32_t n);
+  uint32_t fresh_imm() { return next_imm_++; }
+
+  Result<PassResult> single(const Row& row, const Budget& b, uint32_t iteration);
+  Result<PassResult> paged(const Row& row, const Budget& b, uint32_t iteration);
+  Result<PassResult> imm(const Row& row, const Budget& b, uint32_t iteration);
+  Result<PassResult> scatter(const Row& row, const Budget& b, uint32_t iteration);
+  Result<PassResult> barrier(const Row& row, const Budget& b, uint32_t iteration);
+
+  TransferEngine& engine_;
+  Registration src_;
+  const PageBuffer& src_bytes_;
+  StartPeer start_peer_;
+  uint64_t seed_;
+  std::vector<std::unique_ptr<PeerClient>> peers_;
+  std::map<uint32_t, PeerGroup> groups_;
+  uint32_t next_imm_ = 1000;
+};
+
+}  // namespace fabric::bench
