@@ -8,9 +8,11 @@
 #include <rdma/fi_errno.h>
 #include "common/log.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <thread>
 
 namespace fabric::transport {
 
@@ -31,6 +33,7 @@ namespace {
 
 constexpr uint32_t kApiVersion = FI_VERSION(1, 17);
 constexpr size_t kCqDepth = 8192;
+constexpr int kEnableAttempts = 5;
 
 // Provider facts the engine must know, kept in one place.
 struct ProviderQuirks {
@@ -217,13 +220,22 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
   if ((rc = fi_av_open(dom, &av_attr, &av, nullptr)) != 0) return fail("fi_av_open", rc);
   d->av_.reset(av);
 
+  // shm's fi_enable can fail with -FI_EBUSY for a moment after another endpoint of this
+  // process closed (seen under TSan); a new endpoint, a little later, succeeds.
   fid_ep* ep = nullptr;
-  if ((rc = fi_endpoint(dom, fi, &ep, nullptr)) != 0) return fail("fi_endpoint", rc);
-  d->ep_.reset(ep);
-  if ((rc = fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV)) != 0)
-    return fail("fi_ep_bind(cq)", rc);
-  if ((rc = fi_ep_bind(ep, &av->fid, 0)) != 0) return fail("fi_ep_bind(av)", rc);
-  if ((rc = fi_enable(ep)) != 0) return fail("fi_enable", rc);
+  for (int attempt = 0;; ++attempt) {
+    d->ep_.reset();
+    if ((rc = fi_endpoint(dom, fi, &ep, nullptr)) != 0) return fail("fi_endpoint", rc);
+    d->ep_.reset(ep);
+    if ((rc = fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV)) != 0) {
+      return fail("fi_ep_bind(cq)", rc);
+    }
+    if ((rc = fi_ep_bind(ep, &av->fid, 0)) != 0) return fail("fi_ep_bind(av)", rc);
+    rc = fi_enable(ep);
+    if (rc == 0) break;
+    if (rc != -FI_EBUSY || attempt == kEnableAttempts - 1) return fail("fi_enable", rc);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 << attempt));
+  }
 
   size_t name_len = 0;
   rc = fi_getname(&ep->fid, nullptr, &name_len);
