@@ -1,4 +1,5 @@
 #include "report.h"
+#include "common/json.h"
 
 #include <fmt/format.h>
 
@@ -72,29 +73,7 @@ std::string verified(const RowReport& r) {
   return r.error.empty() ? "yes" : "FAILED";
 }
 
-std::string json_string(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
+using fabric::detail::json_string;
 
 std::string json_num(double v) {
   if (std::isnan(v) || std::isinf(v)) return "null";

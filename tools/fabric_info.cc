@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/json.h"
 #include "fabric/fabric.h"
 #include "topology/topology.h"
 #include "transport/libfabric/lf_domain.h"
@@ -88,32 +89,7 @@ std::string cpu_ranges(const std::vector<int>& cpus) {
   return out;
 }
 
-std::string json_string(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
+using fabric::detail::json_string;
 
 std::string json_ints(const std::vector<int>& v) {
   return fmt::format("[{}]", fmt::join(v, ","));
