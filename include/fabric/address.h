@@ -71,7 +71,8 @@ struct MemoryHandle {
 // (address, key) per NIC, rail-aligned with the address's NICs. Cheap to copy.
 class RemoteMemory {
  public:
-  static constexpr uint8_t kVersion = 1;
+  // Version 2 added staged_region(); version 1 descriptors still decode (not staged).
+  static constexpr uint8_t kVersion = 2;
 
   struct Rail {
     uint64_t addr;  // the fabric address of byte 0 of the region on this NIC
@@ -80,7 +81,8 @@ class RemoteMemory {
   };
 
   RemoteMemory() = default;
-  RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails);
+  RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails,
+               uint64_t staged_region = 0);
 
   static Result<RemoteMemory> decode(std::span<const std::byte> bytes);
   static Result<RemoteMemory> from_hex(std::string_view hex);
@@ -92,6 +94,10 @@ class RemoteMemory {
   uint64_t base() const;  // the owner's virtual address of the region (informational)
   uint64_t length() const;
   const std::vector<Rail>& rails() const;
+  // Non-zero when the region is GPU memory that the owner's NICs cannot reach: the rails then
+  // name a pinned host mirror, and a writer asks the owner (by this id) to copy what it wrote
+  // into the GPU before the write's immediate is counted (the staged path).
+  uint64_t staged_region() const;
 
   friend bool operator==(const RemoteMemory& a, const RemoteMemory& b);
 

@@ -68,6 +68,16 @@ struct Config {
   // that size each group keeps registered (more sends than that wait for a free buffer).
   uint64_t max_message_bytes = 64 * 1024;
   uint32_t send_buffers = 64;
+  // Receive buffers (of max_message_bytes) each group keeps posted from the start on its first
+  // NIC, for the engine's own messages (the staged path's commits and acknowledgments). User
+  // messages that arrive before set_receive_handler land there too and are dropped with a
+  // warning.
+  uint32_t control_buffers = 32;
+
+  // The staged path: GPU memory on NICs that cannot reach it goes through pinned host memory,
+  // pipelined in chunks of this many bytes (the copy of one chunk overlaps the network write of
+  // the one before, and the owner copies each chunk into the GPU as it lands).
+  uint64_t staging_chunk_bytes = 1 << 20;
 
   // Writes larger than this are split into several work requests (on the same NIC), so that
   // every work request completes in bounded time and peer_timeout stays meaningful.

@@ -168,10 +168,13 @@ struct RemoteMemory::Data {
   uint64_t base;
   uint64_t length;
   std::vector<Rail> rails;
+  uint64_t staged_region;
 };
 
-RemoteMemory::RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails)
-    : data_(std::make_shared<const Data>(Data{std::move(owner), base, length, std::move(rails)})) {}
+RemoteMemory::RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails,
+                           uint64_t staged_region)
+    : data_(std::make_shared<const Data>(
+          Data{std::move(owner), base, length, std::move(rails), staged_region})) {}
 
 const Address& RemoteMemory::owner() const {
   static const Address kEmpty;
@@ -187,11 +190,14 @@ const std::vector<RemoteMemory::Rail>& RemoteMemory::rails() const {
   static const std::vector<Rail> kEmpty;
   return data_ ? data_->rails : kEmpty;
 }
+uint64_t RemoteMemory::staged_region() const {
+  return data_ ? data_->staged_region : 0;
+}
 
 bool operator==(const RemoteMemory& a, const RemoteMemory& b) {
   if (a.data_ == b.data_) return true;
   return a.owner() == b.owner() && a.base() == b.base() && a.length() == b.length() &&
-         a.rails() == b.rails();
+         a.rails() == b.rails() && a.staged_region() == b.staged_region();
 }
 
 Bytes RemoteMemory::encode() const {
@@ -208,6 +214,7 @@ Bytes RemoteMemory::encode() const {
     w.u64(rail.addr);
     w.u64(rail.key);
   }
+  w.u64(staged_region());
   return w.take();
 }
 
@@ -218,8 +225,9 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   uint8_t version = 0;
   if (!r.u32(magic) || magic != kMemoryMagic) return malformed(kWhat, "bad magic");
   if (!r.u8(version)) return malformed(kWhat, "truncated before version");
-  if (version != kVersion) {
-    return malformed(kWhat, fmt::format("version {} (this build reads {})", version, kVersion));
+  if (version != 1 && version != kVersion) {
+    return malformed(kWhat,
+                     fmt::format("version {} (this build reads 1 to {})", version, kVersion));
   }
   uint64_t base = 0, length = 0;
   if (!r.u64(base) || !r.u64(length)) return malformed(kWhat, "truncated before length");
@@ -243,10 +251,12 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
       return malformed(kWhat, fmt::format("truncated at rail {}", i));
     }
   }
+  uint64_t staged = 0;
+  if (version >= 2 && !r.u64(staged)) return malformed(kWhat, "truncated before staged region");
   if (r.remaining() != 0) {
     return malformed(kWhat, fmt::format("{} trailing bytes", r.remaining()));
   }
-  return RemoteMemory(std::move(*owner), base, length, std::move(rails));
+  return RemoteMemory(std::move(*owner), base, length, std::move(rails), staged);
 }
 
 Result<RemoteMemory> RemoteMemory::from_hex(std::string_view hex) {

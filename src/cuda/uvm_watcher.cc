@@ -12,16 +12,13 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/cuda_status.h"
+
 namespace fabric {
 
-namespace {
+using cuda::cuda_error;
 
-Status cuda_error(const char* what, cudaError_t err) {
-  return Status(
-      err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ? ErrorCode::kUnsupported
-                                                                     : ErrorCode::kFabric,
-      fmt::format("{} failed: {} ({})", what, cudaGetErrorString(err), cudaGetErrorName(err)));
-}
+namespace {
 
 inline void cpu_relax() {
 #if defined(__x86_64__)

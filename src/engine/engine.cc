@@ -91,9 +91,17 @@ class EngineImpl {
   engine::ShardParams shard_params(uint32_t group) const;
   // Appends the ops writing `shards` of one source range to one destination; with an
   // immediate, it rides on the only shard or follows all of them as a deferred zero-byte write.
-  void add_writes(Transfer& t, const LocalRegion& src, uint64_t src_offset, const RemoteMemory& dst,
+  void add_writes(Transfer& t, const LocalRegion& src, uint64_t src_offset, uint32_t dst_index,
                   uint64_t dst_offset, const std::vector<engine::Shard>& shards,
                   std::optional<uint32_t> imm, uint32_t group);
+  // A staged destination's immediate: counted `times` by its owner after the copies.
+  static void stage_imm(Transfer& t, uint32_t dst_index, uint32_t imm, uint64_t times) {
+    t.staged.resize(t.dsts.size());
+    engine::StagedDst& sd = t.staged[dst_index];
+    sd.has_imm = true;
+    sd.imm = imm;
+    sd.imm_times += times;
+  }
   Op zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const NicAddress& peer,
                    uint32_t imm);
   TransferId hand_over(uint32_t group, std::unique_ptr<Transfer> t);
@@ -132,9 +140,13 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
   if (config.max_wr_bytes == 0 || config.peer_timeout.count() <= 0) {
     return invalid("config.max_wr_bytes and config.peer_timeout must be positive");
   }
-  if (config.max_message_bytes == 0 || config.send_buffers == 0) {
-    return invalid("config.max_message_bytes and config.send_buffers must be at least 1");
+  if (config.max_message_bytes == 0 || config.send_buffers == 0 || config.control_buffers == 0) {
+    return invalid(
+        "config.max_message_bytes, config.send_buffers and config.control_buffers must be at "
+        "least 1");
   }
+  if (config.staging_chunk_bytes == 0)
+    return invalid("config.staging_chunk_bytes must be positive");
   std::unique_ptr<EngineImpl> e(new EngineImpl(config));
   e->tag_ = std::random_device{}() & 0xffffff;
   e->callbacks_ = std::make_unique<engine::CallbackThread>();
@@ -188,6 +200,11 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
                                           for (uint32_t imm : v) h(imm);
                                         }
                                       });
+                                    },
+                                    [raw = e.get()](uint64_t id) -> std::shared_ptr<LocalRegion> {
+                                      std::lock_guard lock(raw->regions_mu_);
+                                      auto it = raw->regions_.find(id);
+                                      return it == raw->regions_.end() ? nullptr : it->second;
                                     }};
     auto w = engine::Worker::create(g, config, cpu, std::move(domains), std::move(services));
     if (!w) return w.status();
@@ -286,6 +303,12 @@ engine::ShardParams EngineImpl::shard_params(uint32_t group) const {
 
 TransferId EngineImpl::hand_over(uint32_t group, std::unique_ptr<Transfer> t) {
   TransferId id = t->id;
+  for (const RemoteMemory& dst : t->dsts) {
+    if (dst.staged_region() != 0) {
+      t->staged.resize(t->dsts.size());
+      break;
+    }
+  }
   workers_[group]->submit(std::move(t));
   return id;
 }
@@ -301,22 +324,43 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uin
   if (reinterpret_cast<uintptr_t>(ptr) + length < reinterpret_cast<uintptr_t>(ptr)) {
     return invalid("register_memory: the range wraps around the address space");
   }
+  // GPU memory: the NICs of this build's providers cannot reach it, so it is staged through a
+  // pinned host mirror of the same size, registered in its place.
+  auto memory = cuda::classify(ptr, length);
+  if (!memory) {
+    return Status(memory.status().code(),
+                  fmt::format("register_memory: {}", memory.status().message()));
+  }
+  std::unique_ptr<cuda::HostBuffer> mirror;
+  if (memory->kind != cuda::MemoryKind::kHost) {
+    auto m = cuda::HostBuffer::allocate(*memory, length);
+    if (!m) {
+      return Status(m.status().code(),
+                    fmt::format("register_memory: staging mirror for device memory: {}",
+                                m.status().message()));
+    }
+    mirror = std::move(*m);
+  }
+  std::byte* host = mirror ? mirror->data() : static_cast<std::byte*>(ptr);
   engine::Worker* w = workers_[group].get();
-  auto regs = w->call([&] { return w->register_on_all(ptr, length); });
+  auto regs = w->call([&] { return w->register_on_all(host, length); });
   if (!regs) return regs.status();
 
   auto region = std::make_shared<LocalRegion>();
   region->id = (tag_ << kTagShift) | (next_region_.fetch_add(1) & kSeqMask);
   region->ptr = static_cast<std::byte*>(ptr);
+  region->host = host;
   region->length = length;
   region->group = group;
+  region->memory = *memory;
   region->worker = w;
   region->regs = std::move(*regs);
+  region->mirror = std::move(mirror);
   std::vector<RemoteMemory::Rail> rails;
   for (const auto& r : region->regs) rails.push_back({r->remote_addr(), r->remote_key()});
-  Registration out{
-      MemoryHandle{region->id},
-      RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length, std::move(rails))};
+  Registration out{MemoryHandle{region->id},
+                   RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length,
+                                std::move(rails), region->staged() ? region->id : 0)};
   std::lock_guard rl(regions_mu_);
   regions_.emplace(region->id, std::move(region));
   return out;
@@ -369,36 +413,57 @@ Status EngineImpl::remove_peer_group(PeerGroup group) {
 // --- planning helpers -----------------------------------------------------------------------
 
 void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_offset,
-                            const RemoteMemory& dst, uint64_t dst_offset,
+                            uint32_t dst_index, uint64_t dst_offset,
                             const std::vector<engine::Shard>& shards, std::optional<uint32_t> imm,
                             uint32_t group) {
+  const RemoteMemory& dst = t.dsts[dst_index];
+  const bool staged_dst = dst.staged_region() != 0;
+  // Staged memory on either side moves in chunks, so that copies and writes overlap.
+  const uint64_t chunk = src.staged() || staged_dst ? config_.staging_chunk_bytes : UINT64_MAX;
+  size_t pieces = 0;
   for (const engine::Shard& s : shards) {
     const uint32_t rail = engine::remote_rail(s.domain, dst.rails().size());
-    Op op;
-    op.transfer = &t;
-    op.domain = s.domain;
-    op.peer = &dst.owner().nics()[rail].name;
-    op.length = s.length;
-    if (s.length == 0) {  // a zero-byte write still names a valid local buffer (EFA)
-      op.local = workers_[group]->scratch_local(s.domain);
-      op.local_desc = workers_[group]->scratch_desc(s.domain);
-    } else {
-      op.local = src.ptr + src_offset + s.offset;
-      op.local_desc = src.regs[s.domain]->local_desc();
-    }
-    op.remote_addr = dst.rails()[rail].addr + dst_offset + s.offset;
-    op.remote_key = dst.rails()[rail].key;
-    t.ops.push_back(op);
+    uint64_t done = 0;
+    do {
+      const uint64_t offset = s.offset + done;
+      const uint64_t length = std::min(chunk, s.length - done);
+      Op op;
+      op.transfer = &t;
+      op.domain = s.domain;
+      op.peer = &dst.owner().nics()[rail].name;
+      op.length = length;
+      if (length == 0) {  // a zero-byte write still names a valid local buffer (EFA)
+        op.local = workers_[group]->scratch_local(s.domain);
+        op.local_desc = workers_[group]->scratch_desc(s.domain);
+      } else {
+        op.local = src.host + src_offset + offset;
+        op.local_desc = src.regs[s.domain]->local_desc();
+      }
+      op.remote_addr = dst.rails()[rail].addr + dst_offset + offset;
+      op.remote_key = dst.rails()[rail].key;
+      if (staged_dst) {
+        op.dst_index = dst_index;
+        op.dst_offset = dst_offset + offset;
+      }
+      t.ops.push_back(op);
+      ++pieces;
+      done += length;
+    } while (done < s.length);
   }
   if (!imm) return;
-  if (shards.size() == 1) {
+  if (staged_dst) {  // counted by the owner once the data is in its GPU
+    stage_imm(t, dst_index, *imm, 1);
+    return;
+  }
+  if (pieces == 1) {
     t.ops.back().has_imm = true;
     t.ops.back().imm = *imm;
     return;
   }
   // Several pieces: the immediate follows them all, on the first piece's rail.
-  Op op = t.ops[t.ops.size() - shards.size()];
+  Op op = t.ops[t.ops.size() - pieces];
   op.length = 0;
+  op.dst_index = Op::kNoDst;
   op.local = workers_[group]->scratch_local(op.domain);
   op.local_desc = workers_[group]->scratch_desc(op.domain);
   op.has_imm = true;
@@ -450,7 +515,7 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
   auto t = new_transfer(std::move(cb));
   t->src = *src;
   t->dsts.push_back(w.dst);
-  add_writes(*t, **src, w.src_offset, t->dsts.back(), w.dst_offset, shards, w.imm, group);
+  add_writes(*t, **src, w.src_offset, 0, w.dst_offset, shards, w.imm, group);
   return hand_over(group, std::move(t));
 }
 
@@ -512,15 +577,21 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
       op.transfer = t.get();
       op.domain = run.domain;
       op.peer = &dst.owner().nics()[rail].name;
-      op.local = (*src)->ptr + so;
+      op.local = (*src)->host + so;
       op.length = w.page_bytes;
       op.local_desc = (*src)->regs[run.domain]->local_desc();
       op.remote_addr = dst.rails()[rail].addr + d_off;
       op.remote_key = dst.rails()[rail].key;
-      op.has_imm = w.imm.has_value();
-      op.imm = w.imm.value_or(0);
+      if (dst.staged_region() != 0) {  // the owner counts one arrival per page after its copy
+        op.dst_index = 0;
+        op.dst_offset = d_off;
+      } else {
+        op.has_imm = w.imm.has_value();
+        op.imm = w.imm.value_or(0);
+      }
     }
   }
+  if (dst.staged_region() != 0 && w.imm) stage_imm(*t, 0, *w.imm, w.src_pages.size());
   return hand_over(group, std::move(t));
 }
 
@@ -569,12 +640,13 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   for (size_t i = 0; i < sc.targets.size(); ++i) {
     const ScatterTarget& tg = sc.targets[i];
     t->dsts.push_back(tg.dst);
+    const uint32_t dst_index = static_cast<uint32_t>(t->dsts.size() - 1);
     const Routing routing = sc.sharding == Scatter::Sharding::kByBytes
                                 ? Routing::sharded(0)
                                 : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));
     auto shards =
         engine::plan_single(tg.length, nics, routing, rotation + static_cast<uint32_t>(i), params);
-    add_writes(*t, **src, tg.src_offset, t->dsts.back(), tg.dst_offset, shards, sc.imm, group);
+    add_writes(*t, **src, tg.src_offset, dst_index, tg.dst_offset, shards, sc.imm, group);
   }
   return hand_over(group, std::move(t));
 }
@@ -634,13 +706,16 @@ Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const 
   }
   auto t = new_transfer(std::move(cb));
   t->peers.push_back(peer);
-  t->message.assign(message.begin(), message.end());
+  t->message.reserve(engine::kMessageHeaderBytes + message.size());
+  t->message.push_back(static_cast<std::byte>(engine::MessageKind::kUser));
+  t->message.insert(t->message.end(), message.begin(), message.end());
   Op op;
   op.transfer = t.get();
   op.kind = Op::Kind::kSend;
   op.domain = 0;
   op.peer = &t->peers[0].nics()[0].name;
-  op.length = message.size();
+  op.message = &t->message;
+  op.length = t->message.size();
   t->ops.push_back(op);
   return hand_over(group, std::move(t));
 }

@@ -2,11 +2,15 @@
 // transfers on the submitting thread) and the worker (which posts and completes them).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <vector>
 
+#include "cuda/device_memory.h"
+#include "engine/messages.h"
 #include "fabric/address.h"
 #include "fabric/transfer.h"
 #include "transport/domain.h"
@@ -18,14 +22,22 @@ class Worker;
 // One registration of one device group: a provider registration per NIC of the group.
 // The provider registrations are released on the group's worker when the last holder (the
 // engine's table, or a transfer using it) lets go.
+//
+// Device memory the NICs cannot reach is staged: `host` is then a pinned mirror of the same
+// length (registered in its place), and data moves between `ptr` and `host` by copies on the
+// worker. For host memory, host == ptr.
 struct LocalRegion {
   uint64_t id = 0;
   std::byte* ptr = nullptr;
+  std::byte* host = nullptr;
   uint64_t length = 0;
   uint32_t group = 0;
+  cuda::PointerInfo memory;
   Worker* worker = nullptr;
-  std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;  // one per NIC
+  std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;  // one per NIC, of `host`
+  std::unique_ptr<cuda::HostBuffer> mirror;                          // staged only
 
+  bool staged() const { return mirror != nullptr; }
   ~LocalRegion();
 };
 
@@ -36,14 +48,20 @@ struct PeerQueue;
 // never moves once the transfer is accepted.
 struct Op {
   enum class Kind : uint8_t { kWrite, kSend };
+  static constexpr uint32_t kNoDst = UINT32_MAX;
   Transfer* transfer = nullptr;
   Kind kind = Kind::kWrite;
   bool has_imm = false;
+  bool commit = false;  // kSend: a staged-path Commit whose Ack the transfer awaits
   uint32_t domain = 0;
   uint32_t imm = 0;
-  bool abandoned = false;       // its peer was declared dead while the provider still held it
-  int32_t send_slot = -1;       // kSend: the registered send buffer in use while posted
-  const Bytes* peer = nullptr;  // the peer NIC's endpoint name (kept alive by the transfer)
+  bool abandoned = false;          // its peer was declared dead while the provider still held it
+  int32_t send_slot = -1;          // kSend: the registered send buffer in use while posted
+  const Bytes* peer = nullptr;     // the peer NIC's endpoint name (kept alive by the transfer)
+  const Bytes* message = nullptr;  // kSend: the bytes to send (kept alive by the transfer)
+  // kWrite into a staged destination: which of the transfer's dsts, and the offset in it.
+  uint32_t dst_index = kNoDst;
+  uint64_t dst_offset = 0;
   const void* local = nullptr;
   uint64_t length = 0;
   void* local_desc = nullptr;
@@ -53,6 +71,24 @@ struct Op {
   PeerQueue* queue = nullptr;
   Op* prev = nullptr;
   Op* next = nullptr;
+};
+
+// The staged-path state of one destination of a transfer whose region is staged at its owner:
+// ranges written and not yet committed, and the immediate to count once all are copied.
+struct StagedDst {
+  std::vector<Range> unflushed;
+  uint64_t unflushed_bytes = 0;
+  bool has_imm = false;
+  uint32_t imm = 0;
+  uint64_t imm_times = 0;
+};
+
+// A group of ops whose source is staged, released for posting once their device-to-host
+// copies have completed. Its address is the copier's token.
+struct Gate {
+  Transfer* transfer;
+  size_t first;  // index into transfer->ops
+  size_t count;
 };
 
 struct Transfer {
@@ -67,11 +103,20 @@ struct Transfer {
   size_t abandoned = 0;   // ops given up on (dead peer) that the provider still holds
   bool finished = false;  // the user callback has been queued
   Status error;           // the first failure
+  // Staged path: per destination (indexed like dsts; empty when no destination is staged),
+  // Commits sent and not yet acknowledged, and when their acknowledgment is overdue.
+  std::vector<StagedDst> staged;
+  size_t acks = 0;
+  std::chrono::steady_clock::time_point ack_deadline;
+  std::deque<Op> control;          // Commit sends (a deque: ops never move)
+  std::deque<Bytes> control_msgs;  // their bytes
+  std::deque<Gate> gates;
   // Keep-alives for what the ops point into.
   std::shared_ptr<LocalRegion> src;
   std::vector<RemoteMemory> dsts;
   std::vector<Address> peers;
-  Bytes message;  // kSend: the copied message
+  Bytes message;    // kSend: the copied message, behind its kind byte
+  Bytes peer_name;  // an engine-internal send: the peer's endpoint name
 };
 
 }  // namespace fabric::engine

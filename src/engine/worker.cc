@@ -19,6 +19,12 @@ namespace {
 constexpr size_t kBufferAlignment = 64;
 constexpr uint64_t kScratchBytes = 64;
 constexpr auto kMaxBlock = std::chrono::milliseconds(100);
+// Ids of the worker's own transfers (acknowledgments): never equal to an engine transfer id.
+constexpr uint64_t kInternalTransfer = uint64_t{1} << 63;
+
+uint64_t round_up(uint64_t n, uint64_t to) {
+  return (n + to - 1) / to * to;
+}
 
 Status cancelled(std::string_view why) {
   return Status(ErrorCode::kCancelled, std::string(why));
@@ -27,7 +33,7 @@ Status cancelled(std::string_view why) {
 }  // namespace
 
 LocalRegion::~LocalRegion() {
-  if (worker != nullptr && !regs.empty()) worker->release(std::move(regs));
+  if (worker != nullptr && !regs.empty()) worker->release(std::move(regs), std::move(mirror));
 }
 
 Worker::Worker(uint32_t group, const Config& config, int cpu)
@@ -56,8 +62,7 @@ Result<std::unique_ptr<Worker>> Worker::create(
   }
   // Registered send buffers on the first NIC, which carries all two-sided messages.
   auto pool = std::make_unique<SendPool>();
-  pool->slot_bytes =
-      (config.max_message_bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+  pool->slot_bytes = round_up(config.max_message_bytes + kMessageHeaderBytes, kBufferAlignment);
   const uint64_t total = pool->slot_bytes * std::max<uint32_t>(config.send_buffers, 1);
   pool->storage.reset(static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, total)));
   auto reg = w->domains_[0].domain->register_memory(pool->storage.get(), total);
@@ -68,6 +73,12 @@ Result<std::unique_ptr<Worker>> Worker::create(
     pool->free.push_back(i);
   }
   w->send_pool_ = std::move(pool);
+  // The engine's own receive buffers, posted before anything can be sent to this group.
+  auto control = w->make_pool(config.max_message_bytes + kMessageHeaderBytes,
+                              std::max<uint32_t>(config.control_buffers, 1));
+  if (!control) return control.status();
+  w->control_pool_ = std::move(*control);
+  for (RecvSlot& slot : w->control_pool_->slots) w->repost(slot);
   return w;
 }
 
@@ -75,8 +86,11 @@ Worker::~Worker() {
   stop();
   // Registrations before the domains they live on.
   recv_pool_.reset();
+  control_pool_.reset();
   send_pool_.reset();
+  commit_jobs_.clear();
   live_.clear();
+  copiers_.clear();
   for (auto& d : domains_) d.scratch.reset();
   if (event_fd_ >= 0) ::close(event_fd_);
 }
@@ -140,11 +154,22 @@ void Worker::run_on_worker(std::function<void()> fn) {
   }
 }
 
-void Worker::release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs) {
-  // On the worker itself, `regs` is destroyed right here when the call returns.
-  if (std::this_thread::get_id() == thread_.get_id()) return;
-  auto holder = std::make_shared<decltype(regs)>(std::move(regs));
-  run_on_worker([holder] { holder->clear(); });
+void Worker::release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs,
+                     std::unique_ptr<cuda::HostBuffer> mirror) {
+  // On the worker itself, both are destroyed right here, registrations first.
+  if (std::this_thread::get_id() == thread_.get_id()) {
+    regs.clear();
+    return;
+  }
+  struct Holder {
+    std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;
+    std::unique_ptr<cuda::HostBuffer> mirror;
+  };
+  auto holder = std::make_shared<Holder>(Holder{std::move(regs), std::move(mirror)});
+  run_on_worker([holder] {
+    holder->regs.clear();
+    holder->mirror.reset();
+  });
 }
 
 Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> Worker::register_on_all(
@@ -158,15 +183,10 @@ Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> Worker::regi
   return regs;
 }
 
-Status Worker::start_receives(std::function<void(std::span<const std::byte>)> handler,
-                              uint64_t buffer_bytes, uint32_t count) {
-  if (recv_pool_) {
-    return Status(ErrorCode::kAlreadyExists,
-                  fmt::format("group {} already has a receive handler", group_));
-  }
+Result<std::unique_ptr<Worker::ReceivePool>> Worker::make_pool(uint64_t buffer_bytes,
+                                                               uint32_t count) {
   auto pool = std::make_unique<ReceivePool>();
-  pool->handler = std::move(handler);
-  const uint64_t slot = (buffer_bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+  const uint64_t slot = round_up(buffer_bytes, kBufferAlignment);
   pool->storage.reset(static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, slot * count)));
   if (!pool->storage) {
     return Status(ErrorCode::kInvalidArgument,
@@ -176,16 +196,30 @@ Status Worker::start_receives(std::function<void(std::span<const std::byte>)> ha
   if (!reg) return reg.status();
   pool->reg = std::move(*reg);
   pool->slots.reserve(count);
-  for (uint32_t i = 0; i < count; ++i)
-    pool->slots.push_back({pool->storage.get() + i * slot, slot});
-  recv_pool_ = std::move(pool);
+  for (uint32_t i = 0; i < count; ++i) {
+    pool->slots.push_back({pool->storage.get() + i * slot, slot, pool->reg->local_desc()});
+  }
+  return pool;
+}
+
+Status Worker::start_receives(std::function<void(std::span<const std::byte>)> handler,
+                              uint64_t buffer_bytes, uint32_t count) {
+  if (recv_pool_) {
+    return Status(ErrorCode::kAlreadyExists,
+                  fmt::format("group {} already has a receive handler", group_));
+  }
+  // Every buffer takes the largest message a peer may send, whichever pool it lands in.
+  auto pool =
+      make_pool(std::max(buffer_bytes, config_.max_message_bytes + kMessageHeaderBytes), count);
+  if (!pool) return pool.status();
+  recv_pool_ = std::move(*pool);
+  user_handler_ = std::make_shared<MessageHandler>(std::move(handler));
   for (RecvSlot& s : recv_pool_->slots) repost(s);
   return Status::ok();
 }
 
 void Worker::repost(RecvSlot& slot) {
-  transport::RecvRequest req{reinterpret_cast<uint64_t>(&slot), slot.buf, slot.size,
-                             recv_pool_->reg->local_desc()};
+  transport::RecvRequest req{reinterpret_cast<uint64_t>(&slot), slot.buf, slot.size, slot.desc};
   auto r = domains_[0].domain->post_recv(req);
   if (r.kind != transport::PostResult::Kind::kPosted) {
     detail::log().error(
@@ -209,6 +243,7 @@ void Worker::run() {
     bool active = drain_inbox();
     if (!stopping_ && stop_requested_.load()) begin_stop();
     for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
+    if (!copiers_.empty()) active |= poll_copies();
     for (auto& d : domains_) active |= post_some(d);
     watch_peers();
     if (!jobs_.empty()) services_.callbacks->push(jobs_);
@@ -244,7 +279,11 @@ void Worker::start_transfer(std::unique_ptr<Transfer> owned) {
     return;
   }
   t.pending = t.ops.size() + 1;  // +1 holds the transfer open while its ops are queued
-  for (Op& op : t.ops) enqueue(op);
+  if (t.src && t.src->staged()) {
+    stage_sources(t);  // ops are queued as their device-to-host copies complete
+  } else {
+    for (Op& op : t.ops) enqueue(op);
+  }
   if (--t.pending == 0) advance(t);
 }
 
@@ -279,7 +318,7 @@ transport::PostResult Worker::post(DomainState& d, Op& op, transport::PeerHandle
     send_pool_->free.pop_back();
     std::byte* buf =
         send_pool_->storage.get() + static_cast<uint64_t>(op.send_slot) * send_pool_->slot_bytes;
-    std::memcpy(buf, op.transfer->message.data(), op.transfer->message.size());
+    std::memcpy(buf, op.message->data(), op.message->size());
     op.local = buf;
     op.local_desc = send_pool_->reg->local_desc();
   }
@@ -377,10 +416,36 @@ void Worker::on_recv(const transport::Completion& c) {
     repost(slot);
     return;
   }
-  Bytes message(slot.buf, slot.buf + c.length);
+  if (c.length < kMessageHeaderBytes) {
+    detail::log().warn("group {}: dropped an empty message", group_);
+    repost(slot);
+    return;
+  }
+  const auto kind = static_cast<MessageKind>(slot.buf[0]);
+  const std::span<const std::byte> body(slot.buf + kMessageHeaderBytes,
+                                        c.length - kMessageHeaderBytes);
+  switch (kind) {
+    case MessageKind::kUser:
+      if (user_handler_) {
+        jobs_.push_back([h = user_handler_, m = Bytes(body.begin(), body.end())] { (*h)(m); });
+      } else {
+        detail::log().warn(
+            "group {}: dropped a message of {} bytes: no receive handler is set "
+            "(set_receive_handler)",
+            group_, body.size());
+      }
+      break;
+    case MessageKind::kCommit:
+      handle_commit(body);
+      break;
+    case MessageKind::kAck:
+      handle_ack(body);
+      break;
+    default:
+      detail::log().warn("group {}: dropped a message of unknown kind {}", group_,
+                         static_cast<unsigned>(kind));
+  }
   repost(slot);
-  ReceivePool* pool = recv_pool_.get();
-  jobs_.push_back([pool, m = std::move(message)] { pool->handler(m); });
 }
 
 void Worker::complete_op(Op& op, const Status& status) {
@@ -390,26 +455,48 @@ void Worker::complete_op(Op& op, const Status& status) {
   }
   Transfer& t = *op.transfer;
   if (!status.is_ok() && t.error.is_ok()) t.error = status;
+  if (op.commit && !status.is_ok()) --t.acks;  // its Ack will never come
+  if (status.is_ok() && op.dst_index != Op::kNoDst) record_staged(op);
   if (--t.pending == 0) advance(t);
 }
 
 void Worker::advance(Transfer& t) {
-  if (t.error.is_ok() && !t.deferred_started && !t.deferred.empty()) {
-    if (stopping_) {
-      t.error = cancelled("engine closed before the transfer's immediate was sent");
-      finish(t);
-      return;
-    }
-    t.deferred_started = true;
-    t.pending = t.deferred.size() + 1;
-    for (Op& op : t.deferred) enqueue(op);
-    if (--t.pending == 0) advance(t);
+  if (t.pending > 0 || t.acks > 0) return;  // work requests or acknowledgments outstanding
+  if (!t.error.is_ok()) {
+    finish(t);
     return;
   }
-  finish(t);
+  // Every write has landed. What is left: Commits of staged destinations (with their
+  // immediates), and immediates that follow the data of multi-piece writes.
+  bool more = !t.deferred_started && !t.deferred.empty();
+  for (const StagedDst& sd : t.staged) more |= !sd.unflushed.empty() || sd.has_imm;
+  if (!more) {
+    finish(t);
+    return;
+  }
+  if (stopping_) {
+    t.error = cancelled("engine closed before the transfer's immediate was sent");
+    finish(t);
+    return;
+  }
+  t.pending = 1;  // holds the transfer while its last messages are queued
+  for (uint32_t i = 0; i < t.staged.size(); ++i) {
+    if (!t.staged[i].unflushed.empty() || t.staged[i].has_imm) flush_commits(t, i, true);
+  }
+  if (!t.deferred_started && !t.deferred.empty()) {
+    t.deferred_started = true;
+    t.pending += t.deferred.size();
+    for (Op& op : t.deferred) enqueue(op);
+  }
+  if (--t.pending == 0) advance(t);
 }
 
 void Worker::finish(Transfer& t) {
+  if (!t.staged.empty()) std::erase(awaiting_acks_, &t);
+  if ((t.id & kInternalTransfer) != 0 && !t.error.is_ok()) {
+    detail::log().warn("group {}: an engine message could not be delivered: {}", group_,
+                       t.error.to_string());
+  }
   if (!t.error.is_ok()) {
     if (t.callbacks.on_error) {
       jobs_.push_back([cb = std::move(t.callbacks.on_error), s = std::move(t.error)] { cb(s); });
@@ -426,6 +513,7 @@ void Worker::watch_peers() {
   const auto now = now_;
   if (now < next_watch_) return;
   next_watch_ = now + std::chrono::milliseconds(10);
+  if (!awaiting_acks_.empty()) watch_acks();
   for (auto& d : domains_) {
     std::vector<PeerQueue*> dead;
     for (auto& [peer, q] : d.queues) {
@@ -486,6 +574,10 @@ void Worker::begin_stop() {
 }
 
 void Worker::finish_stop() {
+  // Copies still in flight point into transfers and regions: let them end first.
+  for (CopierEntry& c : copiers_) c.copier->drain();
+  commit_jobs_.clear();
+  awaiting_acks_.clear();
   if (posted_ > abandoned_) {
     detail::log().warn("group {}: closing with {} work requests still in flight after {} ms",
                        group_, posted_ - abandoned_, config_.close_timeout.count());
@@ -505,7 +597,9 @@ void Worker::finish_stop() {
 
 void Worker::idle(bool active) {
   const auto now = now_;
-  if (active || posted_ > abandoned_ || queued_ > 0 || stopping_) {
+  bool copying = false;
+  for (const CopierEntry& c : copiers_) copying |= c.copier->outstanding() > 0;
+  if (active || posted_ > abandoned_ || queued_ > 0 || stopping_ || copying) {
     last_active_ = now;
     return;
   }
@@ -536,6 +630,283 @@ void Worker::idle(bool active) {
   sleeping_.store(false);
   uint64_t drained = 0;
   [[maybe_unused]] ssize_t n = ::read(event_fd_, &drained, sizeof(drained));
+}
+
+}  // namespace fabric::engine
+
+// --- the staged path ------------------------------------------------------------------------
+// GPU memory that the NICs cannot reach moves through the pinned host mirror of its region.
+// Sender: ops reading a staged source wait, in gates of about staging_chunk_bytes, for their
+// device-to-host copies. Writer into a staged destination: ranges that landed in the owner's
+// mirror are committed (a Commit message) as they accumulate; the owner copies them into its
+// GPU, counts the Commit's immediate after the copies, and acknowledges; the transfer
+// completes on the last Ack.
+
+namespace fabric::engine {
+
+Result<cuda::Copier*> Worker::copier_for(const cuda::PointerInfo& device, bool commits) {
+  for (CopierEntry& c : copiers_) {
+    if (c.device.kind == device.kind && c.device.device == device.device && c.commits == commits) {
+      return c.copier.get();
+    }
+  }
+  auto copier = cuda::Copier::create(device);
+  if (!copier) return copier.status();
+  copiers_.push_back({device, std::move(*copier), commits});
+  return copiers_.back().copier.get();
+}
+
+void Worker::stage_sources(Transfer& t) {
+  const LocalRegion& src = *t.src;
+  auto copier = copier_for(src.memory, false);
+  size_t i = 0;
+  while (i < t.ops.size()) {
+    if (t.ops[i].length == 0) {  // zero-byte writes read the scratch buffer
+      enqueue(t.ops[i++]);
+      continue;
+    }
+    Gate& gate = t.gates.emplace_back(Gate{&t, i, 0});
+    Status status = copier ? Status::ok() : copier.status();
+    uint64_t bytes = 0;
+    while (status.is_ok() && i < t.ops.size() && t.ops[i].length > 0 &&
+           bytes < config_.staging_chunk_bytes) {
+      Op& op = t.ops[i++];
+      auto* host = static_cast<std::byte*>(const_cast<void*>(op.local));
+      status = (*copier)->copy(src.ptr + (host - src.host), host, op.length,
+                               cuda::Copier::Direction::kToHost);
+      bytes += op.length;
+      ++gate.count;
+    }
+    if (status.is_ok()) status = (*copier)->fence(reinterpret_cast<uint64_t>(&gate));
+    if (!status.is_ok()) {
+      if (gate.count == 0) gate.count = 1, ++i;
+      gate_done(gate, status);
+    }
+  }
+}
+
+bool Worker::poll_copies() {
+  bool any = false;
+  for (size_t e = 0; e < copiers_.size(); ++e) {
+    if (copiers_[e].copier->outstanding() == 0) continue;
+    copies_done_.clear();
+    if (copiers_[e].copier->poll(copies_done_) == 0) continue;
+    any = true;
+    const bool commits = copiers_[e].commits;
+    for (const cuda::Copier::Done& d : copies_done_) {
+      if (commits) {
+        auto* job = reinterpret_cast<CommitJob*>(d.token);
+        if (!d.status.is_ok()) job->status = d.status;
+        commit_done(*job);
+      } else {
+        gate_done(*reinterpret_cast<Gate*>(d.token), d.status);
+      }
+    }
+  }
+  return any;
+}
+
+void Worker::gate_done(Gate& gate, const Status& status) {
+  // The last op may finish the transfer (and free the gate): read the gate first.
+  Transfer* t = gate.transfer;
+  const size_t first = gate.first, count = gate.count;
+  for (size_t k = 0; k < count; ++k) {
+    Op& op = t->ops[first + k];
+    if (!status.is_ok()) {
+      complete_op(op, Status(status.code(), fmt::format("staging {} bytes from device memory: {}",
+                                                        op.length, status.message())));
+    } else if (stopping_) {
+      complete_op(op, cancelled("engine closed before it was posted"));
+    } else {
+      enqueue(op);
+    }
+  }
+}
+
+void Worker::record_staged(Op& op) {
+  Transfer& t = *op.transfer;
+  if (!t.error.is_ok()) return;
+  StagedDst& sd = t.staged[op.dst_index];
+  if (!sd.unflushed.empty() &&
+      sd.unflushed.back().offset + sd.unflushed.back().length == op.dst_offset) {
+    sd.unflushed.back().length += op.length;
+  } else {
+    sd.unflushed.push_back({op.dst_offset, op.length});
+  }
+  sd.unflushed_bytes += op.length;
+  // Commit as the data accumulates, so the owner's copies overlap the rest of the transfer.
+  if (sd.unflushed_bytes >= config_.staging_chunk_bytes && !stopping_) {
+    flush_commits(t, op.dst_index, false);
+  }
+}
+
+void Worker::flush_commits(Transfer& t, uint32_t dst_index, bool final) {
+  StagedDst& sd = t.staged[dst_index];
+  const RemoteMemory& dst = t.dsts[dst_index];
+  const Bytes& reply_to = domains_[0].domain->endpoint_name();
+  const uint64_t room = config_.max_message_bytes + kMessageHeaderBytes;
+  const uint64_t fixed = Commit::kFixedBytes + reply_to.size();
+  const uint64_t per_message = room > fixed ? (room - fixed) / Commit::kRangeBytes : 0;
+  const bool imm_now = final && sd.has_imm && sd.unflushed.size() <= per_message;
+  if (sd.unflushed.empty() && !imm_now) return;
+  if (per_message == 0 && !sd.unflushed.empty()) {
+    if (t.error.is_ok()) {
+      t.error = Status(ErrorCode::kInvalidArgument,
+                       "max_message_bytes is too small for the staged path's commit messages");
+    }
+    sd.unflushed.clear();
+    return;
+  }
+  size_t pos = 0;
+  do {
+    const size_t n = std::min<size_t>(per_message, sd.unflushed.size() - pos);
+    Commit c;
+    c.transfer = t.id;
+    c.reply_to = reply_to;
+    c.region = dst.staged_region();
+    c.ranges.assign(sd.unflushed.begin() + static_cast<std::ptrdiff_t>(pos),
+                    sd.unflushed.begin() + static_cast<std::ptrdiff_t>(pos + n));
+    pos += n;
+    if (imm_now && pos == sd.unflushed.size()) {
+      c.has_imm = true;
+      c.imm = sd.imm;
+      c.imm_times = sd.imm_times;
+      sd.has_imm = false;
+    }
+    const Bytes& msg = t.control_msgs.emplace_back(c.encode());
+    Op& op = t.control.emplace_back();
+    op.transfer = &t;
+    op.kind = Op::Kind::kSend;
+    op.commit = true;
+    op.domain = 0;
+    op.peer = &dst.owner().nics()[0].name;
+    op.message = &msg;
+    op.length = msg.size();
+    ++t.pending;
+    if (t.acks++ == 0) awaiting_acks_.push_back(&t);
+    t.ack_deadline = now_ + config_.peer_timeout;
+    enqueue(op);
+  } while (pos < sd.unflushed.size());
+  sd.unflushed.clear();
+  sd.unflushed_bytes = 0;
+}
+
+void Worker::handle_commit(std::span<const std::byte> body) {
+  auto commit = Commit::decode(body);
+  if (!commit) {
+    detail::log().warn("group {}: dropped a malformed staged-path commit", group_);
+    return;
+  }
+  auto owned = std::make_unique<CommitJob>();
+  CommitJob& job = *owned;
+  job.commit = std::move(*commit);
+  job.region = services_.find_region ? services_.find_region(job.commit.region) : nullptr;
+  CommitJob* key = owned.get();
+  commit_jobs_.emplace(key, std::move(owned));
+  if (!job.region || job.region->worker != this || !job.region->staged()) {
+    job.status = Status(ErrorCode::kRemoteAccess,
+                        fmt::format("staged region {:#x} is not registered on this group (was "
+                                    "it unregistered?)",
+                                    job.commit.region));
+    commit_done(job);
+    return;
+  }
+  const LocalRegion& region = *job.region;
+  for (const Range& r : job.commit.ranges) {
+    if (r.offset > region.length || r.length > region.length - r.offset) {
+      job.status = Status(ErrorCode::kRemoteAccess,
+                          fmt::format("staged commit of {} bytes at offset {} exceeds the region "
+                                      "({} bytes)",
+                                      r.length, r.offset, region.length));
+      commit_done(job);
+      return;
+    }
+  }
+  if (job.commit.ranges.empty()) {
+    commit_done(job);
+    return;
+  }
+  auto copier = copier_for(region.memory, true);
+  Status s = copier ? Status::ok() : copier.status();
+  for (const Range& r : job.commit.ranges) {
+    if (!s.is_ok()) break;
+    s = (*copier)->copy(region.ptr + r.offset, region.host + r.offset, r.length,
+                        cuda::Copier::Direction::kToDevice);
+  }
+  if (s.is_ok()) s = (*copier)->fence(reinterpret_cast<uint64_t>(&job));
+  if (!s.is_ok()) {
+    job.status = s;
+    commit_done(job);
+  }
+}
+
+void Worker::commit_done(CommitJob& job) {
+  if (job.status.is_ok() && job.commit.has_imm && job.commit.imm_times > 0) {
+    std::vector<uint32_t> imms(job.commit.imm_times, job.commit.imm);
+    std::vector<uint32_t> unexpected;
+    services_.imms->arrive(imms, jobs_, unexpected);
+    if (!unexpected.empty() && services_.on_unexpected) services_.on_unexpected(unexpected);
+  }
+  if (!job.status.is_ok()) {
+    detail::log().warn("group {}: staged commit failed: {}", group_, job.status.to_string());
+  }
+  Ack ack{job.commit.transfer, job.status.code(), job.status.message()};
+  send_internal(std::move(job.commit.reply_to), ack.encode());
+  commit_jobs_.erase(&job);
+}
+
+void Worker::handle_ack(std::span<const std::byte> body) {
+  auto ack = Ack::decode(body);
+  if (!ack) {
+    detail::log().warn("group {}: dropped a malformed staged-path acknowledgment", group_);
+    return;
+  }
+  auto it = live_.find(ack->transfer);
+  if (it == live_.end() || it->second->acks == 0) return;  // late: the transfer gave up on it
+  Transfer& t = *it->second;
+  if (ack->code != ErrorCode::kOk && t.error.is_ok()) {
+    const bool known = static_cast<int>(ack->code) <= static_cast<int>(ErrorCode::kInternal);
+    t.error = Status(known ? ack->code : ErrorCode::kInternal,
+                     fmt::format("the owner of the destination: {}", ack->message));
+  }
+  if (--t.acks == 0) {
+    std::erase(awaiting_acks_, &t);
+    advance(t);
+  }
+}
+
+void Worker::send_internal(Bytes peer_name, Bytes message) {
+  auto t = std::make_unique<Transfer>();
+  t->id = kInternalTransfer | next_internal_++;
+  t->peer_name = std::move(peer_name);
+  t->message = std::move(message);
+  Op op;
+  op.transfer = t.get();
+  op.kind = Op::Kind::kSend;
+  op.domain = 0;
+  op.peer = &t->peer_name;
+  op.message = &t->message;
+  op.length = t->message.size();
+  t->ops.push_back(op);
+  start_transfer(std::move(t));
+}
+
+void Worker::watch_acks() {
+  std::vector<Transfer*> overdue;
+  for (Transfer* t : awaiting_acks_) {
+    if (t->acks > 0 && now_ > t->ack_deadline) overdue.push_back(t);
+  }
+  for (Transfer* t : overdue) {
+    if (t->error.is_ok()) {
+      t->error = Status(ErrorCode::kPeerUnreachable,
+                        fmt::format("the owner of a staged destination did not acknowledge the "
+                                    "copy into its device memory within {} ms",
+                                    config_.peer_timeout.count()));
+    }
+    t->acks = 0;
+    std::erase(awaiting_acks_, t);
+    advance(*t);
+  }
 }
 
 }  // namespace fabric::engine

@@ -18,6 +18,7 @@
 
 #include "engine/callback_thread.h"
 #include "engine/imm_counters.h"
+#include "engine/messages.h"
 #include "engine/transfer_state.h"
 #include "fabric/config.h"
 #include "transport/domain.h"
@@ -58,6 +59,8 @@ struct WorkerServices {
   ImmCounters* imms;
   // Called on the worker with immediates that arrived with no expectation.
   std::function<void(std::vector<uint32_t>&)> on_unexpected;
+  // The engine's registration of an id (staged-path Commits name their region), or null.
+  std::function<std::shared_ptr<LocalRegion>(uint64_t id)> find_region;
 };
 
 class Worker {
@@ -96,8 +99,10 @@ class Worker {
     run_on_worker([&task] { task(); });
     return fut.get();
   }
-  // Releases provider registrations on the worker thread (or inline when it is not running).
-  void release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs);
+  // Releases provider registrations on the worker thread (or inline when it is not running),
+  // then the staging mirror they registered, if any.
+  void release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs,
+               std::unique_ptr<cuda::HostBuffer> mirror);
 
   // Worker-thread operations, for call().
   Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> register_on_all(
@@ -113,6 +118,7 @@ class Worker {
   struct RecvSlot {
     std::byte* buf;
     uint64_t size;
+    void* desc;
   };
   using PeerQueue = engine::PeerQueue;
   struct DomainState {
@@ -122,11 +128,24 @@ class Worker {
     std::unordered_map<transport::PeerHandle, PeerQueue> queues;
     std::deque<transport::PeerHandle> ready;  // peers with queued ops, in round-robin order
   };
+  // Receive buffers on the first NIC: the engine's own pool, posted from the start, and the
+  // user's (set_receive_handler). Any message may land in either; its kind byte routes it.
   struct ReceivePool {
-    std::function<void(std::span<const std::byte>)> handler;
     Buffer storage;
     std::unique_ptr<transport::MemoryRegistration> reg;
     std::vector<RecvSlot> slots;
+  };
+  using MessageHandler = std::function<void(std::span<const std::byte>)>;
+  // A staged-path Commit being copied into device memory; its address is the copier's token.
+  struct CommitJob {
+    Commit commit;
+    std::shared_ptr<LocalRegion> region;
+    Status status;
+  };
+  struct CopierEntry {
+    cuda::PointerInfo device;
+    std::unique_ptr<cuda::Copier> copier;
+    bool commits;  // tokens are CommitJobs (device-bound copies), else Gates
   };
   struct SendPool {
     Buffer storage;
@@ -149,6 +168,19 @@ class Worker {
   void finish(Transfer& t);
   void on_recv(const transport::Completion& c);
   void repost(RecvSlot& slot);
+  Result<std::unique_ptr<ReceivePool>> make_pool(uint64_t buffer_bytes, uint32_t count);
+  // Staged path.
+  Result<cuda::Copier*> copier_for(const cuda::PointerInfo& device, bool commits);
+  void stage_sources(Transfer& t);
+  bool poll_copies();
+  void gate_done(Gate& gate, const Status& status);
+  void record_staged(Op& op);
+  void flush_commits(Transfer& t, uint32_t dst_index, bool with_imm);
+  void handle_commit(std::span<const std::byte> body);
+  void commit_done(CommitJob& job);
+  void handle_ack(std::span<const std::byte> body);
+  void send_internal(Bytes peer_name, Bytes message);
+  void watch_acks();
   void watch_peers();
   void declare_dead(DomainState& d, PeerQueue& q);
   void begin_stop();
@@ -161,8 +193,15 @@ class Worker {
   int cpu_;
   WorkerServices services_;
   std::vector<DomainState> domains_;
+  std::unique_ptr<ReceivePool> control_pool_;
   std::unique_ptr<ReceivePool> recv_pool_;
+  std::shared_ptr<MessageHandler> user_handler_;  // null until set_receive_handler
   std::unique_ptr<SendPool> send_pool_;
+  std::vector<CopierEntry> copiers_;
+  std::unordered_map<CommitJob*, std::unique_ptr<CommitJob>> commit_jobs_;
+  std::vector<Transfer*> awaiting_acks_;  // transfers with Commits not yet acknowledged
+  std::vector<cuda::Copier::Done> copies_done_;
+  uint64_t next_internal_ = 0;
 
   // Worker-thread state.
   std::unordered_map<TransferId, std::unique_ptr<Transfer>> live_;

@@ -1,0 +1,165 @@
+// CUDA side of device memory: pointer classification, pinned host memory, and a copier with
+// its own stream and events.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <deque>
+#include <mutex>
+
+#include "cuda/cuda_status.h"
+#include "cuda/device_memory.h"
+
+namespace fabric::cuda {
+
+namespace {
+
+// Whether a CUDA driver and device exist; asked once (the first call initializes the runtime).
+bool probe_cuda() {
+  static const bool present = [] {
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return count > 0;
+  }();
+  return present;
+}
+
+Result<PointerInfo> attributes(const void* ptr) {
+  cudaPointerAttributes attr{};
+  cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // an unknown pointer is host memory; clear the sticky error
+    return PointerInfo{};
+  }
+  if (attr.type == cudaMemoryTypeDevice) return PointerInfo{MemoryKind::kCuda, attr.device};
+  return PointerInfo{};  // host, pinned host, managed or unregistered: the CPU can reach it
+}
+
+class CudaCopier final : public Copier {
+ public:
+  explicit CudaCopier(int device) : device_(device) {}
+  ~CudaCopier() override {
+    drain();
+    if (cudaSetDevice(device_) == cudaSuccess) {
+      for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+      if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    }
+  }
+
+  Status init() {
+    if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
+      return cuda_error("cudaSetDevice", err);
+    }
+    if (cudaError_t err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+        err != cudaSuccess) {
+      return cuda_error("cudaStreamCreateWithFlags", err);
+    }
+    return Status::ok();
+  }
+
+  Status copy(void* device_ptr, std::byte* host_ptr, uint64_t bytes, Direction dir) override {
+    if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
+      return cuda_error("cudaSetDevice", err);
+    }
+    cudaError_t err =
+        dir == Direction::kToHost
+            ? cudaMemcpyAsync(host_ptr, device_ptr, bytes, cudaMemcpyDeviceToHost, stream_)
+            : cudaMemcpyAsync(device_ptr, host_ptr, bytes, cudaMemcpyHostToDevice, stream_);
+    if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync", err);
+    return Status::ok();
+  }
+
+  Status fence(uint64_t token) override {
+    cudaEvent_t e = nullptr;
+    if (!free_events_.empty()) {
+      e = free_events_.back();
+      free_events_.pop_back();
+    } else if (cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+               err != cudaSuccess) {
+      return cuda_error("cudaEventCreateWithFlags", err);
+    }
+    if (cudaError_t err = cudaEventRecord(e, stream_); err != cudaSuccess) {
+      free_events_.push_back(e);
+      return cuda_error("cudaEventRecord", err);
+    }
+    fences_.push_back({token, e});
+    return Status::ok();
+  }
+
+  size_t poll(std::vector<Done>& done) override {
+    size_t n = 0;
+    while (!fences_.empty()) {
+      cudaError_t err = cudaEventQuery(fences_.front().event);
+      if (err == cudaErrorNotReady) break;
+      done.push_back({fences_.front().token,
+                      err == cudaSuccess ? Status::ok() : cuda_error("a staged copy", err)});
+      free_events_.push_back(fences_.front().event);
+      fences_.pop_front();
+      ++n;
+    }
+    return n;
+  }
+
+  size_t outstanding() const override { return fences_.size(); }
+
+  void drain() override {
+    if (stream_ != nullptr && cudaSetDevice(device_) == cudaSuccess) {
+      cudaStreamSynchronize(stream_);
+    }
+    for (auto& f : fences_) free_events_.push_back(f.event);
+    fences_.clear();
+  }
+
+ private:
+  struct Fence {
+    uint64_t token;
+    cudaEvent_t event;
+  };
+  const int device_;
+  cudaStream_t stream_ = nullptr;
+  std::deque<Fence> fences_;
+  std::vector<cudaEvent_t> free_events_;
+};
+
+}  // namespace
+
+bool cuda_available() {
+  return probe_cuda();
+}
+
+Result<PointerInfo> classify_cuda(const void* ptr, uint64_t length) {
+  if (!probe_cuda()) return PointerInfo{};
+  auto first = attributes(ptr);
+  if (!first || first->kind == MemoryKind::kHost) return first;
+  auto last = attributes(static_cast<const std::byte*>(ptr) + length - 1);
+  if (!last || last->kind != MemoryKind::kCuda || last->device != first->device) {
+    return Status(ErrorCode::kOutOfRange,
+                  fmt::format("{} bytes at {} start in memory of CUDA device {} but do not end "
+                              "there",
+                              length, ptr, first->device));
+  }
+  return first;
+}
+
+Result<std::byte*> cuda_host_alloc(uint64_t bytes) {
+  void* p = nullptr;
+  if (cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable); err != cudaSuccess) {
+    return cuda_error(fmt::format("cudaHostAlloc of {} bytes", bytes), err);
+  }
+  return static_cast<std::byte*>(p);
+}
+
+void cuda_host_free(std::byte* p) {
+  cudaFreeHost(p);
+}
+
+Result<std::unique_ptr<Copier>> make_cuda_copier(int device) {
+  auto c = std::make_unique<CudaCopier>(device);
+  if (Status s = c->init(); !s) return s;
+  return std::unique_ptr<Copier>(std::move(c));
+}
+
+}  // namespace fabric::cuda

@@ -1,0 +1,25 @@
+// Device memory in a build without CUDA: every pointer that is not the test double is host
+// memory.
+#include "cuda/device_memory.h"
+
+namespace fabric::cuda {
+
+bool cuda_available() {
+  return false;
+}
+
+Result<PointerInfo> classify_cuda(const void*, uint64_t) {
+  return PointerInfo{};
+}
+
+Result<std::byte*> cuda_host_alloc(uint64_t) {
+  return Status(ErrorCode::kUnsupported, "fabric-lib was built without CUDA");
+}
+
+void cuda_host_free(std::byte*) {}
+
+Result<std::unique_ptr<Copier>> make_cuda_copier(int) {
+  return Status(ErrorCode::kUnsupported, "fabric-lib was built without CUDA");
+}
+
+}  // namespace fabric::cuda

@@ -1,0 +1,89 @@
+// Device memory as the engine sees it: telling GPU buffers from host buffers, pinned host
+// staging memory, and stream-ordered copies between the two, polled from the worker loop.
+//
+// Two kinds of device memory exist: CUDA memory (cudaMalloc, cuMemCreate/cuMemMap, torch CUDA
+// tensors), and the test double of fabric/testing.h (FakeDeviceBuffer), which stands in for a
+// GPU on machines without one. Both go through the same Copier interface, so the staged path
+// of the engine is exercised in CI by the double and on GPU machines by CUDA.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "fabric/status.h"
+
+namespace fabric::cuda {
+
+enum class MemoryKind : uint8_t { kHost, kCuda, kFake };
+
+struct PointerInfo {
+  MemoryKind kind = MemoryKind::kHost;
+  int device = -1;  // CUDA ordinal (kCuda)
+};
+
+// What [ptr, ptr + length) is. Host memory, managed memory and pinned host memory are kHost
+// (the CPU and the NIC can reach them directly). Fails when the range starts in device memory
+// and does not fit in its allocation.
+Result<PointerInfo> classify(const void* ptr, uint64_t length);
+
+// Whether CUDA device memory can exist in this process (built with CUDA and a device present).
+bool cuda_available();
+
+// Pinned host memory (page-locked, so DMA engines can copy to and from it at full speed):
+// cudaHostAlloc for CUDA devices, plain aligned memory for the test double.
+class HostBuffer {
+ public:
+  static Result<std::unique_ptr<HostBuffer>> allocate(const PointerInfo& for_device,
+                                                      uint64_t bytes);
+  ~HostBuffer();
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  std::byte* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  HostBuffer(std::byte* data, uint64_t size, bool cuda) : data_(data), size_(size), cuda_(cuda) {}
+  std::byte* data_;
+  uint64_t size_;
+  bool cuda_;
+};
+
+// Stream-ordered copies between device memory and pinned host memory for one device, used by
+// one thread (a worker). copy() enqueues; fence(token) marks every copy enqueued since the
+// previous fence; poll() reports the fences that have completed, in order, with the first
+// error of their copies.
+class Copier {
+ public:
+  struct Done {
+    uint64_t token;
+    Status status;
+  };
+  enum class Direction : uint8_t { kToHost, kToDevice };
+
+  static Result<std::unique_ptr<Copier>> create(const PointerInfo& device);
+  virtual ~Copier() = default;
+
+  // `device_ptr` is the device side, `host_ptr` the pinned host side.
+  virtual Status copy(void* device_ptr, std::byte* host_ptr, uint64_t bytes, Direction dir) = 0;
+  virtual Status fence(uint64_t token) = 0;
+  // Appends completed fences to `done`; returns how many it appended.
+  virtual size_t poll(std::vector<Done>& done) = 0;
+  // Fences enqueued and not yet reported by poll().
+  virtual size_t outstanding() const = 0;
+  // Waits for every enqueued copy and forgets the outstanding fences (engine close).
+  virtual void drain() = 0;
+};
+
+// The CUDA implementation (cuda_memory.cc, or a stub without CUDA).
+Result<PointerInfo> classify_cuda(const void* ptr, uint64_t length);
+Result<std::byte*> cuda_host_alloc(uint64_t bytes);
+void cuda_host_free(std::byte* p);
+Result<std::unique_ptr<Copier>> make_cuda_copier(int device);
+
+// The test double (fake_device.cc).
+bool fake_lookup(const void* ptr, uint64_t length, bool& fits);
+Result<std::unique_ptr<Copier>> make_fake_copier();
+
+}  // namespace fabric::cuda
