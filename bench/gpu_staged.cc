@@ -1,0 +1,356 @@
+// fabric-bench-gpu: the engine's GPU paths on a GPU machine, two processes on one GPU.
+//
+//   --op staged    GPU-to-GPU writes through the staged path (device -> pinned mirror -> fabric
+//                  -> peer's mirror -> device), 64 KiB pages and 32 MiB single writes, against
+//                  a plain cudaMemcpy D2H + H2D of the same bytes measured in the same run.
+//   --op pipeline  a kernel "computes" L layers (a timed spin), bumping a UvmWatcher after each;
+//                  the watcher callback ships that layer's pages to the peer. Reports how much of
+//                  the transfer time hides under compute.
+//
+// The parent writes; a child process (this binary with --serve) owns the destination GPU buffer
+// and prints its descriptor. Every transfer's bytes are checked once, outside the timed runs.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fabric/fabric.h"
+#include "gpu_kernels.h"
+#include "fabric/uvm_watcher.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+#define CUDA_OK(call)                                                  \
+  do {                                                                 \
+    cudaError_t e_ = (call);                                           \
+    if (e_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                    \
+    }                                                                  \
+  } while (0)
+
+template <typename T>
+T must(fabric::Result<T> r, const char* what) {
+  if (!r) {
+    std::fprintf(stderr, "%s: %s\n", what, r.status().to_string().c_str());
+    std::exit(1);
+  }
+  return std::move(*r);
+}
+
+fabric::Config config_for(const std::string& provider) {
+  fabric::Config c;
+  c.provider = provider;
+  c.groups[0].nics = {provider == "tcp" ? "lo" : provider};
+  c.groups[0].cpu = fabric::GroupConfig::kCpuNone;
+  return c;
+}
+
+// A transfer's completion, waited on by the benchmark thread.
+struct Waiter {
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0;
+  int failed = 0;
+  fabric::Callbacks callbacks() {
+    return {[this] { add(false); }, [this](const fabric::Status& s) {
+              std::fprintf(stderr, "transfer failed: %s\n", s.to_string().c_str());
+              add(true);
+            }};
+  }
+  void add(bool bad) {
+    std::lock_guard l(mu);
+    ++done;
+    failed += bad ? 1 : 0;
+    cv.notify_all();
+  }
+  void wait(int n) {
+    std::unique_lock l(mu);
+    cv.wait(l, [&] { return done >= n; });
+    if (failed) std::exit(1);
+  }
+  void reset() {
+    std::lock_guard l(mu);
+    done = failed = 0;
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int serve(const std::string& provider, uint64_t bytes) {
+  auto engine = must(fabric::TransferEngine::create(config_for(provider)), "engine");
+  void* dst = nullptr;
+  CUDA_OK(cudaMalloc(&dst, bytes));
+  CUDA_OK(cudaMemset(dst, 0, bytes));
+  auto reg = must(engine->register_memory(dst, bytes), "register");
+  std::printf("%s\n", reg.descriptor.to_hex().c_str());
+  std::fflush(stdout);
+  // Requests on stdin: "sum OFFSET LENGTH" answers a checksum of device bytes; "quit" ends.
+  std::string cmd;
+  while (std::cin >> cmd && cmd != "quit") {
+    uint64_t off = 0, len = 0;
+    std::cin >> off >> len;
+    std::vector<uint8_t> host(len);
+    CUDA_OK(cudaMemcpy(host.data(), static_cast<uint8_t*>(dst) + off, len,
+                       cudaMemcpyDeviceToHost));
+    uint64_t sum = 1469598103934665603ull;
+    for (uint8_t b : host) sum = (sum ^ b) * 1099511628211ull;
+    std::printf("%llu\n", static_cast<unsigned long long>(sum));
+    std::fflush(stdout);
+  }
+  engine->close();
+  cudaFree(dst);
+  return 0;
+}
+
+struct Peer {
+  FILE* to = nullptr;
+  FILE* from = nullptr;
+  pid_t pid = -1;
+  std::string line() {
+    char buf[1 << 16];
+    if (!std::fgets(buf, sizeof(buf), from)) {
+      std::fprintf(stderr, "the serving process ended early\n");
+      std::exit(1);
+    }
+    std::string s(buf);
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+    return s;
+  }
+  uint64_t checksum(uint64_t off, uint64_t len) {
+    std::fprintf(to, "sum %llu %llu\n", static_cast<unsigned long long>(off),
+                 static_cast<unsigned long long>(len));
+    std::fflush(to);
+    return std::stoull(line());
+  }
+};
+
+Peer spawn(const std::string& provider, uint64_t bytes) {
+  int in[2], out[2];
+  if (pipe(in) != 0 || pipe(out) != 0) std::exit(1);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(in[0], 0);
+    dup2(out[1], 1);
+    close(in[1]);
+    close(out[0]);
+    std::string b = std::to_string(bytes);
+    execl("/proc/self/exe", "fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
+          "--bytes", b.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(in[0]);
+  close(out[1]);
+  return {fdopen(in[1], "w"), fdopen(out[0], "r"), pid};
+}
+
+uint64_t host_checksum(const void* dev, uint64_t len) {
+  std::vector<uint8_t> host(len);
+  CUDA_OK(cudaMemcpy(host.data(), dev, len, cudaMemcpyDeviceToHost));
+  uint64_t sum = 1469598103934665603ull;
+  for (uint8_t b : host) sum = (sum ^ b) * 1099511628211ull;
+  return sum;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"fabric-bench-gpu: staged GPU transfers and the layer pipeline (GPU machines)"};
+  std::string op = "all", provider = "shm";
+  bool serve_mode = false;
+  uint64_t bytes = 64ull << 20;
+  int iters = 20, layers = 32;
+  uint64_t layer_pages = 32;
+  app.add_option("--op", op, "staged, pipeline or all");
+  app.add_option("--provider", provider, "libfabric provider (shm or tcp)");
+  app.add_option("--iters", iters, "timed repetitions per row (median reported)");
+  app.add_option("--layers", layers, "pipeline: layers");
+  app.add_option("--layer-pages", layer_pages, "pipeline: 64 KiB pages per layer");
+  app.add_flag("--serve", serve_mode, "internal: the destination process");
+  app.add_option("--bytes", bytes, "internal: destination buffer size");
+  CLI11_PARSE(app, argc, argv);
+  if (serve_mode) return serve(provider, bytes);
+
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "no CUDA device: fabric-bench-gpu runs on GPU machines only\n");
+    return 2;
+  }
+  constexpr uint64_t kBuf = 64ull << 20;
+  Peer peer = spawn(provider, kBuf);
+  auto dst = must(fabric::RemoteMemory::from_hex(peer.line()), "descriptor");
+  auto engine = must(fabric::TransferEngine::create(config_for(provider)), "engine");
+  uint8_t* src = nullptr;
+  CUDA_OK(cudaMalloc(&src, kBuf));
+  CUDA_OK(launch_fill(src, kBuf, 12345, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  auto reg = must(engine->register_memory(src, kBuf), "register");
+  void* pinned = nullptr;  // the baseline's bounce buffer
+  CUDA_OK(cudaHostAlloc(&pinned, kBuf, cudaHostAllocDefault));
+  uint8_t* base_dst = nullptr;
+  CUDA_OK(cudaMalloc(&base_dst, kBuf));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Waiter w;
+
+  std::printf("fabric-bench-gpu: provider %s, %s\n", engine->group_info().provider.c_str(),
+              "two processes on one GPU, staged path (pinned host mirrors)");
+  if (op == "staged" || op == "all") {
+    constexpr uint64_t kPage = 64 * 1024, kStride = kPage;
+    constexpr uint32_t kPages = 512;  // 32 MiB of pages per transfer
+    constexpr uint64_t kSingle = 32ull << 20;
+    std::vector<uint32_t> pages(kPages);
+    std::iota(pages.begin(), pages.end(), 0);
+    std::shuffle(pages.begin(), pages.end(), std::mt19937(1));
+    auto run_ours = [&](bool paged) {
+      w.reset();
+      const auto t0 = Clock::now();
+      fabric::Result<fabric::TransferId> id =
+          paged ? engine->submit(fabric::PagedWrite{reg.handle, dst, kPage, pages, kStride, 0,
+                                                    pages, kStride, 0, 1},
+                                 w.callbacks())
+                : engine->submit(fabric::SingleWrite{reg.handle, 0, dst, 0, kSingle, 1, {}},
+                                 w.callbacks());
+      must(std::move(id), "submit");
+      w.wait(1);
+      return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    auto run_base = [&](bool paged) {
+      const auto t0 = Clock::now();
+      if (paged) {
+        for (uint32_t p : pages) {
+          CUDA_OK(cudaMemcpyAsync(static_cast<uint8_t*>(pinned) + p * kStride, src + p * kStride,
+                                  kPage, cudaMemcpyDeviceToHost, stream));
+        }
+        for (uint32_t p : pages) {
+          CUDA_OK(cudaMemcpyAsync(base_dst + p * kStride, static_cast<uint8_t*>(pinned) + p * kStride,
+                                  kPage, cudaMemcpyHostToDevice, stream));
+        }
+        CUDA_OK(cudaStreamSynchronize(stream));
+      } else {
+        CUDA_OK(cudaMemcpy(pinned, src, kSingle, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(base_dst, pinned, kSingle, cudaMemcpyHostToDevice));
+      }
+      return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    std::printf("\n%-28s %12s %12s %12s %8s\n", "staged GPU->GPU", "bytes", "ours GB/s",
+                "memcpy GB/s", "ratio");
+    for (bool paged : {true, false}) {
+      const uint64_t total = paged ? kPages * kPage : kSingle;
+      run_ours(paged);  // warm-up, then verify once
+      run_base(paged);
+      const uint64_t want = paged ? 0 : host_checksum(src, kSingle);
+      if (!paged && peer.checksum(0, kSingle) != want) {
+        std::fprintf(stderr, "verification failed: destination differs from source\n");
+        return 1;
+      }
+      if (paged && peer.checksum(static_cast<uint64_t>(pages[7]) * kStride, kPage) !=
+                       host_checksum(src + static_cast<uint64_t>(pages[7]) * kStride, kPage)) {
+        std::fprintf(stderr, "verification failed: a page differs\n");
+        return 1;
+      }
+      std::vector<double> ours, base;
+      for (int i = 0; i < iters; ++i) {  // interleaved
+        ours.push_back(run_ours(paged));
+        base.push_back(run_base(paged));
+      }
+      const double o = total / median(ours) / 1e9, b = total / median(base) / 1e9;
+      std::printf("%-28s %12llu %12.2f %12.2f %8.2f\n",
+                  paged ? "paged 64 KiB x 512" : "single 32 MiB",
+                  static_cast<unsigned long long>(total), o, b, o / b);
+    }
+  }
+
+  if (op == "pipeline" || op == "all") {
+    constexpr uint64_t kPage = 64 * 1024;
+    const uint64_t layer_bytes = layer_pages * kPage;
+    if (layer_bytes * layers > kBuf) {
+      std::fprintf(stderr, "layers x layer pages exceed the 64 MiB buffer\n");
+      return 1;
+    }
+    std::vector<std::vector<uint32_t>> layer_page_ids(layers);
+    for (int l = 0; l < layers; ++l) {
+      layer_page_ids[l].resize(layer_pages);
+      std::iota(layer_page_ids[l].begin(), layer_page_ids[l].end(),
+                static_cast<uint32_t>(l * layer_pages));
+    }
+    auto submit_layer = [&](int l) {
+      must(engine->submit(fabric::PagedWrite{reg.handle, dst, kPage, layer_page_ids[l], kPage, 0,
+                                             layer_page_ids[l], kPage, 0, 100u + l},
+                          w.callbacks()),
+           "submit layer");
+    };
+    // Transfer alone: every layer submitted at once.
+    std::vector<double> xfer;
+    for (int r = 0; r < 5; ++r) {
+      w.reset();
+      const auto t0 = Clock::now();
+      for (int l = 0; l < layers; ++l) submit_layer(l);
+      w.wait(layers);
+      xfer.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    const double t_xfer = median(xfer);
+    // Compute per layer: as long as one layer's share of the transfer, so both matter.
+    const uint64_t layer_ns = static_cast<uint64_t>(t_xfer / layers * 1e9);
+    auto watchers = must(fabric::UvmWatchers::create(), "watchers");
+    std::vector<double> comp, pipe;
+    for (int r = 0; r < 5; ++r) {
+      const auto t0 = Clock::now();
+      for (int l = 0; l < layers; ++l) CUDA_OK(launch_spin(layer_ns, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      comp.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    for (int r = 0; r < 5; ++r) {
+      w.reset();
+      std::atomic<int> shipped{0};
+      auto watcher = must(watchers->watch([&](uint64_t old_v, uint64_t new_v) {
+        for (uint64_t l = old_v; l < new_v; ++l) submit_layer(static_cast<int>(l));
+        shipped += static_cast<int>(new_v - old_v);
+        return new_v < static_cast<uint64_t>(layers);
+      }),
+                          "watch");
+      const auto t0 = Clock::now();
+      for (int l = 0; l < layers; ++l) {
+        CUDA_OK(launch_spin(layer_ns, stream));
+        CUDA_OK(launch_bump(watcher.device_word, static_cast<uint64_t>(l + 1), stream));
+      }
+      w.wait(layers);
+      pipe.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      CUDA_OK(cudaStreamSynchronize(stream));
+    }
+    const double t_comp = median(comp), t_pipe = median(pipe);
+    const double hidden = std::clamp((t_comp + t_xfer - t_pipe) / t_xfer, 0.0, 1.0);
+    if (peer.checksum(0, layer_bytes * layers) != host_checksum(src, layer_bytes * layers)) {
+      std::fprintf(stderr, "verification failed: pipelined layers differ\n");
+      return 1;
+    }
+    std::printf("\nlayer pipeline: %d layers x %llu pages of 64 KiB (%.1f MiB per layer)\n",
+                layers, static_cast<unsigned long long>(layer_pages), layer_bytes / 1048576.0);
+    std::printf("  compute alone   %8.2f ms\n", t_comp * 1e3);
+    std::printf("  transfer alone  %8.2f ms\n", t_xfer * 1e3);
+    std::printf("  pipelined       %8.2f ms (serial would be %.2f ms)\n", t_pipe * 1e3,
+                (t_comp + t_xfer) * 1e3);
+    std::printf("  hidden under compute: %.0f%% of the transfer time\n", hidden * 100);
+  }
+  std::fprintf(peer.to, "quit\n");
+  std::fflush(peer.to);
+  engine->close();
+  return 0;
+}
