@@ -8,6 +8,8 @@
 #   make test-python  the fabric_lib Python module's pytest suite (Debian's /usr/bin/python3)
 #   make bench   the full benchmark over tcp and shm, with its baselines (UCX, iperf3, raw
 #                libfabric): tables on stdout, bench/results/<provider>.{json,md,png}
+#   make bench-netlab  multi-NIC aggregation on the network-namespace lab (root): N = 1, 2, 4
+#                shaped veth links and an unequal set; bench/results/netlab.{md,json}
 #   make format  apply .clang-format to every source file
 
 SHELL := /bin/bash
@@ -32,7 +34,7 @@ PYTHON := /usr/bin/python3
 PYTEST_ARGS ?= -q -rs
 
 .PHONY: deps build run test test-default test-python test-asan test-tsan bench bench-deps format \
-  check-format clean
+  check-format clean bench-netlab
 
 deps:
 	@missing=()
@@ -97,6 +99,13 @@ bench: deps bench-deps
 	  ./build/bin/fabric-bench --provider $$p $(BENCH_ARGS) --json bench/results/$$p.json \
 	    --markdown bench/results/$$p.md --plot bench/results/$$p.png
 	done
+
+# NETLAB_RATE_MBIT: each link's shaped rate (the unequal runs halve one link).
+NETLAB_RATE_MBIT ?= 400
+bench-netlab: deps
+	@cmake --preset default >/dev/null
+	cmake --build --preset default --target fabric-bench
+	bench/netlab_bench.sh $(NETLAB_RATE_MBIT) bench/results
 
 format:
 	@clang-format -i $(SOURCES)

@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -81,6 +82,7 @@ struct Options {
   uint64_t pass_mib = 0;
   bool quick = false;
   std::vector<std::string> baselines;  // empty: every one available (--quick: raw)
+  std::string peer_prefix;             // run the peers through this command (e.g. ip netns exec NS)
   std::string json;
   std::string markdown;
   std::string plot;
@@ -407,10 +409,25 @@ int run_client(const Options& o, const std::string& command) {
     peer_args.push_back("--nic");
     peer_args.push_back(fmt::format("{}", fmt::join(config->groups[0].nics, ",")));
   }
+  std::string peer_path = "/proc/self/exe";
+  if (!o.peer_prefix.empty()) {
+    // PREFIX... /path/to/fabric-bench --server ...: /proc/self/exe would name the prefix's
+    // program once it runs, so the peer is named by its real path.
+    std::vector<std::string> prefix;
+    std::istringstream words(o.peer_prefix);
+    for (std::string w; words >> w;) prefix.push_back(w);
+    peer_path = prefix[0].find('/') == std::string::npos ? find_program(prefix[0]) : prefix[0];
+    if (peer_path.empty() || self_path().empty()) {
+      fmt::print(stderr, "fabric-bench: --peer-prefix: '{}' not found in PATH\n", prefix[0]);
+      return 2;
+    }
+    peer_args[0] = self_path();
+    peer_args.insert(peer_args.begin(), prefix.begin(), prefix.end());
+  }
   const Address client_address = engine.address();
   Session session(
       engine, *src, src_bytes,
-      [&] { return PeerClient::start("/proc/self/exe", peer_args, client_address); }, o.seed);
+      [&] { return PeerClient::start(peer_path, peer_args, client_address); }, o.seed);
   if (Status s = session.ensure_peers(1); !s) {
     fmt::print(stderr, "fabric-bench: the peer did not start: {}\n", s.to_string());
     return 1;
@@ -575,6 +592,9 @@ int main(int argc, char** argv) {
                  "raw)")
       ->delimiter(',')
       ->check(CLI::IsMember({"raw", "ucx", "iperf3", "none"}));
+  app.add_option("--peer-prefix", o.peer_prefix,
+                 "start every peer through this command, e.g. \"ip netns exec lab-b\" (the peer "
+                 "in another network namespace)");
   app.add_option("--json", o.json, "write the results as JSON");
   app.add_option("--markdown", o.markdown, "write the tables as Markdown");
   app.add_option("--plot", o.plot, "draw Gbps against size into this PNG (python3-matplotlib)");

@@ -377,11 +377,14 @@ std::string find_program(std::string_view name) {
   return "";
 }
 
-std::string self_dir() {
+std::string self_path() {
   char buf[4096];
   ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) return ".";
-  std::string path(buf, static_cast<size_t>(n));
+  return n <= 0 ? std::string() : std::string(buf, static_cast<size_t>(n));
+}
+
+std::string self_dir() {
+  const std::string path = self_path();
   const size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : path.substr(0, slash);
 }

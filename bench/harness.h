@@ -129,7 +129,8 @@ ProgramResult run_program(const std::vector<std::string>& argv, milliseconds tim
 
 // The full path of `name` found in PATH, or "" when absent.
 std::string find_program(std::string_view name);
-// The directory holding this executable.
+// The full path of this executable ("" when unknown), and the directory holding it.
+std::string self_path();
 std::string self_dir();
 
 // --- progress --------------------------------------------------------------------------------

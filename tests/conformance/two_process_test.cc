@@ -1,109 +1,14 @@
 // Conformance across processes: this process and a fabric_test_peer process exchange
 // addresses and descriptors through a pipe, then write into each other's memory.
-#include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <numeric>
 #include <random>
 #include <sstream>
 
+#include "peer_process.h"
 #include "test_support.h"
-
-extern char** environ;
 
 namespace fabric::testing {
 namespace {
-
-uint64_t fnv1a(const std::byte* p, uint64_t n) {
-  uint64_t h = 1469598103934665603ull;
-  for (uint64_t i = 0; i < n; ++i) h = (h ^ static_cast<uint64_t>(p[i])) * 1099511628211ull;
-  return h;
-}
-
-// A child process speaking the test_peer line protocol.
-class PeerProcess {
- public:
-  bool start(const Backend& b, uint64_t buffer_bytes) {
-    int to_child[2], from_child[2];
-    if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) return false;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
-    std::string reorder = b.reorder ? "1" : "0";
-    std::string bytes = std::to_string(buffer_bytes);
-    char* argv[] = {const_cast<char*>(FABRIC_TEST_PEER), const_cast<char*>(b.provider.c_str()),
-                    reorder.data(), bytes.data(), nullptr};
-    int rc = posix_spawn(&pid_, FABRIC_TEST_PEER, &fa, nullptr, argv, environ);
-    posix_spawn_file_actions_destroy(&fa);
-    close(to_child[0]);
-    close(from_child[1]);
-    in_ = to_child[1];
-    out_ = from_child[0];
-    return rc == 0;
-  }
-  ~PeerProcess() {
-    if (pid_ > 0) {
-      send("quit");
-      close(in_);
-      int status = 0;
-      for (int i = 0; i < 100 && waitpid(pid_, &status, WNOHANG) == 0; ++i) usleep(50000);
-      if (waitpid(pid_, &status, WNOHANG) == 0) {
-        kill(pid_, SIGKILL);
-        waitpid(pid_, &status, 0);
-      }
-    }
-    if (out_ >= 0) close(out_);
-  }
-  // Kills the child with SIGKILL and reaps it.
-  void kill_now() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-  }
-  void send(const std::string& line) {
-    std::string l = line + "\n";
-    [[maybe_unused]] ssize_t n = write(in_, l.data(), l.size());
-  }
-  // The next line, or "" after 60 s or at end of output.
-  std::string read_line() {
-    for (;;) {
-      auto nl = pending_.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = pending_.substr(0, nl);
-        pending_.erase(0, nl + 1);
-        return line;
-      }
-      pollfd p{out_, POLLIN, 0};
-      if (poll(&p, 1, 60000) <= 0) return "";
-      char buf[4096];
-      ssize_t n = read(out_, buf, sizeof(buf));
-      if (n <= 0) return "";
-      pending_.append(buf, static_cast<size_t>(n));
-    }
-  }
-  // Reads "KEY VALUE" and returns VALUE, or "" when the line starts otherwise.
-  std::string read_value(const std::string& key) {
-    std::string line = read_line();
-    if (line.rfind(key + " ", 0) != 0) {
-      ADD_FAILURE() << "peer said '" << line << "', expected '" << key << " ...'";
-      return "";
-    }
-    return line.substr(key.size() + 1);
-  }
-
- private:
-  pid_t pid_ = -1;
-  int in_ = -1;
-  int out_ = -1;
-  std::string pending_;
-};
 
 class TwoProcess : public ::testing::TestWithParam<Backend> {
  protected:

@@ -1,4 +1,5 @@
-// The other process of the two-process conformance tests. It opens an engine, registers one
+// The other process of the two-process conformance tests and of the netlab tests. It opens an
+// engine (on the NICs named by the optional fourth argument, comma-separated), registers one
 // buffer, prints its address and descriptor, then obeys line commands on stdin:
 //   fill SEED                          fill the buffer with the test pattern
 //   expect IMM COUNT                   wait (30 s at most) for COUNT arrivals of IMM
@@ -15,24 +16,20 @@
 
 using namespace fabric;
 
-namespace {
-
-uint64_t fnv1a(const std::byte* p, uint64_t n) {
-  uint64_t h = 1469598103934665603ull;
-  for (uint64_t i = 0; i < n; ++i) h = (h ^ static_cast<uint64_t>(p[i])) * 1099511628211ull;
-  return h;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::cerr << "usage: fabric_test_peer PROVIDER REORDER(0|1) BUFFER_BYTES\n";
+  if (argc != 4 && argc != 5) {
+    std::cerr << "usage: fabric_test_peer PROVIDER REORDER(0|1) BUFFER_BYTES [NIC,NIC,...]\n";
     return 2;
   }
   fabric::testing::Backend backend{"peer", argv[1], std::string(argv[2]) == "1"};
   const uint64_t size = std::stoull(argv[3]);
-  auto created = TransferEngine::create(fabric::testing::make_config(backend));
+  Config config = fabric::testing::make_config(backend);
+  if (argc == 5) {
+    config.groups[0].nics.clear();
+    std::istringstream nics(argv[4]);
+    for (std::string nic; std::getline(nics, nic, ',');) config.groups[0].nics.push_back(nic);
+  }
+  auto created = TransferEngine::create(config);
   if (!created) {
     std::cout << "error " << created.status().to_string() << std::endl;
     return 1;
@@ -71,7 +68,7 @@ int main(int argc, char** argv) {
         std::cout << "error range" << std::endl;
         continue;
       }
-      std::cout << "checksum " << fnv1a(buf.data() + off, len) << std::endl;
+      std::cout << "checksum " << fabric::testing::fnv1a(buf.data() + off, len) << std::endl;
     } else if (cmd == "write") {
       std::string hex;
       uint64_t src = 0, dst = 0, len = 0;

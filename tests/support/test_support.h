@@ -177,6 +177,13 @@ inline void fill_pattern(std::byte* p, uint64_t n, uint64_t seed) {
   for (; i < n; ++i) p[i] = pattern_byte(seed, i);
 }
 
+// FNV-1a of a byte range: what the tests compare across processes.
+inline uint64_t fnv1a(const std::byte* p, uint64_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint64_t i = 0; i < n; ++i) h = (h ^ static_cast<uint64_t>(p[i])) * 1099511628211ull;
+  return h;
+}
+
 // A registered buffer, freed after the engine lets go of it.
 struct Buffer {
   std::vector<std::byte> bytes;

@@ -55,6 +55,41 @@ TEST(Plan, ShardedOntoFewerNicsThanTheGroupHas) {
   EXPECT_EQ(remote_rail(s[1].domain, 4), 0u);
 }
 
+TEST(Plan, ShardCountAboveTheNicCountIsClamped) {
+  auto s = plan_single(1 << 20, 4, Routing::sharded(9), 0, kParams);
+  ASSERT_EQ(s.size(), 4u);
+  for (uint32_t i = 0; i < 4; ++i) EXPECT_EQ(s[i].domain, i);
+  expect_exact_cover(s, 1 << 20);
+}
+
+TEST(Plan, ShardedOntoFewerNicsRotatesOverEveryNic) {
+  // Successive writes sharded onto k = 2 of 4 NICs start one NIC later each time, so that
+  // every NIC (and its rail's keys) is used.
+  for (uint32_t rotation = 0; rotation < 8; ++rotation) {
+    auto s = plan_single(100000, 4, Routing::sharded(2), rotation, kParams);
+    ASSERT_EQ(s.size(), 2u);
+    EXPECT_EQ(s[0].domain, rotation % 4);
+    EXPECT_EQ(s[1].domain, (rotation + 1) % 4);
+    expect_exact_cover(s, 100000);
+  }
+}
+
+TEST(Plan, ShardBoundariesAreAlignedAndOnlyTheLastIsShort) {
+  for (uint64_t len : {uint64_t{1024}, uint64_t{4097}, uint64_t{100001}, uint64_t{3} << 20}) {
+    for (uint32_t nics : {2u, 3u, 4u}) {
+      auto s = plan_single(len, nics, Routing::sharded(), 1, kParams);
+      expect_exact_cover(s, len);
+      for (size_t i = 0; i < s.size(); ++i) {
+        EXPECT_EQ(s[i].offset % kParams.alignment, 0u) << len << " on " << nics;
+        if (i + 1 < s.size()) {
+          EXPECT_EQ(s[i].length, s[0].length) << len << " on " << nics;
+        }
+        EXPECT_LE(s[i].length, s[0].length);
+      }
+    }
+  }
+}
+
 TEST(Plan, PinnedToANicOtherThanTheFirst) {
   auto s = plan_single(1 << 20, 4, Routing::pinned(2), 0, kParams);
   ASSERT_EQ(s.size(), 1u);
@@ -88,6 +123,14 @@ TEST(Plan, SplitEvenCoversEveryPageOnce) {
   EXPECT_EQ(runs[2], (engine::Run{3, 6, 8}));
   EXPECT_EQ(runs[3], (engine::Run{0, 8, 10}));
   EXPECT_EQ(split_even(2, 4, 0).size(), 2u) << "no empty runs";
+}
+
+TEST(Plan, SplitEvenWithFewerItemsThanNicsUsesDistinctNics) {
+  auto runs = split_even(3, 4, 2);
+  ASSERT_EQ(runs.size(), 3u);
+  EXPECT_EQ(runs[0], (engine::Run{2, 0, 1}));
+  EXPECT_EQ(runs[1], (engine::Run{3, 1, 2}));
+  EXPECT_EQ(runs[2], (engine::Run{0, 2, 3}));
 }
 
 TEST(Plan, RemoteRailWrapsForPeersWithFewerNics) {
