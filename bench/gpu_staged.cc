@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "fabric/fabric.h"
-#include "gpu_kernels.h"
 #include "fabric/uvm_watcher.h"
+#include "gpu_kernels.h"
 
 namespace {
 
@@ -67,7 +67,8 @@ struct Waiter {
   int done = 0;
   int failed = 0;
   fabric::Callbacks callbacks() {
-    return {[this] { add(false); }, [this](const fabric::Status& s) {
+    return {[this] { add(false); },
+            [this](const fabric::Status& s) {
               std::fprintf(stderr, "transfer failed: %s\n", s.to_string().c_str());
               add(true);
             }};
@@ -108,8 +109,7 @@ int serve(const std::string& provider, uint64_t bytes) {
     uint64_t off = 0, len = 0;
     std::cin >> off >> len;
     std::vector<uint8_t> host(len);
-    CUDA_OK(cudaMemcpy(host.data(), static_cast<uint8_t*>(dst) + off, len,
-                       cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(host.data(), static_cast<uint8_t*>(dst) + off, len, cudaMemcpyDeviceToHost));
     uint64_t sum = 1469598103934665603ull;
     for (uint8_t b : host) sum = (sum ^ b) * 1099511628211ull;
     std::printf("%llu\n", static_cast<unsigned long long>(sum));
@@ -240,8 +240,9 @@ int main(int argc, char** argv) {
                                   kPage, cudaMemcpyDeviceToHost, stream));
         }
         for (uint32_t p : pages) {
-          CUDA_OK(cudaMemcpyAsync(base_dst + p * kStride, static_cast<uint8_t*>(pinned) + p * kStride,
-                                  kPage, cudaMemcpyHostToDevice, stream));
+          CUDA_OK(cudaMemcpyAsync(base_dst + p * kStride,
+                                  static_cast<uint8_t*>(pinned) + p * kStride, kPage,
+                                  cudaMemcpyHostToDevice, stream));
         }
         CUDA_OK(cudaStreamSynchronize(stream));
       } else {
@@ -341,8 +342,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "verification failed: pipelined layers differ\n");
       return 1;
     }
-    std::printf("\nlayer pipeline: %d layers x %llu pages of 64 KiB (%.1f MiB per layer)\n",
-                layers, static_cast<unsigned long long>(layer_pages), layer_bytes / 1048576.0);
+    std::printf("\nlayer pipeline: %d layers x %llu pages of 64 KiB (%.1f MiB per layer)\n", layers,
+                static_cast<unsigned long long>(layer_pages), layer_bytes / 1048576.0);
     std::printf("  compute alone   %8.2f ms\n", t_comp * 1e3);
     std::printf("  transfer alone  %8.2f ms\n", t_xfer * 1e3);
     std::printf("  pipelined       %8.2f ms (serial would be %.2f ms)\n", t_pipe * 1e3,

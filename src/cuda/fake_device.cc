@@ -113,8 +113,8 @@ class FakeCopier final : public Copier {
     std::byte* backing = backing_of(device_ptr, bytes);
     if (backing == nullptr) {
       return Status(ErrorCode::kInvalidArgument,
-                    fmt::format("fake device copy of {} bytes at {}: not fake device memory",
-                                bytes, device_ptr));
+                    fmt::format("fake device copy of {} bytes at {}: not fake device memory", bytes,
+                                device_ptr));
     }
     if (dir == Direction::kToHost) {
       std::memcpy(host_ptr, backing, bytes);
@@ -160,9 +160,9 @@ Result<PointerInfo> classify(const void* ptr, uint64_t length) {
   bool fits = false;
   if (fake_lookup(ptr, length, fits)) {
     if (!fits) {
-      return Status(ErrorCode::kOutOfRange,
-                    fmt::format("{} bytes at {} run past the end of their fake device buffer",
-                                length, ptr));
+      return Status(
+          ErrorCode::kOutOfRange,
+          fmt::format("{} bytes at {} run past the end of their fake device buffer", length, ptr));
     }
     return PointerInfo{MemoryKind::kFake, 0};
   }

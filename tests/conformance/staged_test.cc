@@ -154,8 +154,7 @@ TEST_P(Staged, PagedWritesDeviceToDevice) {
   Probe arrived;
   ASSERT_TRUE(b_->expect_imm(77, kPages, [cb = arrived.callbacks()] { cb.on_done(); }));
   Probe done;
-  PagedWrite pw{src->reg.handle, dst->reg.descriptor, kPage, sp, kStride, 64, dp, kStride, 256,
-                77};
+  PagedWrite pw{src->reg.handle, dst->reg.descriptor, kPage, sp, kStride, 64, dp, kStride, 256, 77};
   ASSERT_TRUE(a_->submit(pw, done.callbacks()));
   ASSERT_TRUE(done.wait()) << done.wait().to_string();
   ASSERT_TRUE(arrived.wait());
@@ -178,16 +177,15 @@ TEST_P(Staged, PagedWritesWithManyCommitMessages) {
   std::iota(pages.begin(), pages.end(), 0);
   std::shuffle(pages.begin(), pages.end(), std::mt19937(5));
   Probe done;
-  ASSERT_TRUE(a_->submit(
-      PagedWrite{src->reg.handle, dst->reg.descriptor, kPage, pages, kStride, 0, pages, kStride,
-                 0, 78},
-      done.callbacks()));
+  ASSERT_TRUE(a_->submit(PagedWrite{src->reg.handle, dst->reg.descriptor, kPage, pages, kStride, 0,
+                                    pages, kStride, 0, 78},
+                         done.callbacks()));
   ASSERT_TRUE(done.wait(60s)) << done.wait().to_string();
   ASSERT_TRUE(b_->wait_imm(78, kPages, 20s));
   EXPECT_EQ(b_->imm_count(78), kPages);
   for (uint32_t p = 0; p < kPages; ++p) {
-    ASSERT_EQ(0, std::memcmp(src->bytes.data() + p * kStride, dst->bytes().data() + p * kStride,
-                             kPage))
+    ASSERT_EQ(
+        0, std::memcmp(src->bytes.data() + p * kStride, dst->bytes().data() + p * kStride, kPage))
         << "page " << p;
   }
 }
@@ -233,9 +231,9 @@ TEST_P(Staged, ShardedOverTwoNicsDeviceToDevice) {
   fill_pattern(src->bytes().data(), n, 5);
   Probe arrived = expect_data(9, src->bytes(), dst->bytes());
   Probe done;
-  ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, n, 9,
-                                     Routing::sharded()},
-                         done.callbacks()));
+  ASSERT_TRUE(
+      a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, n, 9, Routing::sharded()},
+                 done.callbacks()));
   ASSERT_TRUE(done.wait()) << done.wait().to_string();
   ASSERT_TRUE(arrived.wait());
   EXPECT_EQ(b_->imm_count(9), 1u);
@@ -250,9 +248,9 @@ TEST_P(Staged, ManyConcurrentTransfersCountExactly) {
   Counter counter;
   for (int i = 0; i < kTransfers; ++i) {
     const uint64_t off = n * static_cast<uint64_t>(i);
-    ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, off, dst->reg.descriptor, off, n, 60,
-                                       Routing::sharded()},
-                           counter.callbacks()));
+    ASSERT_TRUE(a_->submit(
+        SingleWrite{src->reg.handle, off, dst->reg.descriptor, off, n, 60, Routing::sharded()},
+        counter.callbacks()));
   }
   ASSERT_TRUE(counter.wait_total(kTransfers));
   EXPECT_EQ(counter.failed(), 0) << counter.first_error().to_string();

@@ -17,11 +17,11 @@ bool have_gpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-#define GPU_OR_SKIP()                                                                   \
-  if (!have_gpu()) {                                                                    \
-    cudaGetLastError();                                                                 \
+#define GPU_OR_SKIP()                                                                           \
+  if (!have_gpu()) {                                                                            \
+    cudaGetLastError();                                                                         \
     GTEST_SKIP() << "no CUDA device here (the staged path is tested with the FakeDeviceBuffer " \
-                    "double in the conformance suite)";                                 \
+                    "double in the conformance suite)";                                         \
   }
 
 struct Gpu {
