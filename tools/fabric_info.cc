@@ -224,6 +224,8 @@ void print_text(const Report& r) {
   fmt::print("  worker CPU         {}\n",
              e.info->cpu < 0 ? std::string("unpinned") : std::to_string(e.info->cpu));
   fmt::print("  delivery_complete  {}\n", e.info->delivery_complete ? "yes" : "no");
+  fmt::print("  GPU memory         {} (CUDA device here: {})\n", e.info->gpu_memory,
+             e.info->cuda ? "yes" : "no");
   fmt::print("  address            {}\n", e.address_short);
   fmt::print("  address hex        {}\n", e.address_hex);
 }
@@ -251,10 +253,10 @@ void print_json(const Report& r) {
     const EngineReport& e = *r.engine;
     if (e.info) {
       engine = fmt::format(R"({{"ok":true,"provider":{},"nics":{},"cpu":{},"delivery_complete":{},)"
-                           R"("address":{},"address_hex":{}}})",
+                           R"("gpu_memory":{},"cuda":{},"address":{},"address_hex":{}}})",
                            json_string(e.info->provider), json_strings(e.info->nics), e.info->cpu,
-                           e.info->delivery_complete, json_string(e.address_short),
-                           json_string(e.address_hex));
+                           e.info->delivery_complete, json_string(e.info->gpu_memory), e.info->cuda,
+                           json_string(e.address_short), json_string(e.address_hex));
     } else {
       engine = fmt::format(R"({{"ok":false,"provider":{},"nics":{},"error":{}}})",
                            json_string(e.provider), json_strings(e.nics), json_string(e.error));

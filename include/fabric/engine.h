@@ -43,6 +43,10 @@ struct GroupInfo {
   std::vector<std::string> nics;   // domain names, in rail order
   int cpu = -1;                    // the worker's CPU, or -1 when unpinned
   bool delivery_complete = false;  // writes complete only once visible at the target
+  // How GPU memory registered on this group moves: "staged" (pinned host mirrors and
+  // cudaMemcpyAsync on the worker; every provider of this build: none can reach GPU memory).
+  std::string gpu_memory = "staged";
+  bool cuda = false;  // CUDA device memory can exist here (built with CUDA, a device present)
 };
 
 class TransferEngine {

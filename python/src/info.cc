@@ -85,6 +85,8 @@ py::dict open_engine(std::optional<std::string> provider,
   e["nics"] = info->nics;
   e["cpu"] = info->cpu;
   e["delivery_complete"] = info->delivery_complete;
+  e["gpu_memory"] = info->gpu_memory;
+  e["cuda"] = info->cuda;
   e["address"] = address_short;
   e["address_hex"] = address_hex;
   return e;

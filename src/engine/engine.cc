@@ -12,6 +12,7 @@
 #include <shared_mutex>
 #include <unordered_map>
 
+#include "cuda/device_memory.h"
 #include "engine/callback_thread.h"
 #include "engine/imm_counters.h"
 #include "engine/plan.h"
@@ -186,6 +187,7 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
       return invalid(fmt::format("group {}: CPU {} is not available to this process", g, cpu));
     }
     info.cpu = cpu;
+    info.cuda = cuda::cuda_available();
 
     engine::WorkerServices services{e->callbacks_.get(), &e->imms_,
                                     [raw = e.get()](std::vector<uint32_t>& imms) {
