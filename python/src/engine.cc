@@ -548,11 +548,13 @@ void bind_engine(py::module_& m) {
                                                     check(std::move(r)), group);
           },
           py::arg("memory"), py::arg("group") = 0,
-          "Registers the memory of a NumPy array, a PyTorch tensor (CPU), or any object with "
+          "Registers the memory of a NumPy array, a PyTorch tensor (CPU or CUDA), or any object "
+          "with "
           "the buffer protocol or DLPack, on every NIC of `group`, for local reads and remote "
-          "writes. The memory must be writable and contiguous (InvalidArgument otherwise); "
-          "device memory raises Unsupported in this build. Returns a Registration, which keeps "
-          "the object alive. Blocking, GIL released.")
+          "writes. The memory must be writable and contiguous (InvalidArgument otherwise). "
+          "CUDA tensors (when HAS_CUDA) are staged through pinned host memory by the engine; "
+          "without CUDA they raise Unsupported. Returns a Registration, which keeps the object "
+          "alive. Blocking, GIL released.")
       .def(
           "register_ptr",
           [](PyEngine& e, uintptr_t ptr, uint64_t length, uint32_t group, py::object owner) {

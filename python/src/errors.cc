@@ -94,9 +94,9 @@ void bind_errors(py::module_& m) {
   m.add_object("FabricError", py::reinterpret_borrow<py::object>(g_base));
   for (const ErrorClass& c : error_classes()) {
     std::string qualified = std::string("fabric_lib.") + c.name;
-    py::tuple bases = c.builtin != nullptr
-                          ? py::make_tuple(py::handle(g_base), py::handle(c.builtin))
-                          : py::make_tuple(py::handle(g_base));
+    // Two statements, not a conditional: pybind11 3 gives make_tuple typed results.
+    py::tuple bases = py::make_tuple(py::handle(g_base));
+    if (c.builtin != nullptr) bases = py::make_tuple(py::handle(g_base), py::handle(c.builtin));
     PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), c.doc, bases.ptr(), nullptr);
     if (cls == nullptr) throw py::error_already_set();
     g_classes[static_cast<size_t>(c.code)] = cls;

@@ -264,13 +264,17 @@ std::unique_ptr<PinnedMemory> PinnedMemory::from_object(py::handle obj) {
   }
   if (py::hasattr(obj, "__dlpack__") && py::hasattr(obj, "__dlpack_device__")) {
     DLDevice dev = dlpack_device(obj);
-    if (dev.device_type == kDLCUDA || dev.device_type == kDLCUDAManaged) {
-      // The GPU build (issue 9) registers device memory here, with device_ = "cuda:N".
+    const bool cuda = dev.device_type == kDLCUDA || dev.device_type == kDLCUDAManaged;
+#ifndef FABRIC_WITH_CUDA
+    if (cuda) {
       fail(ErrorCode::kUnsupported, "register: " + device_name(dev) +
                                         " memory needs fabric-lib built with CUDA (this build "
                                         "has none; fabric_lib.HAS_CUDA is False)");
     }
-    if (!host_addressable(dev)) {
+#endif
+    // CUDA memory: the engine stages device memory through pinned host memory (managed
+    // memory is reachable by the NICs as it is).
+    if (!cuda && !host_addressable(dev)) {
       fail(ErrorCode::kUnsupported, "register: memory on " + device_name(dev) +
                                         " is not host-addressable and this build cannot "
                                         "register it");
@@ -285,7 +289,7 @@ std::unique_ptr<PinnedMemory> PinnedMemory::from_object(py::handle obj) {
     m->capsule_ = std::move(capsule);
     m->ptr_ = static_cast<std::byte*>(t->data) + t->byte_offset;
     m->length_ = element_count(*t) * element_bytes;
-    m->device_ = "cpu";
+    m->device_ = cuda ? device_name(dev) : "cpu";
     return m;
   }
   throw py::type_error("register: a " + type_name(obj) +

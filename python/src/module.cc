@@ -12,8 +12,12 @@ PYBIND11_MODULE(_fabric_lib, m) {
       "fabric-lib bindings: TransferEngine, its configuration, addresses and descriptors, and "
       "one exception class per status code. Import the fabric_lib package, not this module.";
   m.attr("__version__") = FABRIC_VERSION;
-  // The GPU build (issue 9) sets this, registers CUDA memory and adds UvmWatcher.
+  // Built with CUDA: register() takes CUDA tensors (staged through pinned host memory).
+#ifdef FABRIC_WITH_CUDA
+  m.attr("HAS_CUDA") = true;
+#else
   m.attr("HAS_CUDA") = false;
+#endif
   fp::bind_errors(m);
   fp::bind_types(m);
   fp::bind_config(m);

@@ -164,6 +164,11 @@ void bind_types(py::module_& m) {
                              "The owner's virtual address of the region (informational).")
       .def_property_readonly("length", &RemoteMemory::length, "The region's length in bytes.")
       .def_property_readonly(
+          "staged", [](const RemoteMemory& r) { return r.staged_region() != 0; },
+          "Whether the region is GPU memory its owner stages through pinned "
+          "host memory (writes into it are copied to the GPU before their "
+          "immediate counts).")
+      .def_property_readonly(
           "rails",
           [](const RemoteMemory& r) {
             py::list out;

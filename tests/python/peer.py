@@ -47,8 +47,20 @@ class PeerServer:
         self.buffers[name] = (array, reg)
         return bytes(reg.descriptor)
 
+    def alloc_cuda(self, name, size, seed=None):
+        """A CUDA tensor of `size` bytes (the pattern of `seed`, or zeros), registered."""
+        import torch
+
+        host = pattern(size, seed) if seed is not None else np.zeros(size, dtype=np.uint8)
+        tensor = torch.from_numpy(host).to("cuda")
+        reg = self.engine.register(tensor)
+        self.buffers[name] = (tensor, reg)
+        return bytes(reg.descriptor)
+
     def read(self, name, offset=0, length=None):
         array = self.buffers[name][0]
+        if not isinstance(array, np.ndarray):  # a CUDA tensor
+            array = array.cpu().numpy()
         end = len(array) if length is None else offset + length
         return array[offset:end].tobytes()
 

@@ -185,12 +185,28 @@ def test_register_rejects_what_it_cannot_register(pair):
         a.register(bytearray(10), group=5)
 
 
-@pytest.mark.skipif(not fabric_lib.HAS_CUDA,
-                    reason="fabric_lib built without CUDA: GPU memory comes with the GPU issue")
+@pytest.mark.skipif(not fabric_lib.HAS_CUDA or not torch.cuda.is_available(),
+                    reason="needs fabric_lib built with CUDA and a CUDA device "
+                    "(tests/python/test_cuda.py has the rest)")
 def test_register_cuda_tensor(pair):  # pragma: no cover - needs the CUDA build and a GPU
     a, _ = pair
     reg = a.register(torch.zeros(1024, device="cuda"))
-    assert reg.device.startswith("cuda")
+    assert reg.device == "cuda:0"
+    assert reg.descriptor.staged
+
+
+@pytest.mark.skipif(fabric_lib.HAS_CUDA, reason="this build has CUDA")
+def test_register_cuda_tensor_without_cuda_says_why(pair):
+    class FakeCudaTensor:  # a DLPack exporter that claims to live on a GPU
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, stream=None):
+            raise AssertionError("must not be exported")
+
+    a, _ = pair
+    with pytest.raises(fabric_lib.Unsupported, match="built with CUDA"):
+        a.register(FakeCudaTensor())
 
 
 def test_registration_lifetime(pair):

@@ -14,7 +14,10 @@ STUB = Path(ext.__file__).with_name("_fabric_lib.pyi")
 
 # Attributes every module or class has, that no stub spells out.
 MODULE_NOISE = {"__name__", "__doc__", "__package__", "__loader__", "__spec__", "__file__"}
-CLASS_NOISE = {"__doc__", "__module__", "__dict__", "__weakref__", "__entries"}
+# Attributes pybind11 itself puts on every class (the conduit method is pybind11 3's
+# cross-module interop hook), not part of fabric_lib's API.
+CLASS_NOISE = {"__doc__", "__module__", "__dict__", "__weakref__", "__entries",
+               "_pybind11_conduit_v1_"}
 
 
 def split_params(text):
@@ -41,6 +44,8 @@ def parse_signature(line, drop_self):
     assert m, f"not a pybind11 signature: {line!r}"
     params, kind = [], "pos"
     for p in split_params(m.group(1)):
+        if p == "/":  # pybind11 3 marks positional-only parameters; they are "pos" already
+            continue
         if p == "*":
             kind = "kw"
             continue
@@ -65,7 +70,17 @@ def runtime_signatures(fn, drop_self):
         sigs = [re.sub(r"^\d+\. ", "", l) for l in lines if re.match(r"^\d+\. \w+\(", l)]
     else:
         sigs = [lines[0]]
-    return sorted(parse_signature(s, drop_self) for s in sigs)
+    return distinct(parse_signature(s, drop_self) for s in sigs)
+
+
+def distinct(signatures):
+    """Sorted, without repeats: overloads that differ only in types read the same here (and
+    pybind11 versions differ in which of those they list)."""
+    unique = []
+    for sig in sorted(signatures):
+        if sig not in unique:
+            unique.append(sig)
+    return unique
 
 
 def stub_signature(node, drop_self):
@@ -148,7 +163,7 @@ def check_class(node, cls, where, problems):
                 problems.append(f"{path}.{name}: static in one and not the other")
             fn = getattr(cls, name)
             want = runtime_signatures(fn, drop_self=not static)
-            got = sorted(stub_signature(n, drop_self=not static) for n in nodes)
+            got = distinct(stub_signature(n, drop_self=not static) for n in nodes)
             if want != got:
                 problems.append(f"{path}.{name}: parameters {got} in the stub, {want} at run time")
 
@@ -226,7 +241,8 @@ def test_every_call_has_a_docstring():
             if issubclass(value, BaseException) or hasattr(value, "__members__"):
                 continue  # exceptions and enums: the class docstring covers them
             for member, attr in vars(value).items():
-                if member.startswith("__") and member not in ("__init__", "__bytes__"):
+                if member in CLASS_NOISE or (member.startswith("__")
+                                             and member not in ("__init__", "__bytes__")):
                     continue
                 if not (inspect.isroutine(attr) or isinstance(attr, property)):
                     continue  # constants and enum values

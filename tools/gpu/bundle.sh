@@ -1,0 +1,20 @@
+#!/bin/bash
+# Packs what a GPU machine without -dev packages needs into .gpu/ (git-ignored): the GPU test
+# and benchmark binaries, the static engine library and headers for building the Python
+# module there, and the shared libraries Debian has and that machine lacks. Then, on the GPU
+# machine, from the repository root: `bash tools/gpu/run_tests.sh` (C++ GPU suite and
+# fabric-bench-gpu) and `bash tools/gpu/run_python.sh` (builds fabric_lib for its python3 and
+# runs the pytest suite with CUDA tensors). Run after `make build` on a machine with nvcc.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+[ -x build/bin/fabric_gpu_tests ] || { echo "build first (make build, with nvcc present)"; exit 1; }
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+rm -rf .gpu && mkdir -p .gpu/lib .gpu/include .gpu/bin
+cp build/bin/fabric_gpu_tests build/bin/fabric-bench-gpu build/bin/fabric-bench-uvm .gpu/
+strip .gpu/fabric_gpu_tests .gpu/fabric-bench-gpu .gpu/fabric-bench-uvm
+cp build/lib/libfabriclib.a .gpu/ && strip --strip-debug .gpu/libfabriclib.a
+cp /usr/local/cuda/lib64/libcudart_static.a .gpu/
+for l in libhwloc.so.15 libspdlog.so.1.10 libfmt.so.9; do cp "/lib/x86_64-linux-gnu/$l" .gpu/lib/; done
+cp -r /usr/include/rdma /usr/include/fmt /usr/include/spdlog .gpu/include/
+cp /usr/bin/fi_info .gpu/bin/
+du -sh .gpu

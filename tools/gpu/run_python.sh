@@ -1,0 +1,20 @@
+#!/bin/bash
+# On the GPU machine, from the repository root, after tools/gpu/bundle.sh ran on the build machine.
+# GPU machine: build the Python module against its python3 (3.12, PyTorch with CUDA), run the
+# pytest suite with CUDA tensors; also what Ubuntu's libfabric says about FI_HMEM.
+export LD_LIBRARY_PATH=$PWD/.gpu/lib:$LD_LIBRARY_PATH
+export PYTHONUNBUFFERED=1
+which c++ g++ python3; python3 --version; c++ --version | head -1
+INC=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])"); ls $INC/Python.h
+echo "== FI_HMEM as this machine's libfabric reports it (shm, tcp) =="
+timeout 20 .gpu/bin/fi_info -p shm -c FI_HMEM -v 2>&1 | grep -iE "hmem|iface|mr_mode|caps" | head -12
+timeout 20 .gpu/bin/fi_info -p tcp -c FI_HMEM 2>&1 | grep -E "provider|domain" | head -4
+EXT=$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")
+mkdir -p /tmp/pkg/fabric_lib && cp python/fabric_lib/*.py python/fabric_lib/*.pyi python/fabric_lib/py.typed /tmp/pkg/fabric_lib/
+echo "== build $EXT =="
+mkdir -p /tmp/obj; FL="-O2 -std=c++20 -fPIC -fvisibility=hidden -DFABRIC_VERSION=\"0.1.0\" -DFABRIC_WITH_CUDA=1 -Iinclude -Isrc -I.gpu/include -I/usr/local/cuda/include $(python3 -m pybind11 --includes)"
+time (for f in python/src/*.cc; do c++ $FL -c $f -o /tmp/obj/$(basename $f).o & done; wait)
+c++ -shared /tmp/obj/*.o .gpu/libfabriclib.a .gpu/libcudart_static.a -L.gpu/lib -L/usr/lib/x86_64-linux-gnu -l:libfabric.so.1 -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -lpthread -ldl -lrt -o /tmp/pkg/fabric_lib/_fabric_lib$EXT || exit 1
+PYTHONPATH=/tmp/pkg python3 -c "import fabric_lib, torch; print('HAS_CUDA', fabric_lib.HAS_CUDA, 'torch', torch.__version__, torch.cuda.is_available())"
+echo "== pytest =="
+PYTHONPATH=/tmp/pkg timeout 420 python3 -m pytest -v -rs -p no:cacheprovider tests/python > /tmp/pytest.log 2>&1; grep -E "test_cuda|test_register_cuda" /tmp/pytest.log; grep -E "FAILED|^E " /tmp/pytest.log | head -30; tail -5 /tmp/pytest.log
