@@ -53,6 +53,11 @@ class UvmWatchers {
   Status unwatch(const Watcher& watcher);
   // Words being watched now.
   uint32_t live() const;
+  // Host launcher for code that has no kernel of its own (Python, a CUDA graph built on the
+  // host): enqueues a one-thread kernel on `cuda_stream` (a cudaStream_t; null: the legacy
+  // default stream) that stores `value` into the watcher's word after the stream's earlier
+  // work. Non-blocking. Errors: kUnsupported (no CUDA), kFabric (the launch failed).
+  Status bump(const Watcher& watcher, uint64_t value, void* cuda_stream = nullptr);
 
   class Impl;
 

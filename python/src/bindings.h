@@ -77,6 +77,8 @@ py::object make_exception(const Status& status);
 void report_callback_error(py::error_already_set& e, py::handle callback);
 
 void bind_errors(py::module_& m);
+// UvmWatchers and Watcher (watcher.cc).
+void bind_watchers(py::module_& m);
 
 // --- memory (memory.cc) ---------------------------------------------------------------------
 

@@ -22,5 +22,6 @@ PYBIND11_MODULE(_fabric_lib, m) {
   fp::bind_types(m);
   fp::bind_config(m);
   fp::bind_engine(m);
+  fp::bind_watchers(m);
   fp::bind_info(m);
 }

@@ -229,4 +229,16 @@ uint32_t UvmWatchers::live() const {
   return impl_->live();
 }
 
+cudaError_t launch_watcher_store(uint64_t* device_word, uint64_t value, cudaStream_t stream);
+
+Status UvmWatchers::bump(const Watcher& watcher, uint64_t value, void* cuda_stream) {
+  if (watcher.device_word == nullptr) {
+    return Status(ErrorCode::kInvalidArgument, "bump: the watcher has no device word");
+  }
+  cudaError_t err =
+      launch_watcher_store(watcher.device_word, value, static_cast<cudaStream_t>(cuda_stream));
+  if (err != cudaSuccess) return cuda_error("launching the watcher store", err);
+  return Status::ok();
+}
+
 }  // namespace fabric

@@ -21,5 +21,8 @@ Status UvmWatchers::unwatch(const Watcher&) {
 uint32_t UvmWatchers::live() const {
   return 0;
 }
+Status UvmWatchers::bump(const Watcher&, uint64_t, void*) {
+  return Status(ErrorCode::kUnsupported, "built without CUDA");
+}
 
 }  // namespace fabric

@@ -3,13 +3,15 @@ every operation with GPU memory on one or both sides, data checked on the device
 counted only once the data is in GPU memory. Skipped without a CUDA build and a CUDA device."""
 
 import asyncio
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import fabric_lib
-from conftest import TIMEOUT
+from conftest import TIMEOUT, unraisable
 from peer import pattern
 
 pytestmark = pytest.mark.skipif(
@@ -104,3 +106,82 @@ def test_await_a_write_between_gpus(engine, peer):
     asyncio.run(main())
     assert peer.call("wait_imm", 5000, 1, TIMEOUT)
     assert peer.call("read", "awaited") == src.cpu().numpy().tobytes()
+
+
+def test_watcher_sees_stream_bumps_in_order_and_stops_when_told():
+    seen = []
+    done = threading.Event()
+
+    def on_change(old, new):
+        seen.append((old, new))
+        if new >= 3:
+            done.set()
+            return False  # stop watching
+        return True
+
+    with fabric_lib.UvmWatchers() as pool:
+        w = pool.watch(on_change)
+        assert pool.live == 1
+        stream = torch.cuda.Stream()
+        for v in (1, 2, 3):
+            torch.cuda._sleep(1_000_000)  # ~a millisecond of GPU work before each bump
+            pool.bump(w, v, stream=stream)
+        assert done.wait(TIMEOUT)
+        assert [n for _, n in seen][-1] == 3 and all(o < n for o, n in seen)
+        assert seen[0][0] == 0
+        assert pool.live == 0, "returning False released the word"
+
+
+def test_watcher_callback_errors_are_reported_and_watching_goes_on():
+    calls = []
+
+    def broken(old, new):
+        calls.append(new)
+        if new == 1:
+            raise RuntimeError("boom")
+        return True
+
+    with unraisable() as reported, fabric_lib.UvmWatchers() as pool:
+        w = pool.watch(broken)
+        pool.bump(w, 1)
+        torch.cuda.synchronize()
+        deadline = time.monotonic() + TIMEOUT
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.001)
+        pool.bump(w, 2)
+        torch.cuda.synchronize()
+        while 2 not in calls and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert calls == [1, 2]
+        assert any("boom" in str(r.exc_value) for r in reported)
+
+
+# The layer pipeline: a stream "computes" each layer of a CUDA tensor, bumps the watcher, and
+# the callback ships that layer to the peer's GPU while the next layer computes.
+def test_layer_pipeline_ships_each_layer_when_the_gpu_bumps_the_watcher(engine, peer):
+    layers, layer_bytes = 8, 1 << 20
+    kv = torch.zeros(layers * layer_bytes, dtype=torch.uint8, device="cuda")
+    reg = engine.register(kv)
+    dst = peer.call("alloc_cuda", "pipeline", layers * layer_bytes)
+    transfers = []
+
+    def ship(old, new):
+        for layer in range(old, new):
+            off = layer * layer_bytes
+            transfers.append(engine.write(reg, dst, layer_bytes, src_offset=off, dst_offset=off,
+                                          imm=6000))
+        return new < layers
+
+    with fabric_lib.UvmWatchers() as pool:
+        w = pool.watch(ship)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for layer in range(layers):
+                kv[layer * layer_bytes : (layer + 1) * layer_bytes].fill_(layer + 1)
+                pool.bump(w, layer + 1, stream=stream)
+        assert peer.call("wait_imm", 6000, layers, TIMEOUT), "every layer arrived"
+    for t in transfers:
+        t.wait(TIMEOUT)
+    got = np.frombuffer(peer.call("read", "pipeline"), dtype=np.uint8)
+    for layer in range(layers):
+        assert (got[layer * layer_bytes : (layer + 1) * layer_bytes] == layer + 1).all(), layer

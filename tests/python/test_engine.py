@@ -195,6 +195,13 @@ def test_register_cuda_tensor(pair):  # pragma: no cover - needs the CUDA build 
     assert reg.descriptor.staged
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_uvm_watchers_without_a_gpu_say_why():
+    with pytest.raises(fabric_lib.Unsupported,
+                       match="without CUDA|cudaGetDeviceCount|does not exist"):
+        fabric_lib.UvmWatchers()
+
+
 @pytest.mark.skipif(fabric_lib.HAS_CUDA, reason="this build has CUDA")
 def test_register_cuda_tensor_without_cuda_says_why(pair):
     class FakeCudaTensor:  # a DLPack exporter that claims to live on a GPU
