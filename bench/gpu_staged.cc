@@ -1,8 +1,9 @@
 // fabric-bench-gpu: the engine's GPU paths on a GPU machine, two processes on one GPU.
 //
-//   --op staged    GPU-to-GPU writes through the staged path (device -> pinned mirror -> fabric
-//                  -> peer's mirror -> device), 64 KiB pages and 32 MiB single writes, against
-//                  a plain cudaMemcpy D2H + H2D of the same bytes measured in the same run.
+//   --op staged    GPU-to-GPU writes through the group's GPU memory path (direct FI_HMEM where
+//                  the provider has it, else staged: device -> pinned mirror -> fabric -> peer's
+//                  mirror -> device; --staged forces the latter), 64 KiB pages and 32 MiB single
+//                  writes, against a plain cudaMemcpy D2H + H2D of the same bytes, same run.
 //   --op pipeline  a kernel "computes" L layers (a timed spin), bumping a UvmWatcher after each;
 //                  the watcher callback ships that layer's pages to the peer. Reports how much of
 //                  the transfer time hides under compute.
@@ -52,8 +53,13 @@ T must(fabric::Result<T> r, const char* what) {
   return std::move(*r);
 }
 
+// --staged turns the direct (FI_HMEM) path off, so both paths can be measured where a provider
+// offers it; it travels to the serving process through this variable.
+bool g_staged = false;
+
 fabric::Config config_for(const std::string& provider) {
   fabric::Config c;
+  c.gpu_direct = !g_staged;
   c.provider = provider;
   c.groups[0].nics = {provider == "tcp" ? "lo" : provider};
   c.groups[0].cpu = fabric::GroupConfig::kCpuNone;
@@ -152,8 +158,13 @@ Peer spawn(const std::string& provider, uint64_t bytes) {
     close(in[1]);
     close(out[0]);
     std::string b = std::to_string(bytes);
-    execl("/proc/self/exe", "fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
-          "--bytes", b.c_str(), static_cast<char*>(nullptr));
+    if (g_staged) {
+      execl("/proc/self/exe", "fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
+            "--bytes", b.c_str(), "--staged", static_cast<char*>(nullptr));
+    } else {
+      execl("/proc/self/exe", "fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
+            "--bytes", b.c_str(), static_cast<char*>(nullptr));
+    }
     _exit(127);
   }
   close(in[0]);
@@ -184,6 +195,7 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "pipeline: layers");
   app.add_option("--layer-pages", layer_pages, "pipeline: 64 KiB pages per layer");
   app.add_flag("--serve", serve_mode, "internal: the destination process");
+  app.add_flag("--staged", g_staged, "force the staged path (no FI_HMEM registration)");
   app.add_option("--bytes", bytes, "internal: destination buffer size");
   CLI11_PARSE(app, argc, argv);
   if (serve_mode) return serve(provider, bytes);
@@ -210,8 +222,10 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Waiter w;
 
-  std::printf("fabric-bench-gpu: provider %s, %s\n", engine->group_info().provider.c_str(),
-              "two processes on one GPU, staged path (pinned host mirrors)");
+  std::printf(
+      "fabric-bench-gpu: provider %s, %s\n", engine->group_info().provider.c_str(),
+      fmt::format("two processes on one GPU, GPU memory path: {}", engine->group_info().gpu_memory)
+          .c_str());
   if (op == "staged" || op == "all") {
     constexpr uint64_t kPage = 64 * 1024, kStride = kPage;
     constexpr uint32_t kPages = 512;  // 32 MiB of pages per transfer
@@ -251,8 +265,8 @@ int main(int argc, char** argv) {
       }
       return std::chrono::duration<double>(Clock::now() - t0).count();
     };
-    std::printf("\n%-28s %12s %12s %12s %8s\n", "staged GPU->GPU", "bytes", "ours GB/s",
-                "memcpy GB/s", "ratio");
+    std::printf("\n%-28s %12s %12s %12s %8s\n", "GPU->GPU", "bytes", "ours GB/s", "memcpy GB/s",
+                "ratio");
     for (bool paged : {true, false}) {
       const uint64_t total = paged ? kPages * kPage : kSingle;
       run_ours(paged);  // warm-up, then verify once

@@ -78,6 +78,9 @@ struct Config {
   // pipelined in chunks of this many bytes (the copy of one chunk overlaps the network write of
   // the one before, and the owner copies each chunk into the GPU as it lands).
   uint64_t staging_chunk_bytes = 1 << 20;
+  // Let providers that can reach GPU memory themselves (FI_HMEM: EFA; shm in libfabric builds
+  // with CUDA) register it directly. Off, or where no NIC of a group can, GPU memory is staged.
+  bool gpu_direct = true;
 
   // Writes larger than this are split into several work requests (on the same NIC), so that
   // every work request completes in bounded time and peer_timeout stays meaningful.

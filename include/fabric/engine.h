@@ -43,8 +43,9 @@ struct GroupInfo {
   std::vector<std::string> nics;   // domain names, in rail order
   int cpu = -1;                    // the worker's CPU, or -1 when unpinned
   bool delivery_complete = false;  // writes complete only once visible at the target
-  // How GPU memory registered on this group moves: "staged" (pinned host mirrors and
-  // cudaMemcpyAsync on the worker; every provider of this build: none can reach GPU memory).
+  // How CUDA memory registered on this group moves: "direct (FI_HMEM)" when every NIC of the
+  // group can read and write it itself, else "staged" (pinned host mirrors and
+  // cudaMemcpyAsync on the worker).
   std::string gpu_memory = "staged";
   bool cuda = false;  // CUDA device memory can exist here (built with CUDA, a device present)
 };

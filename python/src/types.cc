@@ -307,6 +307,10 @@ void bind_types(py::module_& m) {
       .def_readonly("cpu", &GroupInfo::cpu, "The worker's CPU, or -1 when unpinned.")
       .def_readonly("delivery_complete", &GroupInfo::delivery_complete,
                     "Whether writes complete only once visible at the target.")
+      .def_readonly("gpu_memory", &GroupInfo::gpu_memory,
+                    "How CUDA memory registered on the group moves: 'staged' or "
+                    "'direct (FI_HMEM)'.")
+      .def_readonly("cuda", &GroupInfo::cuda, "Whether a CUDA device is present.")
       .def(
           "__repr__",
           [](const GroupInfo& g) {
@@ -430,6 +434,13 @@ void bind_config(py::module_& m) {
                      "Largest message send() accepts.")
       .def_readwrite("send_buffers", &Config::send_buffers,
                      "Send buffers each group keeps registered.")
+      .def_readwrite("control_buffers", &Config::control_buffers,
+                     "Receive buffers each group keeps posted for the engine's own messages.")
+      .def_readwrite("staging_chunk_bytes", &Config::staging_chunk_bytes,
+                     "The staged GPU path's pipeline chunk.")
+      .def_readwrite("gpu_direct", &Config::gpu_direct,
+                     "Let providers that reach GPU memory themselves (FI_HMEM) register it "
+                     "directly; otherwise GPU memory is staged.")
       .def_readwrite("max_wr_bytes", &Config::max_wr_bytes,
                      "Writes larger than this are split into several work requests.")
       .def_readwrite("faults", &Config::faults, "Fault injection (tests only; off by default).")

@@ -121,7 +121,8 @@ void bind_watchers(py::module_& m) {
       .def("close", &PyWatchers::close,
            "Stops the polling thread (no callback runs after this returns) and frees the pool. "
            "Idempotent. GIL released.")
-      .def("__enter__", [](py::object self) { return self; }, "Returns the pool.")
+      .def(
+          "__enter__", [](py::object self) { return self; }, "Returns the pool.")
       .def(
           "__exit__",
           [](PyWatchers& self, py::args) {

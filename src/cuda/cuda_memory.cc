@@ -156,6 +156,18 @@ void cuda_host_free(std::byte* p) {
   cudaFreeHost(p);
 }
 
+Result<void*> cuda_device_alloc(uint64_t bytes) {
+  void* p = nullptr;
+  if (cudaError_t err = cudaMalloc(&p, bytes); err != cudaSuccess) {
+    return cuda_error("cudaMalloc", err);
+  }
+  return p;
+}
+
+void cuda_device_free(void* p) {
+  cudaFree(p);
+}
+
 Result<std::unique_ptr<Copier>> make_cuda_copier(int device) {
   auto c = std::make_unique<CudaCopier>(device);
   if (Status s = c->init(); !s) return s;

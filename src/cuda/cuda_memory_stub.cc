@@ -18,6 +18,12 @@ Result<std::byte*> cuda_host_alloc(uint64_t) {
 
 void cuda_host_free(std::byte*) {}
 
+Result<void*> cuda_device_alloc(uint64_t) {
+  return Status(ErrorCode::kUnsupported, "fabric-lib was built without CUDA");
+}
+
+void cuda_device_free(void*) {}
+
 Result<std::unique_ptr<Copier>> make_cuda_copier(int) {
   return Status(ErrorCode::kUnsupported, "fabric-lib was built without CUDA");
 }

@@ -81,6 +81,9 @@ Result<PointerInfo> classify_cuda(const void* ptr, uint64_t length);
 Result<std::byte*> cuda_host_alloc(uint64_t bytes);
 void cuda_host_free(std::byte* p);
 Result<std::unique_ptr<Copier>> make_cuda_copier(int device);
+// Device memory on the current CUDA device (the direct path's probe).
+Result<void*> cuda_device_alloc(uint64_t bytes);
+void cuda_device_free(void* p);
 
 // The test double (fake_device.cc).
 bool fake_lookup(const void* ptr, uint64_t length, bool& fits);

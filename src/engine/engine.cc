@@ -116,6 +116,7 @@ class EngineImpl {
   std::atomic<bool> has_unexpected_handler_{false};
   std::vector<std::unique_ptr<engine::Worker>> workers_;
   std::vector<GroupInfo> infos_;
+  std::vector<bool> direct_;  // per group: its NICs register CUDA memory themselves
   std::vector<Address> addresses_;
   std::unique_ptr<std::atomic<uint32_t>[]> rotations_;
 
@@ -159,22 +160,56 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
     std::vector<std::string> nics = gc.nics.empty() ? std::vector<std::string>{""} : gc.nics;
     std::vector<std::unique_ptr<transport::Domain>> domains;
     GroupInfo info;
-    for (size_t i = 0; i < nics.size(); ++i) {
-      auto d = transport::LfDomain::open(config.provider, nics[i]);
-      if (!d) {
-        return Status(d.status().code(),
-                      fmt::format("group {} NIC {}: {}", g, i, d.status().message()));
+    bool direct = false;
+    // Opens the group's NICs, asking for FI_HMEM or not.
+    auto open_nics = [&](bool gpu_direct) -> Status {
+      domains.clear();
+      info = GroupInfo{};
+      for (size_t i = 0; i < nics.size(); ++i) {
+        auto d = transport::LfDomain::open(config.provider, nics[i], gpu_direct);
+        if (!d) {
+          return Status(d.status().code(),
+                        fmt::format("group {} NIC {}: {}", g, i, d.status().message()));
+        }
+        info.nics.push_back((*d)->info().name);
+        if (info.provider.empty()) info.provider = (*d)->info().provider;
+        info.delivery_complete =
+            (i == 0 ? true : info.delivery_complete) && (*d)->info().delivery_complete;
+        direct = (i == 0 ? true : direct) && (*d)->info().hmem;
+        domains.push_back(std::move(*d));
       }
-      info.nics.push_back((*d)->info().name);
-      if (info.provider.empty()) info.provider = (*d)->info().provider;
-      info.delivery_complete =
-          (i == 0 ? true : info.delivery_complete) && (*d)->info().delivery_complete;
-      std::unique_ptr<transport::Domain> domain = std::move(*d);
-      if (config.faults.enabled) {
-        domain =
-            std::make_unique<transport::FaultDomain>(std::move(domain), config.faults, g * 64 + i);
+      return Status::ok();
+    };
+    if (Status s = open_nics(config.gpu_direct); !s) return s;
+    info.cuda = cuda::cuda_available();
+    // A provider may claim FI_HMEM yet be unable to register CUDA memory (a libfabric built
+    // without working CUDA support): register a small device buffer once to find out, and if
+    // it cannot, reopen the NICs without FI_HMEM (which costs host transfers a memory-type
+    // check per operation on some providers).
+    if (direct && info.cuda) {
+      auto probe = cuda::cuda_device_alloc(4096);
+      std::string why = probe ? "" : probe.status().message();
+      for (auto& d : domains) {
+        if (!probe || !why.empty()) break;
+        auto reg = d->register_memory(*probe, 4096);
+        if (!reg) why = fmt::format("'{}': {}", d->info().name, reg.status().message());
       }
-      domains.push_back(std::move(domain));
+      if (probe) cuda::cuda_device_free(*probe);
+      if (!why.empty()) {
+        detail::log().info(
+            "group {}: the provider advertises FI_HMEM but cannot register CUDA memory ({}); "
+            "staging GPU memory instead",
+            g, why);
+        if (Status s = open_nics(false); !s) return s;
+        info.cuda = true;
+        direct = false;
+      }
+    }
+    if (config.faults.enabled) {
+      for (size_t i = 0; i < domains.size(); ++i) {
+        domains[i] = std::make_unique<transport::FaultDomain>(std::move(domains[i]), config.faults,
+                                                              g * 64 + i);
+      }
     }
     int cpu = -1;
     if (gc.cpu >= 0) {
@@ -187,7 +222,8 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
       return invalid(fmt::format("group {}: CPU {} is not available to this process", g, cpu));
     }
     info.cpu = cpu;
-    info.cuda = cuda::cuda_available();
+    info.gpu_memory = direct ? "direct (FI_HMEM)" : "staged";
+    e->direct_.push_back(direct);
 
     engine::WorkerServices services{e->callbacks_.get(), &e->imms_,
                                     [raw = e.get()](std::vector<uint32_t>& imms) {
@@ -326,15 +362,16 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uin
   if (reinterpret_cast<uintptr_t>(ptr) + length < reinterpret_cast<uintptr_t>(ptr)) {
     return invalid("register_memory: the range wraps around the address space");
   }
-  // GPU memory: the NICs of this build's providers cannot reach it, so it is staged through a
-  // pinned host mirror of the same size, registered in its place.
+  // GPU memory: registered as it is where the group's NICs reach it (FI_HMEM); otherwise staged
+  // through a pinned host mirror of the same size, registered in its place.
   auto memory = cuda::classify(ptr, length);
   if (!memory) {
     return Status(memory.status().code(),
                   fmt::format("register_memory: {}", memory.status().message()));
   }
   std::unique_ptr<cuda::HostBuffer> mirror;
-  if (memory->kind != cuda::MemoryKind::kHost) {
+  const bool direct = memory->kind == cuda::MemoryKind::kCuda && direct_[group];
+  if (memory->kind != cuda::MemoryKind::kHost && !direct) {
     auto m = cuda::HostBuffer::allocate(*memory, length);
     if (!m) {
       return Status(m.status().code(),

@@ -77,6 +77,9 @@ struct DomainInfo {
   std::string name;          // the domain (NIC) name
   uint64_t max_write_bytes;  // largest single work request
   bool delivery_complete;    // a write's completion means the data is visible at the target
+  // The provider can read and write CUDA memory itself (FI_HMEM): GPU buffers are registered
+  // as they are (FI_HMEM_CUDA) instead of through the engine's staged path.
+  bool hmem = false;
 };
 
 struct [[nodiscard]] PostResult {

@@ -55,9 +55,12 @@ class StagedCuda : public ::testing::TestWithParam<Backend> {
  protected:
   void SetUp() override {
     GPU_OR_SKIP();
-    auto ea = TransferEngine::create(make_config(GetParam()));
+    Config config = make_config(GetParam());
+    // shm_staged: shm with the direct path turned off, so both paths run where shm has FI_HMEM.
+    config.gpu_direct = GetParam().name != "shm_staged";
+    auto ea = TransferEngine::create(config);
     if (!ea) GTEST_SKIP() << ea.status().to_string();
-    auto eb = TransferEngine::create(make_config(GetParam()));
+    auto eb = TransferEngine::create(config);
     ASSERT_TRUE(eb) << eb.status().to_string();
     a_ = std::move(*ea);
     b_ = std::move(*eb);
@@ -65,9 +68,14 @@ class StagedCuda : public ::testing::TestWithParam<Backend> {
   std::unique_ptr<TransferEngine> a_, b_;
 };
 
-TEST_P(StagedCuda, DeviceMemoryIsStagedAndHostMemoryIsNot) {
+// CUDA memory is staged unless every NIC of the group reaches it itself (FI_HMEM: the group
+// says "direct"); host, pinned and managed memory never are.
+TEST_P(StagedCuda, DeviceMemoryTakesTheGroupsGpuPath) {
   auto dev = make_gpu(*a_, 1 << 20, 1);
-  EXPECT_NE(dev->reg.descriptor.staged_region(), 0u);
+  const bool staged = a_->group_info().gpu_memory == "staged";
+  std::printf("%s: GPU memory path %s\n", GetParam().provider.c_str(),
+              a_->group_info().gpu_memory.c_str());
+  EXPECT_EQ(dev->reg.descriptor.staged_region() != 0, staged);
   void* pinned = nullptr;
   ASSERT_EQ(cudaHostAlloc(&pinned, 1 << 20, cudaHostAllocDefault), cudaSuccess);
   auto r = a_->register_memory(pinned, 1 << 20);
@@ -150,8 +158,8 @@ TEST_P(StagedCuda, PagedWritesDeviceToDevice) {
 }
 
 // CUDA virtual memory management (cuMemCreate + cuMemMap), as PyTorch's expandable segments
-// and some KV-cache allocators use: device memory too, staged the same way.
-TEST_P(StagedCuda, VmmAllocationsAreStaged) {
+// and some KV-cache allocators use: device memory too, on the same path as cudaMalloc memory.
+TEST_P(StagedCuda, VmmAllocationsMoveLikeCudaMalloc) {
   using CreateFn = decltype(&cuMemCreate);
   using ReserveFn = decltype(&cuMemAddressReserve);
   using MapFn = decltype(&cuMemMap);
@@ -201,7 +209,7 @@ TEST_P(StagedCuda, VmmAllocationsAreStaged) {
   {
     auto reg = b_->register_memory(ptr, n);
     ASSERT_TRUE(reg) << reg.status().to_string();
-    EXPECT_NE(reg->descriptor.staged_region(), 0u);
+    EXPECT_EQ(reg->descriptor.staged_region() != 0, b_->group_info().gpu_memory == "staged");
     auto src = make_buffer(*a_, n);
     fill_pattern(src->bytes.data(), n, 3);
     Probe done;
@@ -220,7 +228,8 @@ TEST_P(StagedCuda, VmmAllocationsAreStaged) {
 
 INSTANTIATE_TEST_SUITE_P(Providers, StagedCuda,
                          ::testing::Values(Backend{"tcp", "tcp", false},
-                                           Backend{"shm", "shm", false}),
+                                           Backend{"shm", "shm", false},
+                                           Backend{"shm_staged", "shm", false}),
                          backend_name);
 
 }  // namespace

@@ -25,11 +25,11 @@ def cuda_pattern(size, seed):
     return torch.from_numpy(pattern(size, seed)).to("cuda")
 
 
-def test_cuda_tensor_registration_is_staged(engine):
+def test_cuda_tensor_registration_takes_the_groups_gpu_path(engine):
     t = torch.zeros(4096, dtype=torch.uint8, device="cuda")
     with engine.register(t) as reg:
         assert reg.device == "cuda:0"
-        assert reg.descriptor.staged
+        assert reg.descriptor.staged == (engine.group_info().gpu_memory == "staged")
         assert reg.length == 4096
     with engine.register(torch.zeros(4096, dtype=torch.uint8).pin_memory()) as pinned:
         assert not pinned.descriptor.staged, "pinned host memory is reachable directly"

@@ -2,6 +2,8 @@
 // inserting peers.
 #include "transport/libfabric/lf_domain.h"
 
+#include "cuda/device_memory.h"
+
 #include <fmt/format.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_endpoint.h>
@@ -41,8 +43,10 @@ struct ProviderQuirks {
   // as a success; shm in libfabric 1.17 never completes delivery-complete RMA (tested here),
   // and its transmit completion already follows the copy into the target.
   bool delivery_complete = true;
-  // EFA: ask for FI_HMEM (and FI_MR_HMEM registration), so that the same endpoint can later
-  // register GPU memory; EFA is the one provider here that can DMA to it.
+  // EFA: always ask for FI_HMEM (and FI_MR_HMEM registration): it is how EFA reaches GPU
+  // memory. Other providers are asked for it when CUDA is present and the config allows it
+  // (Config::gpu_direct); those built without CUDA support (Debian's) refuse, and the engine
+  // stages GPU memory instead.
   bool hmem = false;
   // EFA: keep same-host peers on the EFA device instead of its built-in shm transport, so that
   // every peer sees the same memory keys and completion semantics (the reference does the
@@ -67,8 +71,7 @@ struct InfoList {
   }
 };
 
-fi_info* make_hints(const std::string& provider, bool delivery_complete) {
-  const ProviderQuirks quirks = quirks_for(provider);
+fi_info* make_hints(const std::string& provider, bool delivery_complete, bool hmem) {
   fi_info* hints = fi_allocinfo();
   if (hints == nullptr) return nullptr;
   hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
@@ -81,7 +84,7 @@ fi_info* make_hints(const std::string& provider, bool delivery_complete) {
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
   hints->domain_attr->threading = FI_THREAD_DOMAIN;
   hints->domain_attr->data_progress = FI_PROGRESS_MANUAL;
-  if (quirks.hmem) {
+  if (hmem) {
     hints->caps |= FI_HMEM;
     hints->domain_attr->mr_mode |= FI_MR_HMEM;
   }
@@ -97,8 +100,9 @@ std::string core_provider(const char* prov_name) {
   return semi == std::string::npos ? s : s.substr(0, semi);
 }
 
-int get_info(const std::string& provider, bool delivery_complete, InfoList& out) {
-  fi_info* hints = make_hints(provider, delivery_complete);
+int get_info(const std::string& provider, bool delivery_complete, InfoList& out,
+             bool hmem = false) {
+  fi_info* hints = make_hints(provider, delivery_complete, hmem);
   if (hints == nullptr) return -FI_ENOMEM;
   int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &out.head);
   fi_freeinfo(hints);
@@ -136,7 +140,7 @@ std::vector<DomainListing> list_domains(const std::string& provider) {
 }
 
 Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_provider,
-                                                 const std::string& nic) {
+                                                 const std::string& nic, bool gpu_direct) {
   const std::string provider = resolve_provider(requested_provider);
   const ProviderQuirks quirks = quirks_for(provider);
 
@@ -145,11 +149,18 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
     setenv("FI_EFA_ENABLE_SHM_TRANSFER", "0", /*overwrite=*/0);
   }
   InfoList list;
+  // Preferred first: delivery-complete where the provider wants it, FI_HMEM where GPU memory
+  // can exist; each dropped in turn when the provider refuses it.
   bool delivery_complete = quirks.delivery_complete;
-  int rc = get_info(provider, delivery_complete, list);
+  bool hmem = quirks.hmem || (gpu_direct && cuda::cuda_available());
+  int rc = get_info(provider, delivery_complete, list, hmem);
+  if (rc == -FI_ENODATA && hmem && !quirks.hmem) {
+    hmem = false;
+    rc = get_info(provider, delivery_complete, list, false);
+  }
   if (rc == -FI_ENODATA && delivery_complete) {
     delivery_complete = false;
-    rc = get_info(provider, false, list);
+    rc = get_info(provider, false, list, hmem);
   }
   if (rc != 0 || list.head == nullptr) {
     return Status(ErrorCode::kUnsupported,
@@ -183,6 +194,7 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
   }
 
   std::unique_ptr<LfDomain> d(new LfDomain());
+  d->hmem_ = hmem && (chosen->caps & FI_HMEM) != 0;
   d->fi_.reset(fi_dupinfo(chosen));
   fi_info* fi = d->fi_.get();
   auto fail = [&](const char* what, int err) {
@@ -250,11 +262,12 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
   d->next_key_ = (std::random_device{}() & 0xfffff) << 20 | 1;
   d->needs_context_ = (fi->mode & (FI_CONTEXT | FI_CONTEXT2)) != 0;
   d->info_ = DomainInfo{fi->fabric_attr->prov_name, fi->domain_attr->name,
-                        fi->ep_attr->max_msg_size, delivery_complete};
+                        fi->ep_attr->max_msg_size, delivery_complete, d->hmem_};
   d->cq_buf_.resize(64);
-  detail::log().debug("opened {} domain '{}' (mr_mode {:#x}, max message {}, delivery complete {})",
-                      d->info_.provider, d->info_.name, d->mr_mode_, d->info_.max_write_bytes,
-                      delivery_complete);
+  detail::log().debug(
+      "opened {} domain '{}' (mr_mode {:#x}, max message {}, delivery complete {}, FI_HMEM {})",
+      d->info_.provider, d->info_.name, d->mr_mode_, d->info_.max_write_bytes, delivery_complete,
+      d->hmem_);
   return d;
 }
 
@@ -285,10 +298,25 @@ class LfRegistration final : public MemoryRegistration {
 Result<std::unique_ptr<MemoryRegistration>> LfDomain::register_memory(void* ptr, uint64_t length) {
   // With FI_MR_PROV_KEY the provider picks the key; otherwise keys must be unique per domain.
   const uint64_t requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_++;
+  constexpr uint64_t kAccess = FI_WRITE | FI_READ | FI_SEND | FI_RECV | FI_REMOTE_WRITE;
   fid_mr* mr = nullptr;
-  int rc = fi_mr_reg(domain_.get(), ptr, length,
-                     FI_WRITE | FI_READ | FI_SEND | FI_RECV | FI_REMOTE_WRITE, 0, requested_key, 0,
-                     &mr, nullptr);
+  int rc = 0;
+  // CUDA memory on a provider that reaches it: registered as what it is.
+  auto memory =
+      hmem_ ? cuda::classify(ptr, length) : Result<cuda::PointerInfo>(cuda::PointerInfo{});
+  if (memory && memory->kind == cuda::MemoryKind::kCuda) {
+    iovec iov{ptr, length};
+    fi_mr_attr attr{};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = kAccess;
+    attr.requested_key = requested_key;
+    attr.iface = FI_HMEM_CUDA;
+    attr.device.cuda = memory->device;
+    rc = fi_mr_regattr(domain_.get(), &attr, 0, &mr);
+  } else {
+    rc = fi_mr_reg(domain_.get(), ptr, length, kAccess, 0, requested_key, 0, &mr, nullptr);
+  }
   if (rc != 0) {
     return Status(ErrorCode::kFabric, fmt::format("fi_mr_reg of {} bytes at {} on '{}' failed: {}",
                                                   length, ptr, info_.name, fi_strerror(-rc)));

@@ -42,8 +42,9 @@ std::string resolve_provider(const std::string& provider);
 class LfDomain final : public Domain {
  public:
   // Opens `nic` (a domain name; empty: the first the provider offers; IPv4 preferred).
-  static Result<std::unique_ptr<LfDomain>> open(const std::string& provider,
-                                                const std::string& nic);
+  // gpu_direct: ask for FI_HMEM where CUDA is present (info().hmem says whether it was given).
+  static Result<std::unique_ptr<LfDomain>> open(const std::string& provider, const std::string& nic,
+                                                bool gpu_direct = true);
   ~LfDomain() override;
 
   const DomainInfo& info() const override { return info_; }
@@ -90,6 +91,7 @@ class LfDomain final : public Domain {
   uint64_t mr_mode_ = 0;
   int wait_fd_ = -1;
   bool needs_context_ = false;
+  bool hmem_ = false;      // FI_HMEM granted: CUDA memory is registered with FI_HMEM_CUDA
   uint64_t next_key_ = 1;  // for providers without FI_MR_PROV_KEY
   // Endpoint name -> address-vector entry; looked up by string_view, without allocating.
   struct NameHash {
