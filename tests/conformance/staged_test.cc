@@ -279,6 +279,39 @@ TEST_P(Staged, UnregisteredStagedDestinationFails) {
   EXPECT_EQ(b_->imm_count(31), 0u);
 }
 
+// The reference leaves GPU memory registered on any worker but the main one when it is
+// unregistered. Here device memory registered on a second group is released like any other:
+// writes to it work until unregister_memory, and are refused after.
+TEST_P(Staged, DeviceMemoryOnASecondGroupIsReleasedOnUnregister) {
+  if (GetParam().provider == "shm") GTEST_SKIP() << "libfabric shm does not check remote keys";
+  Config two = make_config(GetParam());
+  two.groups.push_back(two.groups[0]);
+  auto made = TransferEngine::create(two);
+  ASSERT_TRUE(made) << made.status().to_string();
+  std::unique_ptr<TransferEngine> c = std::move(*made);
+  auto m = FakeDeviceBuffer::create(65536);
+  ASSERT_TRUE(m);
+  auto reg = c->register_memory((*m)->device_ptr(), 65536, /*group=*/1);
+  ASSERT_TRUE(reg) << reg.status().to_string();
+  EXPECT_EQ(reg->descriptor.owner(), c->address(1));
+  EXPECT_NE(reg->descriptor.staged_region(), 0u);
+  auto src = make_buffer(*a_, 64);
+  fill_pattern(src->bytes.data(), 64, 3);
+  Probe before;
+  ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, reg->descriptor, 0, 64, 41, {}},
+                         before.callbacks()));
+  ASSERT_TRUE(before.wait()) << before.wait().to_string();
+  EXPECT_EQ(0, std::memcmp((*m)->contents().data(), src->bytes.data(), 64));
+  ASSERT_TRUE(c->unregister_memory(reg->handle));
+  std::this_thread::sleep_for(50ms);  // the release happens on group 1's worker
+  Probe after;
+  ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, reg->descriptor, 0, 64, 42, {}},
+                         after.callbacks()));
+  Status s = after.wait();
+  EXPECT_EQ(s.code(), ErrorCode::kRemoteAccess) << s.to_string();
+  EXPECT_EQ(c->imm_count(42), 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, Staged, ::testing::ValuesIn(all_backends()), backend_name);
 
 }  // namespace
