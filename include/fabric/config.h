@@ -87,6 +87,24 @@ struct Config {
   // dropped, and a later submission to the same address connects afresh.
   std::chrono::milliseconds peer_timeout{30000};
 
+  // NIC failover (docs/failover.md). A NIC whose work towards a peer makes no progress for
+  // nic_timeout while another NIC of the group completed work within that time is marked down:
+  // it gets no new work, its queued work moves to the surviving NICs, and its posted writes
+  // without an immediate are re-posted there. Failover is on only when nic_timeout is
+  // non-zero and shorter than peer_timeout (otherwise only peer_timeout applies).
+  std::chrono::milliseconds nic_timeout{5000};
+  // How often a NIC marked down is probed (a zero-byte write to the peer it lost); the first
+  // probe that completes brings it back into use.
+  std::chrono::milliseconds nic_probe_interval{500};
+  // Immediates of writes to host memory travel as engine messages (Commit) after all the
+  // write's data has completed, and the receiver counts each exactly once (it recognises a
+  // re-sent Commit). Exactly-once survives a NIC failure mid-write. Off (the default), an
+  // immediate rides on its write (WriteImm): one work request less per write, but a write
+  // carrying an immediate that was in flight on a NIC that failed cannot be re-sent (it may
+  // have been counted), so its transfer fails. Imm-only writes and barriers always ride the
+  // fabric.
+  bool reliable_imm = false;
+
   // How long close() lets posted work requests finish before cancelling them.
   std::chrono::milliseconds close_timeout{2000};
 
