@@ -96,9 +96,10 @@ struct Config {
   // How often a NIC marked down is probed (a zero-byte write to the peer it lost); the first
   // probe that completes brings it back into use.
   std::chrono::milliseconds nic_probe_interval{500};
-  // Immediates of writes to host memory travel as engine messages (Commit) after all the
-  // write's data has completed, and the receiver counts each exactly once (it recognises a
-  // re-sent Commit). Exactly-once survives a NIC failure mid-write. Off (the default), an
+  // Immediates of writes to host memory travel as one engine message (a Commit, over the
+  // group's first NIC) after all of the transfer's data has completed; the receiver counts them
+  // when it arrives. Data writes then carry no immediate, so a NIC failure mid-write re-posts
+  // them without any risk of double counting. Off (the default), an
   // immediate rides on its write (WriteImm): one work request less per write, but a write
   // carrying an immediate that was in flight on a NIC that failed cannot be re-sent (it may
   // have been counted), so its transfer fails. Imm-only writes and barriers always ride the
