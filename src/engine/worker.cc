@@ -626,7 +626,14 @@ void Worker::watch_nics() {
         if (stalled(q)) stuck.push_back(&q);
       }
       for (PeerQueue* q : stuck) fail_over(i, *q, true);
-      if (!d.probing && !stopping_ && now_ >= d.next_probe && !d.probe_owner.empty()) probe(i);
+      if (!d.probing && !stopping_ && now_ >= d.next_probe) {
+        if (!d.probe_owner.empty()) {
+          probe(i);
+        } else {  // nothing to probe with (it stalled on engine messages only): try it again
+          d.down = false;
+          nic_up_[i].store(true);
+        }
+      }
       continue;
     }
     const PeerQueue* culprit = nullptr;
