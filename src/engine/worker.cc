@@ -728,7 +728,12 @@ void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
       continue;
     }
     Status error;
-    if (t.probe_nic >= 0) {
+    if (to == nic && t.probe_nic < 0) {
+      error = Status(ErrorCode::kPeerUnreachable,
+                     fmt::format("NIC '{}' went down with this work in flight and no other NIC "
+                                 "of the group is up",
+                                 name));
+    } else if (t.probe_nic >= 0) {
       error = Status(ErrorCode::kPeerUnreachable, "probe did not complete");
     } else if (op->kind == Op::Kind::kWrite && op->has_imm) {
       error = Status(ErrorCode::kPeerUnreachable,
