@@ -90,6 +90,25 @@ struct Config {
   // dropped, and a later submission to the same address connects afresh.
   std::chrono::milliseconds peer_timeout{30000};
 
+  // NIC failover (docs/failover.md). A NIC whose work towards a peer makes no progress for
+  // nic_timeout while another NIC of the group completed work within that time is marked down:
+  // it gets no new work, its queued work moves to the surviving NICs, and its posted writes
+  // without an immediate are re-posted there. Failover is on only when nic_timeout is
+  // non-zero and shorter than peer_timeout (otherwise only peer_timeout applies).
+  std::chrono::milliseconds nic_timeout{5000};
+  // How often a NIC marked down is probed (a zero-byte write to the peer it lost); the first
+  // probe that completes brings it back into use.
+  std::chrono::milliseconds nic_probe_interval{500};
+  // Immediates of writes to host memory travel as one engine message (a Commit, over the
+  // group's first NIC) after all of the transfer's data has completed; the receiver counts them
+  // when it arrives. Data writes then carry no immediate, so a NIC failure mid-write re-posts
+  // them without any risk of double counting. Off (the default), an
+  // immediate rides on its write (WriteImm): one work request less per write, but a write
+  // carrying an immediate that was in flight on a NIC that failed cannot be re-sent (it may
+  // have been counted), so its transfer fails. Imm-only writes and barriers always ride the
+  // fabric.
+  bool reliable_imm = false;
+
   // How long close() lets posted work requests finish before cancelling them.
   std::chrono::milliseconds close_timeout{2000};
 

@@ -70,6 +70,10 @@ class TransferEngine {
   size_t num_groups() const;
   // What a group turned out to be; an empty GroupInfo for a group that does not exist.
   const GroupInfo& group_info(uint32_t group = 0) const;
+  // Failover (docs/failover.md): for each NIC of `group` in rail order, whether it is up (a NIC
+  // is marked down when it stalls for Config::nic_timeout while another NIC progresses, and up
+  // again when a probe over it completes). Empty for a group that does not exist. Non-blocking.
+  std::vector<bool> nics_up(uint32_t group = 0) const;
   // The address peers use to reach a group; an empty Address for a group that does not exist.
   // Non-blocking.
   const Address& address(uint32_t group = 0) const;

@@ -46,6 +46,11 @@ class EngineImpl {
 
   void close();
   size_t num_groups() const { return workers_.size(); }
+  std::vector<bool> nics_up(uint32_t g) const {
+    std::shared_lock lock(close_mu_);
+    if (closed_ || g >= workers_.size()) return {};
+    return workers_[g]->up_nics();
+  }
   const GroupInfo& group_info(uint32_t g) const {
     static const GroupInfo kNone;
     return g < infos_.size() ? infos_[g] : kNone;
@@ -103,8 +108,7 @@ class EngineImpl {
     sd.imm = imm;
     sd.imm_times += times;
   }
-  Op zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const NicAddress& peer,
-                   uint32_t imm);
+  Op zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const Address& peer, uint32_t imm);
   TransferId hand_over(uint32_t group, std::unique_ptr<Transfer> t);
 
   const Config config_;
@@ -470,6 +474,8 @@ void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_of
       op.transfer = &t;
       op.domain = s.domain;
       op.peer = &dst.owner().nics()[rail].name;
+      op.owner = &dst.owner();
+      op.dst_mem = &dst;
       op.length = length;
       if (length == 0) {  // a zero-byte write still names a valid local buffer (EFA)
         op.local = workers_[group]->scratch_local(s.domain);
@@ -490,7 +496,9 @@ void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_of
     } while (done < s.length);
   }
   if (!imm) return;
-  if (staged_dst) {  // counted by the owner once the data is in its GPU
+  // Staged: counted by the owner once the data is in its GPU. Reliable immediates: counted by
+  // the owner when the Commit that follows the data arrives, exactly once.
+  if (staged_dst || config_.reliable_imm) {
     stage_imm(t, dst_index, *imm, 1);
     return;
   }
@@ -510,17 +518,19 @@ void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_of
   t.deferred.push_back(op);
 }
 
-Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const NicAddress& peer,
+Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const Address& peer,
                              uint32_t imm) {
+  const NicAddress& nic = peer.nics()[engine::remote_rail(domain, peer.num_nics())];
   Op op;
   op.transfer = &t;
   op.domain = domain;
-  op.peer = &peer.name;
+  op.peer = &nic.name;
+  op.owner = &peer;
   op.length = 0;
   op.local = workers_[group]->scratch_local(domain);
   op.local_desc = workers_[group]->scratch_desc(domain);
-  op.remote_addr = peer.scratch_addr;
-  op.remote_key = peer.scratch_key;
+  op.remote_addr = nic.scratch_addr;
+  op.remote_key = nic.scratch_key;
   op.has_imm = true;
   op.imm = imm;
   return op;
@@ -549,8 +559,8 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
     return invalid(fmt::format("single write pinned to NIC {}, but the group has {} NIC(s)",
                                w.routing.nic, nics));
   }
-  auto shards =
-      engine::plan_single(w.length, nics, w.routing, next_rotation(group), shard_params(group));
+  auto shards = engine::plan_single_up(w.length, workers_[group]->up_nics(), w.routing,
+                                       next_rotation(group), shard_params(group));
   auto t = new_transfer(std::move(cb));
   t->src = *src;
   t->dsts.push_back(w.dst);
@@ -596,9 +606,8 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
   t->dsts.push_back(w.dst);
   const RemoteMemory& dst = t->dsts.back();
   t->ops.resize(w.src_pages.size());
-  const uint32_t nics = workers_[group]->num_domains();
-  for (const engine::Run& run :
-       engine::split_even(w.src_pages.size(), nics, next_rotation(group))) {
+  for (const engine::Run& run : engine::split_even_up(
+           w.src_pages.size(), workers_[group]->up_nics(), next_rotation(group))) {
     const uint32_t rail = engine::remote_rail(run.domain, dst.rails().size());
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t so = 0, d_off = 0;
@@ -616,6 +625,8 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
       op.transfer = t.get();
       op.domain = run.domain;
       op.peer = &dst.owner().nics()[rail].name;
+      op.owner = &dst.owner();
+      op.dst_mem = &dst;
       op.local = (*src)->host + so;
       op.length = w.page_bytes;
       op.local_desc = (*src)->regs[run.domain]->local_desc();
@@ -624,13 +635,15 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
       if (dst.staged_region() != 0) {  // the owner counts one arrival per page after its copy
         op.dst_index = 0;
         op.dst_offset = d_off;
-      } else {
+      } else if (!config_.reliable_imm) {
         op.has_imm = w.imm.has_value();
         op.imm = w.imm.value_or(0);
       }
     }
   }
-  if (dst.staged_region() != 0 && w.imm) stage_imm(*t, 0, *w.imm, w.src_pages.size());
+  if ((dst.staged_region() != 0 || config_.reliable_imm) && w.imm) {
+    stage_imm(*t, 0, *w.imm, w.src_pages.size());
+  }
   return hand_over(group, std::move(t));
 }
 
@@ -673,6 +686,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   const uint32_t nics = workers_[group]->num_domains();
   const uint32_t rotation = next_rotation(group);
   const engine::ShardParams params = shard_params(group);
+  const std::vector<bool> up = workers_[group]->up_nics();
   auto t = new_transfer(std::move(cb));
   t->src = *src;
   t->dsts.reserve(sc.targets.size());
@@ -684,7 +698,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
                                 ? Routing::sharded(0)
                                 : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));
     auto shards =
-        engine::plan_single(tg.length, nics, routing, rotation + static_cast<uint32_t>(i), params);
+        engine::plan_single_up(tg.length, up, routing, rotation + static_cast<uint32_t>(i), params);
     add_writes(*t, **src, tg.src_offset, dst_index, tg.dst_offset, shards, sc.imm, group);
   }
   return hand_over(group, std::move(t));
@@ -710,8 +724,9 @@ Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
   }
   for (const Address& peer : t->peers) {
     if (Status s = check_peer(peer, b.local_group, "barrier"); !s) return s;
-    const NicAddress& nic = peer.nics()[engine::remote_rail(b.nic, peer.num_nics())];
-    t->ops.push_back(zero_byte_imm(*t, b.local_group, b.nic, nic, b.imm));
+    // A barrier on a NIC that is down goes over a surviving one.
+    const uint32_t nic = engine::failover_nic(b.nic, workers_[b.local_group]->up_nics(), 0);
+    t->ops.push_back(zero_byte_imm(*t, b.local_group, nic, peer, b.imm));
   }
   return hand_over(b.local_group, std::move(t));
 }
@@ -727,8 +742,8 @@ Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks cb) {
   }
   auto t = new_transfer(std::move(cb));
   t->peers.push_back(w.peer);
-  const NicAddress& nic = t->peers[0].nics()[engine::remote_rail(w.nic, w.peer.num_nics())];
-  t->ops.push_back(zero_byte_imm(*t, w.local_group, w.nic, nic, w.imm));
+  const uint32_t nic = engine::failover_nic(w.nic, workers_[w.local_group]->up_nics(), 0);
+  t->ops.push_back(zero_byte_imm(*t, w.local_group, nic, t->peers[0], w.imm));
   return hand_over(w.local_group, std::move(t));
 }
 
@@ -753,6 +768,7 @@ Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const 
   op.kind = Op::Kind::kSend;
   op.domain = 0;
   op.peer = &t->peers[0].nics()[0].name;
+  op.owner = &t->peers[0];
   op.message = &t->message;
   op.length = t->message.size();
   t->ops.push_back(op);
@@ -805,6 +821,10 @@ void TransferEngine::close() {
 size_t TransferEngine::num_groups() const {
   return impl_->num_groups();
 }
+std::vector<bool> TransferEngine::nics_up(uint32_t group) const {
+  return impl_->nics_up(group);
+}
+
 const GroupInfo& TransferEngine::group_info(uint32_t group) const {
   return impl_->group_info(group);
 }

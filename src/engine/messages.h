@@ -31,7 +31,7 @@ struct Range {
 struct Commit {
   uint64_t transfer = 0;  // the writer's transfer id, echoed in the Ack
   Bytes reply_to;         // the writer's first NIC endpoint name
-  uint64_t region = 0;    // the owner's staged region id
+  uint64_t region = 0;    // the owner's staged region id; 0: host memory (Config::reliable_imm)
   bool has_imm = false;
   uint32_t imm = 0;
   uint64_t imm_times = 0;  // arrivals of imm to count once the ranges are in device memory

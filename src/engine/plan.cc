@@ -61,6 +61,52 @@ std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotatio
   return out;
 }
 
+namespace {
+
+std::vector<uint32_t> up_list(const std::vector<bool>& up) {
+  std::vector<uint32_t> out;
+  for (uint32_t i = 0; i < up.size(); ++i) {
+    if (up[i]) out.push_back(i);
+  }
+  if (out.empty()) {
+    for (uint32_t i = 0; i < up.size(); ++i) out.push_back(i);
+  }
+  return out;
+}
+
+}  // namespace
+
+uint32_t failover_nic(uint32_t nic, const std::vector<bool>& up, uint32_t salt) {
+  if (nic < up.size() && up[nic]) return nic;
+  std::vector<uint32_t> after;  // the up NICs in the order nic + 1, nic + 2, ... (wrapping)
+  for (uint32_t k = 1; k <= up.size(); ++k) {
+    const uint32_t i = static_cast<uint32_t>((nic + k) % up.size());
+    if (up[i]) after.push_back(i);
+  }
+  if (after.empty()) return nic;
+  return after[salt % after.size()];
+}
+
+std::vector<Shard> plan_single_up(uint64_t length, const std::vector<bool>& up,
+                                  const Routing& routing, uint32_t rotation,
+                                  const ShardParams& params) {
+  if (routing.kind == Routing::Kind::kPinned) {
+    return plan_single(length, static_cast<uint32_t>(up.size()),
+                       Routing::pinned(failover_nic(routing.nic, up, rotation)), rotation, params);
+  }
+  const std::vector<uint32_t> nics = up_list(up);
+  auto shards = plan_single(length, static_cast<uint32_t>(nics.size()), routing, rotation, params);
+  for (Shard& s : shards) s.domain = nics[s.domain];
+  return shards;
+}
+
+std::vector<Run> split_even_up(size_t count, const std::vector<bool>& up, uint32_t rotation) {
+  const std::vector<uint32_t> nics = up_list(up);
+  auto runs = split_even(count, static_cast<uint32_t>(nics.size()), rotation);
+  for (Run& r : runs) r.domain = nics[r.domain];
+  return runs;
+}
+
 Status check_range(std::string_view what, uint64_t offset, uint64_t length, uint64_t region) {
   if (offset > region || length > region - offset) {
     return Status(ErrorCode::kOutOfRange,

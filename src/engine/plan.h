@@ -42,6 +42,21 @@ struct Run {
 };
 std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotation);
 
+// Failover (docs/failover.md): plans over the NICs that are up. `up[i]` says whether NIC i
+// of the group is up; when none is, every NIC counts as up (the transfer then fails by the
+// peer's timeout instead of at submission).
+//
+// plan_single over the up NICs: sharded writes rotate over the up NICs only, k-of-N sharding
+// takes k of them; a write pinned to a NIC that is down goes to failover_nic() instead.
+std::vector<Shard> plan_single_up(uint64_t length, const std::vector<bool>& up,
+                                  const Routing& routing, uint32_t rotation,
+                                  const ShardParams& params);
+// split_even over the up NICs, runs carrying real NIC indices.
+std::vector<Run> split_even_up(size_t count, const std::vector<bool>& up, uint32_t rotation);
+// The NIC that takes over the work of NIC `nic`: `nic` itself when it is up, else the
+// `salt`-th up NIC after it (mod the up count), else `nic` (none is up).
+uint32_t failover_nic(uint32_t nic, const std::vector<bool>& up, uint32_t salt);
+
 // The peer NIC that local NIC `domain` writes to: the same rail, wrapped when the peer has
 // fewer NICs. Keys and addresses always come from this rail of the descriptor.
 inline uint32_t remote_rail(uint32_t domain, size_t remote_nics) {

@@ -62,6 +62,12 @@ struct Op {
   // kWrite into a staged destination: which of the transfer's dsts, and the offset in it.
   uint32_t dst_index = kNoDst;
   uint64_t dst_offset = 0;
+  // What failover needs to move the op to another NIC (docs/failover.md): the peer it goes to,
+  // and for writes into a registered region, that region (rails' addresses and keys). Writes
+  // with neither a region nor a length target the peer NIC's scratch buffer. Kept alive by
+  // the transfer.
+  const Address* owner = nullptr;
+  const RemoteMemory* dst_mem = nullptr;
   const void* local = nullptr;
   uint64_t length = 0;
   void* local_desc = nullptr;
@@ -111,6 +117,11 @@ struct Transfer {
   std::deque<Op> control;          // Commit sends (a deque: ops never move)
   std::deque<Bytes> control_msgs;  // their bytes
   std::deque<Gate> gates;
+  // Failover: copies of ops given up on a NIC marked down, re-posted on a surviving NIC (a
+  // deque: ops never move).
+  std::deque<Op> retries;
+  // An engine-internal probe of a NIC marked down (its index), else -1.
+  int probe_nic = -1;
   // Keep-alives for what the ops point into.
   std::shared_ptr<LocalRegion> src;
   std::vector<RemoteMemory> dsts;

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "engine/plan.h"
 #include "topology/topology.h"
 
 namespace fabric::engine {
@@ -45,6 +46,8 @@ Result<std::unique_ptr<Worker>> Worker::create(
   std::unique_ptr<Worker> w(new Worker(group, config, cpu));
   w->services_ = std::move(services);
   w->completions_.resize(std::max<uint32_t>(config.cq_batch, 1));
+  w->nic_up_ = std::make_unique<std::atomic<bool>[]>(domains.size());
+  for (size_t i = 0; i < domains.size(); ++i) w->nic_up_[i].store(true);
   w->event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (w->event_fd_ < 0) {
     return Status(ErrorCode::kInternal, fmt::format("eventfd failed: {}", std::strerror(errno)));
@@ -288,6 +291,13 @@ void Worker::start_transfer(std::unique_ptr<Transfer> owned) {
 }
 
 void Worker::enqueue(Op& op) {
+  // Planned before its NIC was marked down (or a deferred immediate on a lost rail): it goes
+  // over a surviving NIC instead. Probes are the one kind of work a NIC that is down takes.
+  if (domains_[op.domain].down && op.transfer->probe_nic < 0 && movable(op)) {
+    std::vector<bool> up(domains_.size());
+    for (size_t i = 0; i < domains_.size(); ++i) up[i] = !domains_[i].down;
+    retarget(op, failover_nic(op.domain, up, failover_salt_++));
+  }
   DomainState& d = domains_[op.domain];
   auto peer = d.domain->resolve_peer(*op.peer);
   if (!peer) {
@@ -296,6 +306,7 @@ void Worker::enqueue(Op& op) {
   }
   PeerQueue& q = d.queues[*peer];
   q.peer = *peer;
+  if (q.owner.empty() && op.owner != nullptr) q.owner = op.owner->nics()[0].name;
   if (q.ops.empty() && q.inflight_count == 0) q.last_progress = now_;
   q.ops.push_back(&op);
   ++queued_;
@@ -493,7 +504,8 @@ void Worker::advance(Transfer& t) {
 
 void Worker::finish(Transfer& t) {
   if (!t.staged.empty()) std::erase(awaiting_acks_, &t);
-  if ((t.id & kInternalTransfer) != 0 && !t.error.is_ok()) {
+  if (t.probe_nic >= 0) probe_done(t);
+  if ((t.id & kInternalTransfer) != 0 && t.probe_nic < 0 && !t.error.is_ok()) {
     detail::log().warn("group {}: an engine message could not be delivered: {}", group_,
                        t.error.to_string());
   }
@@ -514,6 +526,7 @@ void Worker::watch_peers() {
   if (now < next_watch_) return;
   next_watch_ = now + std::chrono::milliseconds(10);
   if (!awaiting_acks_.empty()) watch_acks();
+  watch_nics();
   for (auto& d : domains_) {
     std::vector<PeerQueue*> dead;
     for (auto& [peer, q] : d.queues) {
@@ -553,6 +566,241 @@ void Worker::declare_dead(DomainState& d, PeerQueue& q) {
     complete_op(*op, error);
   }
   for (Op* op : unposted) complete_op(*op, error);
+}
+
+// --- failover (docs/failover.md) --------------------------------------------------------------
+
+std::vector<bool> Worker::up_nics() const {
+  std::vector<bool> up(domains_.size());
+  for (size_t i = 0; i < up.size(); ++i) up[i] = nic_up_[i].load(std::memory_order_relaxed);
+  return up;
+}
+
+bool Worker::movable(const Op& op) const {
+  // A write that was never posted can go over any NIC: rail-aligned addresses and keys come
+  // from the op's destination. Sends stay on the first NIC (the peer's receive buffers).
+  return op.kind == Op::Kind::kWrite && op.owner != nullptr;
+}
+
+void Worker::retarget(Op& op, uint32_t to) {
+  if (to == op.domain) return;
+  const Address& owner = *op.owner;
+  if (op.dst_mem != nullptr) {
+    const auto& rails = op.dst_mem->rails();
+    const uint32_t from = remote_rail(op.domain, rails.size());
+    const uint32_t rail = remote_rail(to, rails.size());
+    op.remote_addr = op.remote_addr - rails[from].addr + rails[rail].addr;
+    op.remote_key = rails[rail].key;
+    op.peer = &op.dst_mem->owner().nics()[rail].name;
+  } else {
+    const NicAddress& nic = owner.nics()[remote_rail(to, owner.num_nics())];
+    op.remote_addr = nic.scratch_addr;
+    op.remote_key = nic.scratch_key;
+    op.peer = &nic.name;
+  }
+  if (op.length == 0) {
+    op.local = scratch_local(to);
+    op.local_desc = scratch_desc(to);
+  } else {
+    op.local_desc = op.transfer->src->regs[to]->local_desc();
+  }
+  op.domain = to;
+}
+
+void Worker::watch_nics() {
+  if (config_.nic_timeout.count() <= 0 || config_.nic_timeout >= config_.peer_timeout ||
+      domains_.size() < 2) {
+    return;
+  }
+  const auto timeout = config_.nic_timeout;
+  auto stalled = [&](const PeerQueue& q) {
+    return (q.inflight_count > 0 || !q.ops.empty()) && now_ - q.last_progress > timeout;
+  };
+  for (uint32_t i = 0; i < domains_.size(); ++i) {
+    DomainState& d = domains_[i];
+    if (d.down) {
+      // Work still on a NIC that is down (probes; ops posted before it went down) gets the
+      // same bound: moved or failed once it has made no progress for nic_timeout.
+      std::vector<PeerQueue*> stuck;
+      for (auto& [peer, q] : d.queues) {
+        if (stalled(q)) stuck.push_back(&q);
+      }
+      for (PeerQueue* q : stuck) fail_over(i, *q, true);
+      if (!d.probing && !stopping_ && now_ >= d.next_probe) {
+        if (!d.probe_owner.empty()) {
+          probe(i);
+        } else {  // nothing to probe with (it stalled on engine messages only): try it again
+          d.down = false;
+          nic_up_[i].store(true);
+        }
+      }
+      continue;
+    }
+    const PeerQueue* culprit = nullptr;
+    for (auto& [peer, q] : d.queues) {
+      if (!stalled(q) || q.owner.empty()) continue;
+      // Down only if another NIC that is up reached the same peer within nic_timeout: else the
+      // peer itself may be gone, which is peer_timeout's call.
+      for (uint32_t j = 0; j < domains_.size() && culprit == nullptr; ++j) {
+        if (j == i || domains_[j].down) continue;
+        for (auto& [p2, q2] : domains_[j].queues) {
+          if (q2.owner == q.owner && now_ - q2.last_progress <= timeout) {
+            culprit = &q;
+            break;
+          }
+        }
+      }
+      if (culprit != nullptr) break;
+    }
+    if (culprit != nullptr) mark_down(i, *culprit);
+  }
+}
+
+void Worker::mark_down(uint32_t nic, const PeerQueue& culprit) {
+  DomainState& d = domains_[nic];
+  for (const Op* op = culprit.inflight; op != nullptr; op = op->next) {
+    if (op->owner != nullptr) d.probe_owner = *op->owner;
+  }
+  for (const Op* op : culprit.ops) {
+    if (op->owner != nullptr) d.probe_owner = *op->owner;
+  }
+  d.down = true;
+  d.down_since = now_;
+  d.next_probe = now_ + config_.nic_probe_interval;
+  nic_up_[nic].store(false);
+  detail::log().warn(
+      "group {}: NIC '{}' marked down: no completion towards a peer for {} ms while another NIC "
+      "reached it; its work moves to the surviving NICs",
+      group_, d.domain->info().name, config_.nic_timeout.count());
+  // Unposted work moves at once. Posted work moves (or fails) where it stalled; elsewhere it
+  // may still complete, and is moved only if it stalls in turn.
+  std::vector<PeerQueue*> queues;
+  for (auto& [peer, q] : d.queues) queues.push_back(&q);
+  for (PeerQueue* q : queues) {
+    const bool stalled = now_ - q->last_progress > config_.nic_timeout;
+    fail_over(nic, *q, stalled);
+  }
+}
+
+void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
+  DomainState& d = domains_[nic];
+  const transport::PeerHandle peer = q.peer;
+  std::vector<Op*> unposted(q.ops.begin(), q.ops.end());
+  queued_ -= unposted.size();
+  q.ops.clear();
+  std::vector<Op*> posted;
+  if (posted_too) {
+    while (q.inflight != nullptr) {
+      Op* op = q.inflight;
+      q.unlink(*op);
+      posted.push_back(op);
+    }
+  }
+  if (q.inflight_count == 0) {
+    d.queues.erase(peer);  // q is gone from here on
+    std::erase(d.ready, peer);
+  } else {
+    q.ready = false;
+    std::erase(d.ready, peer);
+  }
+  // The connection is dropped (a probe or a later transfer connects afresh): nothing posted on
+  // it can complete any more, so its work requests are abandoned to the provider.
+  if (posted_too) d.domain->forget_peer(peer);
+  std::vector<bool> up(domains_.size());
+  for (size_t i = 0; i < domains_.size(); ++i) up[i] = !domains_[i].down;
+  const std::string& name = d.domain->info().name;
+  for (Op* op : posted) {
+    op->abandoned = true;
+    ++op->transfer->abandoned;
+    ++abandoned_;
+    Transfer& t = *op->transfer;
+    const uint32_t to = failover_nic(nic, up, failover_salt_++);
+    if (op->kind == Op::Kind::kWrite && !op->has_imm && t.probe_nic < 0 && to != nic) {
+      // Data only: the same bytes to the same place, so posting it again is idempotent, whether
+      // or not the first one landed. The copy completes in the original's place.
+      Op& copy = t.retries.emplace_back(*op);
+      copy.abandoned = false;
+      copy.queue = nullptr;
+      copy.prev = copy.next = nullptr;
+      retarget(copy, to);
+      ++d.failed_over;
+      enqueue(copy);
+      continue;
+    }
+    Status error;
+    if (to == nic && t.probe_nic < 0) {
+      error = Status(ErrorCode::kPeerUnreachable,
+                     fmt::format("NIC '{}' went down with this work in flight and no other NIC "
+                                 "of the group is up",
+                                 name));
+    } else if (t.probe_nic >= 0) {
+      error = Status(ErrorCode::kPeerUnreachable, "probe did not complete");
+    } else if (op->kind == Op::Kind::kWrite && op->has_imm) {
+      error = Status(ErrorCode::kPeerUnreachable,
+                     fmt::format("NIC '{}' went down with a write carrying immediate {} in flight: "
+                                 "the peer may or may not have counted it, so it is not sent "
+                                 "again (Config::reliable_imm avoids this)",
+                                 name, op->imm));
+    } else {
+      error =
+          Status(ErrorCode::kPeerUnreachable,
+                 fmt::format("NIC '{}' went down with a {} of {} bytes in flight that cannot be "
+                             "sent again (it may have been delivered)",
+                             name, op->kind == Op::Kind::kSend ? "message" : "write", op->length));
+    }
+    complete_op(*op, error);
+  }
+  for (Op* op : unposted) {
+    const uint32_t to = failover_nic(nic, up, failover_salt_++);
+    if (movable(*op) && op->transfer->probe_nic < 0 && to != nic) {
+      retarget(*op, to);  // never posted: nothing can have landed, immediates included
+      ++d.failed_over;
+      enqueue(*op);
+    } else {
+      complete_op(*op,
+                  Status(ErrorCode::kPeerUnreachable,
+                         fmt::format("NIC '{}' is down and no other NIC can take this {}", name,
+                                     op->kind == Op::Kind::kSend ? "message" : "write")));
+    }
+  }
+}
+
+void Worker::probe(uint32_t nic) {
+  DomainState& d = domains_[nic];
+  auto t = std::make_unique<Transfer>();
+  t->id = kInternalTransfer | next_internal_++;
+  t->probe_nic = static_cast<int>(nic);
+  t->peers.push_back(d.probe_owner);
+  const NicAddress& peer = t->peers[0].nics()[remote_rail(nic, t->peers[0].num_nics())];
+  Op op;
+  op.transfer = t.get();
+  op.domain = nic;
+  op.owner = &t->peers[0];
+  op.peer = &peer.name;
+  op.local = scratch_local(nic);
+  op.local_desc = scratch_desc(nic);
+  op.remote_addr = peer.scratch_addr;
+  op.remote_key = peer.scratch_key;
+  t->ops.push_back(op);
+  d.probing = true;
+  start_transfer(std::move(t));
+}
+
+void Worker::probe_done(Transfer& t) {
+  DomainState& d = domains_[static_cast<uint32_t>(t.probe_nic)];
+  d.probing = false;
+  if (!t.error.is_ok() || !d.down) {
+    d.next_probe = now_ + config_.nic_probe_interval;
+    return;
+  }
+  d.down = false;
+  nic_up_[static_cast<uint32_t>(t.probe_nic)].store(true);
+  detail::log().warn(
+      "group {}: NIC '{}' is back up after {} ms ({} work requests moved off it)", group_,
+      d.domain->info().name,
+      std::chrono::duration_cast<std::chrono::milliseconds>(now_ - d.down_since).count(),
+      d.failed_over);
+  d.failed_over = 0;
 }
 
 // --- stopping -------------------------------------------------------------------------------
@@ -800,9 +1048,18 @@ void Worker::handle_commit(std::span<const std::byte> body) {
   auto owned = std::make_unique<CommitJob>();
   CommitJob& job = *owned;
   job.commit = std::move(*commit);
-  job.region = services_.find_region ? services_.find_region(job.commit.region) : nullptr;
   CommitJob* key = owned.get();
   commit_jobs_.emplace(key, std::move(owned));
+  if (job.commit.region == 0) {
+    // A reliable immediate (Config::reliable_imm) for host memory: the writes it follows have
+    // completed, so the data is in place; nothing to copy, count it now.
+    if (!job.commit.ranges.empty()) {
+      job.status = Status(ErrorCode::kRemoteAccess, "commit of ranges without a staged region");
+    }
+    commit_done(job);
+    return;
+  }
+  job.region = services_.find_region ? services_.find_region(job.commit.region) : nullptr;
   if (!job.region || job.region->worker != this || !job.region->staged()) {
     job.status = Status(ErrorCode::kRemoteAccess,
                         fmt::format("staged region {:#x} is not registered on this group (was "

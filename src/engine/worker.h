@@ -34,6 +34,8 @@ struct PeerQueue {
   Op* inflight = nullptr;
   size_t inflight_count = 0;
   std::chrono::steady_clock::time_point last_progress;
+  // The peer engine's first NIC name: tells which queues of different NICs lead to one peer.
+  Bytes owner;
 
   void link(Op& op) {
     op.queue = this;
@@ -86,6 +88,9 @@ class Worker {
   void* scratch_local(uint32_t i) { return domains_[i].scratch_buf.get(); }
   void* scratch_desc(uint32_t i) const { return domains_[i].scratch->local_desc(); }
   int cpu() const { return cpu_; }
+  // Failover: which of the group's NICs are up (not marked down). Thread-safe; submitting
+  // threads plan new transfers over the NICs that are up.
+  std::vector<bool> up_nics() const;
 
   // Hands an accepted transfer to the worker. Thread-safe, non-blocking.
   void submit(std::unique_ptr<Transfer> transfer);
@@ -127,6 +132,14 @@ class Worker {
     std::unique_ptr<transport::MemoryRegistration> scratch;
     std::unordered_map<transport::PeerHandle, PeerQueue> queues;
     std::deque<transport::PeerHandle> ready;  // peers with queued ops, in round-robin order
+    // Failover (docs/failover.md): marked down by watch_nics, back up by a probe that completes.
+    bool down = false;
+    std::chrono::steady_clock::time_point down_since;
+    std::chrono::steady_clock::time_point next_probe;
+    Bytes probe_peer;          // the peer NIC it lost (the peer's NIC of the same rail)
+    Address probe_owner;       // that peer engine
+    bool probing = false;      // a probe is in flight
+    uint64_t failed_over = 0;  // work requests moved off it, for the log
   };
   // Receive buffers on the first NIC: the engine's own pool, posted from the start, and the
   // user's (set_receive_handler). Any message may land in either; its kind byte routes it.
@@ -183,6 +196,16 @@ class Worker {
   void watch_acks();
   void watch_peers();
   void declare_dead(DomainState& d, PeerQueue& q);
+  // Failover.
+  void watch_nics();
+  void mark_down(uint32_t nic, const PeerQueue& stalled);
+  // Moves a NIC's queued work to the surviving NICs; with posted_too, also its posted work
+  // (data-only writes re-posted, the rest failed) and drops the connection.
+  void fail_over(uint32_t nic, PeerQueue& q, bool posted_too);
+  bool movable(const Op& op) const;
+  void retarget(Op& op, uint32_t to);
+  void probe(uint32_t nic);
+  void probe_done(Transfer& t);
   void begin_stop();
   void finish_stop();
   void idle(bool active);
@@ -198,6 +221,8 @@ class Worker {
   std::shared_ptr<MessageHandler> user_handler_;  // null until set_receive_handler
   std::unique_ptr<SendPool> send_pool_;
   std::vector<CopierEntry> copiers_;
+  std::unique_ptr<std::atomic<bool>[]> nic_up_;  // published to submitting threads
+  uint32_t failover_salt_ = 0;
   std::unordered_map<CommitJob*, std::unique_ptr<CommitJob>> commit_jobs_;
   std::vector<Transfer*> awaiting_acks_;  // transfers with Commits not yet acknowledged
   std::vector<cuda::Copier::Done> copies_done_;

@@ -45,6 +45,15 @@ int main(int argc, char** argv) {
             << "memory " << to_hex(reg->descriptor.encode()) << "\n"
             << "ready" << std::endl;
 
+  // After this thread touched `buf`, a round trip through the worker's inbox: the worker then
+  // happens-after those accesses, so TSan sees the order in which later remote writes (copied
+  // into `buf` by the provider on the worker) follow them. The real order runs through the
+  // other process and the network, which TSan cannot see.
+  std::byte sync_byte{};
+  auto sync_with_worker = [&] {
+    auto r = engine.register_memory(&sync_byte, 1);
+    if (r) (void)engine.unregister_memory(r->handle);
+  };
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream in(line);
@@ -54,6 +63,7 @@ int main(int argc, char** argv) {
       uint64_t seed = 0;
       in >> seed;
       fabric::testing::fill_pattern(buf.data(), size, seed);
+      sync_with_worker();
       std::cout << "filled" << std::endl;
     } else if (cmd == "expect") {
       uint32_t imm = 0;
@@ -68,7 +78,9 @@ int main(int argc, char** argv) {
         std::cout << "error range" << std::endl;
         continue;
       }
-      std::cout << "checksum " << fabric::testing::fnv1a(buf.data() + off, len) << std::endl;
+      const uint64_t sum = fabric::testing::fnv1a(buf.data() + off, len);
+      sync_with_worker();
+      std::cout << "checksum " << sum << std::endl;
     } else if (cmd == "write") {
       std::string hex;
       uint64_t src = 0, dst = 0, len = 0;

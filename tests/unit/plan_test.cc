@@ -148,5 +148,76 @@ TEST(Plan, CheckRangeIsOverflowSafe) {
   EXPECT_NE(check_range("src", 1, 10, 10).message().find("src"), std::string::npos);
 }
 
+// --- failover: planning over the NICs that are up -------------------------------------------
+
+TEST(PlanUp, ShardedWritesAvoidTheNicsThatAreDown) {
+  const std::vector<bool> up{true, false, true, false};
+  for (uint32_t rotation = 0; rotation < 8; ++rotation) {
+    auto s = plan_single_up(1 << 20, up, Routing::sharded(), rotation, kParams);
+    expect_exact_cover(s, 1 << 20);
+    ASSERT_EQ(s.size(), 2u);  // two NICs up: two shards, one on each
+    EXPECT_NE(s[0].domain, s[1].domain);
+    for (const Shard& sh : s) EXPECT_TRUE(up[sh.domain]) << "shard on NIC " << sh.domain;
+  }
+}
+
+TEST(PlanUp, KOfNShardingTakesKOfTheUpNics) {
+  const std::vector<bool> up{false, true, true, true};
+  std::vector<int> used(4, 0);
+  for (uint32_t rotation = 0; rotation < 6; ++rotation) {
+    auto s = plan_single_up(1 << 20, up, Routing::sharded(2), rotation, kParams);
+    expect_exact_cover(s, 1 << 20);
+    ASSERT_EQ(s.size(), 2u);
+    for (const Shard& sh : s) ++used[sh.domain];
+  }
+  EXPECT_EQ(used[0], 0);
+  EXPECT_GT(used[1], 0);  // the rotation still reaches every NIC that is up
+  EXPECT_GT(used[2], 0);
+  EXPECT_GT(used[3], 0);
+}
+
+TEST(PlanUp, PinnedToADownNicMovesToAnUpOne) {
+  const std::vector<bool> up{true, false, true, true};
+  auto s = plan_single_up(5000, up, Routing::pinned(1), 0, kParams);
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].domain, 2u);  // the next up NIC after 1
+  // Pinned to an up NIC: unchanged.
+  EXPECT_EQ(plan_single_up(5000, up, Routing::pinned(3), 0, kParams)[0].domain, 3u);
+}
+
+TEST(PlanUp, NoNicUpPlansOverAllOfThem) {
+  // The transfer then fails by peer_timeout rather than at submission.
+  const std::vector<bool> up(3, false);
+  auto s = plan_single_up(1 << 20, up, Routing::sharded(), 0, kParams);
+  ASSERT_EQ(s.size(), 3u);
+  expect_exact_cover(s, 1 << 20);
+  EXPECT_EQ(failover_nic(1, up, 5), 1u);
+}
+
+TEST(PlanUp, PagesSplitOverTheUpNicsOnly) {
+  const std::vector<bool> up{true, true, false, true};
+  auto runs = split_even_up(10, up, 0);
+  ASSERT_EQ(runs.size(), 3u);
+  size_t next = 0;
+  for (const engine::Run& r : runs) {
+    EXPECT_TRUE(up[r.domain]);
+    EXPECT_EQ(r.begin, next);
+    EXPECT_GE(r.end - r.begin, 3u);
+    next = r.end;
+  }
+  EXPECT_EQ(next, 10u);
+}
+
+TEST(PlanUp, FailoverNicSpreadsOverTheSurvivors) {
+  const std::vector<bool> up{true, false, true, true};
+  EXPECT_EQ(failover_nic(0, up, 7), 0u);  // up: itself
+  std::vector<int> hits(4, 0);
+  for (uint32_t salt = 0; salt < 9; ++salt) ++hits[failover_nic(1, up, salt)];
+  EXPECT_EQ(hits[1], 0);
+  EXPECT_EQ(hits[0], 3);
+  EXPECT_EQ(hits[2], 3);
+  EXPECT_EQ(hits[3], 3);
+}
+
 }  // namespace
 }  // namespace fabric::engine
