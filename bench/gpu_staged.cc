@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.h"
 #include "fabric/fabric.h"
 #include "fabric/uvm_watcher.h"
 #include "gpu_kernels.h"
@@ -34,15 +35,6 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-#define CUDA_OK(call)                                                  \
-  do {                                                                 \
-    cudaError_t e_ = (call);                                           \
-    if (e_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                    \
-    }                                                                  \
-  } while (0)
 
 template <typename T>
 T must(fabric::Result<T> r, const char* what) {

@@ -19,6 +19,8 @@
 #include "fabric/uvm_watcher.cuh"
 #include "fabric/uvm_watcher.h"
 
+#include "cuda_check.h"
+
 namespace {
 
 __device__ __forceinline__ uint64_t global_ns() {
@@ -38,15 +40,6 @@ __global__ void pingpong(uint64_t* word, const uint64_t* ack, uint64_t base, int
     rtt_ns[i - 1] = global_ns() - t0;
   }
 }
-
-#define CUDA_OK(call)                                                  \
-  do {                                                                 \
-    cudaError_t e_ = (call);                                           \
-    if (e_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                    \
-    }                                                                  \
-  } while (0)
 
 struct Stats {
   double p50, p99, mean;

@@ -927,7 +927,10 @@ void Worker::stage_sources(Transfer& t) {
     }
     if (status.is_ok()) status = (*copier)->fence(reinterpret_cast<uint64_t>(&gate));
     if (!status.is_ok()) {
-      if (gate.count == 0) gate.count = 1, ++i;
+      if (gate.count == 0) {  // no copier: the gate takes the op it could not copy
+        gate.count = 1;
+        ++i;
+      }
       gate_done(gate, status);
     }
   }
