@@ -468,6 +468,14 @@ void bind_config(py::module_& m) {
       "seconds).");
   duration_property<std::chrono::microseconds, &Config::idle_sleep>(
       config, "idle_sleep", "The idle worker's sleep step (timedelta or seconds).");
+  duration_property<std::chrono::microseconds, &Config::inflight_spin>(
+      config, "inflight_spin",
+      "With work in flight and nothing else to do, how long the worker polls before blocking "
+      "on the NICs' completion descriptors (timedelta or seconds).");
+  duration_property<std::chrono::microseconds, &Config::callback_spin>(
+      config, "callback_spin",
+      "How long the callback thread polls for more callbacks before sleeping (timedelta or "
+      "seconds).");
   duration_property<std::chrono::milliseconds, &Config::peer_timeout>(
       config, "peer_timeout",
       "A peer silent this long with work outstanding is declared unreachable (timedelta or "

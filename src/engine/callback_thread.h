@@ -2,6 +2,8 @@
 // callback never stalls the fabric.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -15,7 +17,10 @@ class CallbackThread {
  public:
   using Job = std::function<void()>;
 
-  CallbackThread();
+  // After running what was queued, the thread polls for this long for more (yielding its CPU
+  // each time round) before it sleeps: a callback that follows soon after starts at once
+  // instead of after a wake-up. Zero: sleep at once.
+  explicit CallbackThread(std::chrono::microseconds spin = std::chrono::microseconds(0));
   // Runs what is queued, then joins.
   ~CallbackThread();
   CallbackThread(const CallbackThread&) = delete;
@@ -32,11 +37,14 @@ class CallbackThread {
   void run();
   static void run_one(Job& job);
 
+  const std::chrono::microseconds spin_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;
   bool stop_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
+  std::atomic<bool> pending_{false};  // queue_ not empty, or stop_: read without the lock
+  std::atomic<bool> waiting_{false};  // the thread sleeps on cv_: pushers must notify
+  std::thread thread_;                // last: starts after the members it uses exist
 };
 
 }  // namespace fabric::engine

@@ -7,6 +7,8 @@
 
 #include "fabric/config.h"
 
+#include <algorithm>
+
 namespace fabric {
 
 namespace {
@@ -52,6 +54,14 @@ Status Config::apply_env_overrides() {
   if (const char* v = std::getenv("FABRIC_IDLE_SLEEP_US"); v && *v) {
     if (Status s = parse_int("FABRIC_IDLE_SLEEP_US", v, n); !s) return s;
     idle_sleep = std::chrono::microseconds(n);
+  }
+  if (const char* v = std::getenv("FABRIC_INFLIGHT_SPIN_US"); v && *v) {
+    if (Status s = parse_int("FABRIC_INFLIGHT_SPIN_US", v, n); !s) return s;
+    inflight_spin = std::chrono::microseconds(n);
+  }
+  if (const char* v = std::getenv("FABRIC_CALLBACK_SPIN_US"); v && *v) {
+    if (Status s = parse_int("FABRIC_CALLBACK_SPIN_US", v, n); !s) return s;
+    callback_spin = std::chrono::microseconds(std::max(n, 0ll));
   }
   return Status::ok();
 }

@@ -155,7 +155,7 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
     return invalid("config.staging_chunk_bytes must be positive");
   std::unique_ptr<EngineImpl> e(new EngineImpl(config));
   e->tag_ = std::random_device{}() & 0xffffff;
-  e->callbacks_ = std::make_unique<engine::CallbackThread>();
+  e->callbacks_ = std::make_unique<engine::CallbackThread>(config.callback_spin);
   e->rotations_ = std::make_unique<std::atomic<uint32_t>[]>(config.groups.size());
 
   const std::vector<int> allowed = topology::allowed_cpus();
@@ -598,6 +598,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
           ErrorCode::kOutOfRange,
           fmt::format("paged write: {}_pages[{}] = {} overflows the offset", side, i, index));
     }
+    if (out <= region && w.page_bytes <= region - out) return Status::ok();  // no formatting
     return engine::check_range(fmt::format("paged write: {}_pages[{}] = {}", side, i, index), out,
                                w.page_bytes, region);
   };
@@ -664,8 +665,18 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
     }
     members = it->second;
   }
+  auto in_range = [](uint64_t offset, uint64_t length, uint64_t region) {
+    return offset <= region && length <= region - offset;
+  };
   for (size_t i = 0; i < sc.targets.size(); ++i) {
     const ScatterTarget& tg = sc.targets[i];
+    // The common case without formatting a message; the checks below say what is wrong.
+    if (!tg.dst.empty() && tg.dst.owner().provider() == infos_[group].provider &&
+        std::find(members.begin(), members.end(), tg.dst.owner()) != members.end() &&
+        in_range(tg.src_offset, tg.length, (*src)->length) &&
+        in_range(tg.dst_offset, tg.length, tg.dst.length())) {
+      continue;
+    }
     const std::string what = fmt::format("scatter target {}", i);
     if (Status s = check_remote(tg.dst, group, what); !s) return s;
     if (std::find(members.begin(), members.end(), tg.dst.owner()) == members.end()) {

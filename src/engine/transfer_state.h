@@ -4,8 +4,8 @@
 
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
+#include <list>
 #include <memory>
 #include <vector>
 
@@ -114,12 +114,13 @@ struct Transfer {
   std::vector<StagedDst> staged;
   size_t acks = 0;
   std::chrono::steady_clock::time_point ack_deadline;
-  std::deque<Op> control;          // Commit sends (a deque: ops never move)
-  std::deque<Bytes> control_msgs;  // their bytes
-  std::deque<Gate> gates;
-  // Failover: copies of ops given up on a NIC marked down, re-posted on a surviving NIC (a
-  // deque: ops never move).
-  std::deque<Op> retries;
+  // Lists, not deques: elements never move, and an empty list allocates nothing (a deque
+  // allocates on construction, on every submission's path).
+  std::list<Op> control;          // Commit sends
+  std::list<Bytes> control_msgs;  // their bytes
+  std::list<Gate> gates;
+  // Failover: copies of ops given up on a NIC marked down, re-posted on a surviving NIC.
+  std::list<Op> retries;
   // An engine-internal probe of a NIC marked down (its index), else -1.
   int probe_nic = -1;
   // Keep-alives for what the ops point into.

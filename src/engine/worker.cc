@@ -20,6 +20,9 @@ namespace {
 constexpr size_t kBufferAlignment = 64;
 constexpr uint64_t kScratchBytes = 64;
 constexpr auto kMaxBlock = std::chrono::milliseconds(100);
+// The longest block while work requests are in flight: bounds the cost of a provider that
+// needs a poll to make progress yet let fi_trywait succeed.
+constexpr auto kMaxInflightBlock = std::chrono::milliseconds(1);
 // Ids of the worker's own transfers (acknowledgments): never equal to an engine transfer id.
 constexpr uint64_t kInternalTransfer = uint64_t{1} << 63;
 
@@ -847,11 +850,18 @@ void Worker::idle(bool active) {
   const auto now = now_;
   bool copying = false;
   for (const CopierEntry& c : copiers_) copying |= c.copier->outstanding() > 0;
-  if (active || posted_ > abandoned_ || queued_ > 0 || stopping_ || copying) {
+  // Queued work waits for room in a provider queue that only polling makes: keep polling.
+  if (active || queued_ > 0 || stopping_ || copying) {
     last_active_ = now;
     return;
   }
-  if (config_.idle_sleep.count() == 0 || now - last_active_ < config_.spin_time) return;
+  if (config_.idle_sleep.count() == 0) return;  // pure busy-poll
+  const bool inflight = posted_ > abandoned_;
+  if (inflight) {
+    if (config_.inflight_spin.count() < 0 || now - last_active_ < config_.inflight_spin) return;
+  } else if (now - last_active_ < config_.spin_time) {
+    return;
+  }
 
   // Sleep until a submission, fabric activity, or the end of a nap.
   pollfd fds[1 + 64];
@@ -867,10 +877,16 @@ void Worker::idle(bool active) {
     if (!d.domain->ready_to_wait()) return;  // events pending: poll again
     fds[nfds++] = {fd, POLLIN, 0};
   }
+  // In flight on a NIC without a descriptor: only polling notices its completions.
+  if (inflight && !all_fds) return;
   sleeping_.store(true);
   if (!inbox_nonempty_.load() && !stop_requested_.load()) {
-    auto nap = all_fds ? std::chrono::duration_cast<std::chrono::nanoseconds>(kMaxBlock)
-                       : std::chrono::duration_cast<std::chrono::nanoseconds>(config_.idle_sleep);
+    std::chrono::nanoseconds nap = config_.idle_sleep;
+    if (inflight) {
+      nap = kMaxInflightBlock;
+    } else if (all_fds) {
+      nap = kMaxBlock;
+    }
     timespec ts{static_cast<time_t>(nap.count() / 1000000000),
                 static_cast<long>(nap.count() % 1000000000)};
     ::ppoll(fds, nfds, &ts, nullptr);

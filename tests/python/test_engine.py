@@ -37,6 +37,9 @@ def test_config_fields_and_keywords():
     assert c.provider == "tcp"
     assert c.groups[0].nics == ["lo"] and c.groups[0].cpu == -2
     assert c.spin_time == datetime.timedelta(microseconds=100)
+    c.inflight_spin = datetime.timedelta(microseconds=5)
+    assert c.inflight_spin == datetime.timedelta(microseconds=5)
+    assert c.callback_spin == datetime.timedelta(0)
     assert c.peer_timeout == datetime.timedelta(seconds=2)
     assert c.shard_min_bytes == 1 << 20
     c.groups[0].nics = ["lo", "lo"]  # edits the config, not a copy

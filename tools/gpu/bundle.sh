@@ -17,4 +17,15 @@ cp /usr/local/cuda/lib64/libcudart_static.a .gpu/
 for l in libhwloc.so.15 libspdlog.so.1.10 libfmt.so.9; do cp "/lib/x86_64-linux-gnu/$l" .gpu/lib/; done
 cp -r /usr/include/rdma /usr/include/fmt /usr/include/spdlog .gpu/include/
 cp /usr/bin/fi_info .gpu/bin/
+# The CPU benchmark and its baselines, for a quiet many-core host (tools/gpu/run_bench.sh).
+cp build/bin/fabric-bench build/bin/fabric-bench-raw .gpu/bin/
+strip .gpu/bin/fabric-bench .gpu/bin/fabric-bench-raw
+for tool in ucx_perftest iperf3; do
+  path=$(command -v "$tool" || true)
+  [ -n "$path" ] || { echo "note: $tool is not installed here (make bench-deps); no $tool baseline there"; continue; }
+  cp "$path" .gpu/bin/
+  ldd "$path" | awk '/=> \// {print $3}' | grep -E 'libuc[pmst]|libiperf|libsctp|libnuma' |
+    xargs -r -I{} cp {} .gpu/lib/
+done
+[ -d /usr/lib/x86_64-linux-gnu/ucx ] && cp -r /usr/lib/x86_64-linux-gnu/ucx .gpu/lib/
 du -sh .gpu
