@@ -28,4 +28,10 @@ for tool in ucx_perftest iperf3; do
     xargs -r -I{} cp {} .gpu/lib/
 done
 [ -d /usr/lib/x86_64-linux-gnu/ucx ] && cp -r /usr/lib/x86_64-linux-gnu/ucx .gpu/lib/
+# fabric-bench runs UCX and iperf3 in a private network namespace, which needs `ip`; a GPU
+# machine may lack iproute2. Its libraries go to a folder of their own (.gpu/ip/), used by it
+# alone.
+mkdir -p .gpu/ip/lib
+cp /usr/bin/ip .gpu/ip/
+ldd /usr/bin/ip | awk '/=> \// {print $3}' | grep -vE 'libc\.so|libz\.so' | xargs -r -I{} cp {} .gpu/ip/lib/
 du -sh .gpu

@@ -6,6 +6,12 @@
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:$LD_LIBRARY_PATH
 export PATH=$PWD/.gpu/bin:$PATH
 export UCX_MODULE_DIR=$PWD/.gpu/lib/ucx
+if ! command -v ip >/dev/null && [ -x .gpu/ip/ip ]; then
+  mkdir -p .gpu/ip/bin
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$PWD/.gpu/ip/lib" "$PWD/.gpu/ip/ip" >.gpu/ip/bin/ip
+  chmod +x .gpu/ip/bin/ip
+  export PATH=$PATH:$PWD/.gpu/ip/bin
+fi
 out=${OUT:-bench/results/gpu-host}
 mkdir -p "$out"
 pin=()
