@@ -311,6 +311,14 @@ Status EngineImpl::check_peer(const Address& peer, uint32_t group, std::string_v
 Status EngineImpl::check_remote(const RemoteMemory& dst, uint32_t group,
                                 std::string_view what) const {
   if (dst.empty()) return invalid(fmt::format("{}: the remote memory descriptor is empty", what));
+  // A descriptor made by hand (not decoded, which checks this) must still be rail-aligned:
+  // the plan indexes rails by the owner's NICs.
+  if (dst.rails().size() != dst.owner().num_nics()) {
+    return invalid(
+        fmt::format("{}: the remote memory descriptor has {} rails for an owner with {} "
+                    "NIC(s)",
+                    what, dst.rails().size(), dst.owner().num_nics()));
+  }
   return check_peer(dst.owner(), group, what);
 }
 
