@@ -32,6 +32,10 @@ BENCH_PACKAGES := ucx-utils iperf3 python3-matplotlib iproute2 util-linux
 FUZZ_PACKAGES := clang libclang-rt-14-dev
 FUZZ_SECONDS ?= 15
 FUZZ_LONG_SECONDS ?= 600
+# make soak: transfers per provider (at most 2097151) and a time bound per provider.
+SOAK_PROVIDERS ?= tcp
+SOAK_TRANSFERS ?= 1000000
+SOAK_SECONDS ?= 3600
 BENCH_PROVIDERS ?= tcp shm
 BENCH_ARGS ?=
 SOURCES = $(shell git ls-files '*.h' '*.cc' '*.cpp' '*.hpp' '*.cu' '*.cuh' 2>/dev/null)
@@ -106,6 +110,13 @@ test-fuzz: fuzz-build
 
 fuzz-long: fuzz-build
 	@tests/fuzz/run_fuzz.sh $(FUZZ_LONG_SECONDS)
+
+soak: deps
+	@cmake --preset default >/dev/null
+	cmake --build --preset default --target fabric_soak
+	for p in $(SOAK_PROVIDERS); do
+	  ./build/bin/fabric_soak --provider $$p --transfers $(SOAK_TRANSFERS) --seconds $(SOAK_SECONDS)
+	done
 
 bench-deps:
 	@$(MAKE) --no-print-directory deps DEB_PACKAGES="$(BENCH_PACKAGES)"

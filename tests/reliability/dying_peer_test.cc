@@ -91,6 +91,8 @@ class DyingPeer : public ::testing::TestWithParam<Param> {
     alone_ = *alone;
   }
 
+  void TearDown() override { engine_.reset(); }  // before the memory it registered
+
   void start(Peer& p, const std::vector<std::string>& env) {
     PeerOptions options;
     options.env = env;
