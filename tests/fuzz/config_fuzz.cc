@@ -1,10 +1,14 @@
 // Fuzz target: configuration strings from the environment (Config::apply_env_overrides).
 // The input is split at newlines into the values of FABRIC_PROVIDER, FABRIC_NICS, FABRIC_CPU,
-// FABRIC_SPIN_US and FABRIC_IDLE_SLEEP_US (a missing line leaves the variable unset).
+// FABRIC_SPIN_US and FABRIC_IDLE_SLEEP_US (a missing or empty line leaves the variable unset).
 // Properties: never crashes; an error names the variable at fault; an accepted configuration
 // has only non-empty NIC names without commas, a CPU that is a core number or one of the two
 // special values, and non-negative idle times.
 #include <stdlib.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
 
 #include <cstddef>
 #include <cstdint>
@@ -14,19 +18,38 @@
 #include "fabric/config.h"
 #include "fuzz_check.h"
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const char* const kVars[] = {"FABRIC_PROVIDER", "FABRIC_NICS", "FABRIC_CPU",
-                                      "FABRIC_SPIN_US", "FABRIC_IDLE_SLEEP_US"};
-  std::string_view rest(reinterpret_cast<const char*>(data), size);
-  for (const char* var : kVars) {
-    if (rest.empty()) {
-      unsetenv(var);
-      continue;
+namespace {
+
+// One environment entry per variable, installed once with putenv and rewritten in place:
+// setenv would keep every distinct value it was ever given (glibc never frees them), and the
+// fuzzer's memory would grow with every input.
+constexpr size_t kEntryBytes = 4096;
+const char* const kVars[] = {"FABRIC_PROVIDER", "FABRIC_NICS", "FABRIC_CPU", "FABRIC_SPIN_US",
+                             "FABRIC_IDLE_SLEEP_US"};
+char entries[5][kEntryBytes];
+
+void set_value(size_t i, std::string_view value) {
+  static bool installed = false;
+  if (!installed) {
+    for (size_t k = 0; k < 5; ++k) {
+      std::snprintf(entries[k], kEntryBytes, "%s=", kVars[k]);
+      putenv(entries[k]);
     }
+    installed = true;
+  }
+  const size_t at = std::strlen(kVars[i]) + 1;
+  value = value.substr(0, std::min(value.find('\0'), kEntryBytes - at - 1));  // no NUL inside
+  if (!value.empty()) std::memcpy(entries[i] + at, value.data(), value.size());
+  entries[i][at + value.size()] = '\0';  // an empty value is the same as unset
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  std::string_view rest(reinterpret_cast<const char*>(data), size);
+  for (size_t i = 0; i < 5; ++i) {
     const size_t nl = rest.find('\n');
-    std::string value(rest.substr(0, nl));
-    value = value.substr(0, value.find('\0'));  // the environment cannot carry a NUL
-    setenv(var, value.c_str(), 1);
+    set_value(i, rest.substr(0, nl));
     rest = nl == std::string_view::npos ? std::string_view{} : rest.substr(nl + 1);
   }
   fabric::Config config;

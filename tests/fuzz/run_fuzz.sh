@@ -17,7 +17,7 @@ for t in "${targets[@]}"; do
   work=$root/build-fuzz/corpus/$t
   mkdir -p "$work"
   log=$root/build-fuzz/fuzz_$t.log
-  if ! "$bin/fuzz_$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+  if ! "$bin/fuzz_$t" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=2048 \
       -print_final_stats=1 -artifact_prefix="$root/build-fuzz/artifacts/${t}-" \
       "$work" "$root/tests/fuzz/corpus/$t" >"$log" 2>&1; then
     echo "fuzz_$t FAILED; its log (last 40 lines):"

@@ -62,12 +62,6 @@ class DyingPeer : public ::testing::TestWithParam<Param> {
   OpKind kind() const { return std::get<1>(GetParam()); }
 
   void SetUp() override {
-    if (backend().provider == "shm") {
-      // Measured with libfabric 1.17 (see tests/conformance/two_process_test.cc): a shm peer
-      // killed mid-transfer can leave its region's process-shared lock held, and later writes
-      // towards it spin inside the provider, where no engine-side bound can reach them.
-      GTEST_SKIP() << "libfabric 1.17 shm cannot survive a peer killed mid-transfer";
-    }
     Config config = make_config(backend());
     config.peer_timeout = kPeerTimeout;
     auto e = TransferEngine::create(config);
@@ -250,8 +244,23 @@ TEST_P(DyingPeer, EveryAffectedTransferFailsOnceInTimeAndOthersComplete) {
   EXPECT_EQ(reborn.process.read_value("checksum"), std::to_string(fnv1a(src_->bytes.data(), 4096)));
 }
 
-INSTANTIATE_TEST_SUITE_P(AllBackends, DyingPeer,
-                         ::testing::Combine(::testing::ValuesIn(all_backends()),
+TEST(DyingPeerShm, NotRunOnShm) {
+  // Measured with libfabric 1.17 (see tests/conformance/two_process_test.cc): a shm peer killed
+  // mid-transfer can leave its region's process-shared lock held, and later writes towards it
+  // spin inside the provider, where no engine-side bound can reach them.
+  GTEST_SKIP() << "libfabric 1.17 shm cannot survive a peer killed mid-transfer";
+}
+
+std::vector<Backend> tcp_backends() {
+  std::vector<Backend> out;
+  for (const Backend& b : all_backends()) {
+    if (b.provider == "tcp") out.push_back(b);
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Tcp, DyingPeer,
+                         ::testing::Combine(::testing::ValuesIn(tcp_backends()),
                                             ::testing::Values(OpKind::kSingle, OpKind::kPaged,
                                                               OpKind::kScatter, OpKind::kBarrier,
                                                               OpKind::kImm, OpKind::kSend)),

