@@ -10,6 +10,10 @@
 #                libfabric): tables on stdout, bench/results/<provider>.{json,md,png}
 #   make bench-netlab  multi-NIC aggregation on the network-namespace lab (root): N = 1, 2, 4
 #                shaped veth links and an unequal set; bench/results/netlab.{md,json}
+#   make test-fuzz  build the libFuzzer targets (tests/fuzz, clang) and run each for
+#                FUZZ_SECONDS (15); fails on any crash, leak or sanitizer report
+#   make fuzz-long  the same for FUZZ_LONG_SECONDS (600) per target; prints exec counts
+#   make soak    the long soak with accounting (docs/hardening.md): >= 10^6 transfers
 #   make format  apply .clang-format to every source file
 
 SHELL := /bin/bash
@@ -24,6 +28,14 @@ DEB_PACKAGES := cmake ninja-build g++ pkg-config make \
 # Only `make bench` installs these: the baselines fabric-bench compares with (ucx_perftest,
 # iperf3, run in a private network namespace made with unshare and ip) and the plot.
 BENCH_PACKAGES := ucx-utils iperf3 python3-matplotlib iproute2 util-linux
+# Only the fuzz targets (make test-fuzz, fuzz-long) need these: clang and its libFuzzer runtime.
+FUZZ_PACKAGES := clang libclang-rt-14-dev
+FUZZ_SECONDS ?= 15
+FUZZ_LONG_SECONDS ?= 600
+# make soak: transfers per provider (at most 2097151) and a time bound per provider.
+SOAK_PROVIDERS ?= tcp
+SOAK_TRANSFERS ?= 1000000
+SOAK_SECONDS ?= 3600
 BENCH_PROVIDERS ?= tcp shm
 BENCH_ARGS ?=
 SOURCES = $(shell git ls-files '*.h' '*.cc' '*.cpp' '*.hpp' '*.cu' '*.cuh' 2>/dev/null)
@@ -34,7 +46,7 @@ PYTHON := /usr/bin/python3
 PYTEST_ARGS ?= -q -rs
 
 .PHONY: deps build run test test-default test-python test-asan test-tsan bench bench-deps format \
-  check-format clean bench-netlab
+  check-format clean bench-netlab test-fuzz fuzz-long fuzz-build soak
 
 deps:
 	@missing=()
@@ -61,7 +73,7 @@ run: build
 	echo "== loopback demonstration over libfabric shm =="
 	./build/bin/fabric-bench --provider shm --nic shm --quick
 
-test: deps check-format test-default test-python test-asan test-tsan
+test: deps check-format test-default test-python test-fuzz test-asan test-tsan
 	@echo "all test suites passed"
 
 test-default: build
@@ -85,6 +97,26 @@ test-tsan: deps
 	cmake --build --preset tsan
 	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/tests/tsan.supp" \
 	  ctest --preset tsan $(CTEST_ARGS)
+
+# The fuzz build configures only when clang with libFuzzer is present (installed here when
+# missing); elsewhere it is skipped with its reason.
+fuzz-build:
+	@$(MAKE) --no-print-directory deps DEB_PACKAGES="$(FUZZ_PACKAGES)"
+	cmake --preset fuzz >/dev/null
+	cmake --build --preset fuzz
+
+test-fuzz: fuzz-build
+	@tests/fuzz/run_fuzz.sh $(FUZZ_SECONDS)
+
+fuzz-long: fuzz-build
+	@tests/fuzz/run_fuzz.sh $(FUZZ_LONG_SECONDS)
+
+soak: deps
+	@cmake --preset default >/dev/null
+	cmake --build --preset default --target fabric_soak
+	for p in $(SOAK_PROVIDERS); do
+	  ./build/bin/fabric_soak --provider $$p --transfers $(SOAK_TRANSFERS) --seconds $(SOAK_SECONDS)
+	done
 
 bench-deps:
 	@$(MAKE) --no-print-directory deps DEB_PACKAGES="$(BENCH_PACKAGES)"
@@ -118,4 +150,4 @@ check-format:
 	fi
 
 clean:
-	@rm -rf build build-asan build-tsan
+	@rm -rf build build-asan build-tsan build-fuzz

@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <charconv>
+#include <climits>
 #include <cstdlib>
 #include <string_view>
 
@@ -13,14 +14,24 @@ namespace fabric {
 
 namespace {
 
-Status parse_int(const char* var, std::string_view text, long long& out) {
+// An integer in [min, max], or an error naming the variable.
+Status parse_int(const char* var, std::string_view text, long long min, long long max,
+                 long long& out) {
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
   if (ec != std::errc() || ptr != text.data() + text.size()) {
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("environment variable {}='{}' is not an integer", var, text));
   }
+  if (out < min || out > max) {
+    return Status(
+        ErrorCode::kInvalidArgument,
+        fmt::format("environment variable {}='{}' is outside {}..{}", var, text, min, max));
+  }
   return Status::ok();
 }
+
+// Idle times above an hour are a typo, not a setting.
+constexpr long long kMaxIdleMicros = 3'600'000'000;
 
 }  // namespace
 
@@ -30,7 +41,7 @@ Status Config::apply_env_overrides() {
     if (groups.empty()) groups.emplace_back();
     groups[0].nics.clear();
     std::string_view rest = v;
-    while (!rest.empty()) {
+    for (bool more = true; more;) {
       auto comma = rest.find(',');
       std::string_view nic = rest.substr(0, comma);
       if (nic.empty()) {
@@ -38,21 +49,22 @@ Status Config::apply_env_overrides() {
                       fmt::format("environment variable FABRIC_NICS='{}' has an empty entry", v));
       }
       groups[0].nics.emplace_back(nic);
-      rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+      more = comma != std::string_view::npos;  // a trailing comma is an empty last entry
+      if (more) rest = rest.substr(comma + 1);
     }
   }
   long long n = 0;
   if (const char* v = std::getenv("FABRIC_CPU"); v && *v) {
-    if (Status s = parse_int("FABRIC_CPU", v, n); !s) return s;
+    if (Status s = parse_int("FABRIC_CPU", v, GroupConfig::kCpuNone, INT_MAX, n); !s) return s;
     if (groups.empty()) groups.emplace_back();
     groups[0].cpu = static_cast<int>(n);
   }
   if (const char* v = std::getenv("FABRIC_SPIN_US"); v && *v) {
-    if (Status s = parse_int("FABRIC_SPIN_US", v, n); !s) return s;
+    if (Status s = parse_int("FABRIC_SPIN_US", v, 0, kMaxIdleMicros, n); !s) return s;
     spin_time = std::chrono::microseconds(n);
   }
   if (const char* v = std::getenv("FABRIC_IDLE_SLEEP_US"); v && *v) {
-    if (Status s = parse_int("FABRIC_IDLE_SLEEP_US", v, n); !s) return s;
+    if (Status s = parse_int("FABRIC_IDLE_SLEEP_US", v, 0, kMaxIdleMicros, n); !s) return s;
     idle_sleep = std::chrono::microseconds(n);
   }
   if (const char* v = std::getenv("FABRIC_INFLIGHT_SPIN_US"); v && *v) {

@@ -15,6 +15,7 @@
 #include "cuda/device_memory.h"
 #include "engine/callback_thread.h"
 #include "engine/imm_counters.h"
+#include "engine/messages.h"
 #include "engine/plan.h"
 #include "engine/transfer_state.h"
 #include "engine/worker.h"
@@ -310,6 +311,14 @@ Status EngineImpl::check_peer(const Address& peer, uint32_t group, std::string_v
 Status EngineImpl::check_remote(const RemoteMemory& dst, uint32_t group,
                                 std::string_view what) const {
   if (dst.empty()) return invalid(fmt::format("{}: the remote memory descriptor is empty", what));
+  // A descriptor made by hand (not decoded, which checks this) must still be rail-aligned:
+  // the plan indexes rails by the owner's NICs.
+  if (dst.rails().size() != dst.owner().num_nics()) {
+    return invalid(
+        fmt::format("{}: the remote memory descriptor has {} rails for an owner with {} "
+                    "NIC(s)",
+                    what, dst.rails().size(), dst.owner().num_nics()));
+  }
   return check_peer(dst.owner(), group, what);
 }
 
@@ -581,6 +590,13 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
                                w.src_pages.size(), w.dst_pages.size()));
   }
   if (w.src_pages.empty()) return invalid("paged write: no pages");
+  if (w.imm && (w.dst.staged_region() != 0 || config_.reliable_imm) &&
+      w.src_pages.size() > engine::Commit::kMaxImmTimes) {
+    return Status(ErrorCode::kOutOfRange,
+                  fmt::format("paged write: {} pages with an immediate counted by a commit "
+                              "message (at most {})",
+                              w.src_pages.size(), engine::Commit::kMaxImmTimes));
+  }
   const engine::ShardParams params = shard_params(group);
   if (w.page_bytes > params.max_wr_bytes) {
     return Status(ErrorCode::kUnsupported,

@@ -40,6 +40,9 @@ struct Commit {
   // Fixed bytes before the ranges, plus the reply address.
   static constexpr uint64_t kFixedBytes = 1 + 8 + 4 + 8 + 1 + 4 + 8 + 4;
   static constexpr uint64_t kRangeBytes = 16;
+  // Most arrivals one Commit may ask the owner to count (a paged write counts one per page).
+  // The owner tallies them one by one, so a corrupt count must not make it loop for ever.
+  static constexpr uint64_t kMaxImmTimes = uint64_t{1} << 24;
 
   Bytes encode() const {
     detail::ByteWriter w;
@@ -67,7 +70,8 @@ struct Commit {
     uint8_t has_imm = 0;
     if (!r.u64(c.transfer) || !r.u32(name_len) || !r.bytes(name_len, c.reply_to) ||
         !r.u64(c.region) || !r.u8(has_imm) || !r.u32(c.imm) || !r.u64(c.imm_times) ||
-        !r.u32(count) || r.remaining() != uint64_t{count} * kRangeBytes) {
+        !r.u32(count) || r.remaining() != uint64_t{count} * kRangeBytes ||
+        c.imm_times > kMaxImmTimes) {
       return std::nullopt;
     }
     c.has_imm = has_imm != 0;

@@ -531,11 +531,26 @@ void Worker::watch_peers() {
   if (!awaiting_acks_.empty()) watch_acks();
   watch_nics();
   for (auto& d : domains_) {
+    // A peer with work queued but nothing posted may be waiting for room that another peer's
+    // stalled requests hold (the provider says "again" for the whole endpoint). It is not
+    // declared dead while such a stalled peer exists on the domain: that one goes first, and
+    // the waiting peer's clock starts afresh (so it is declared dead within 2 x peer_timeout at
+    // most). Without this, a dead peer's requests filling the endpoint made a live peer that
+    // had not posted yet look dead too (tests/reliability/dying_peer_test.cc).
+    bool stalled_inflight = false;
+    for (const auto& [peer, q] : d.queues) {
+      stalled_inflight |= q.inflight_count > 0 && now - q.last_progress > config_.peer_timeout / 2;
+    }
     std::vector<PeerQueue*> dead;
     for (auto& [peer, q] : d.queues) {
       // Busy (work queued or posted) and no completion since peer_timeout: dead.
       const bool busy = q.inflight_count > 0 || !q.ops.empty();
-      if (busy && now - q.last_progress > config_.peer_timeout) dead.push_back(&q);
+      if (!busy || now - q.last_progress <= config_.peer_timeout) continue;
+      if (q.inflight_count == 0 && stalled_inflight) {
+        q.last_progress = now;
+        continue;
+      }
+      dead.push_back(&q);
     }
     for (PeerQueue* q : dead) declare_dead(d, *q);
   }

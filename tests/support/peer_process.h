@@ -24,6 +24,8 @@ struct PeerOptions {
   std::vector<std::string> prefix;
   // The peer's NICs, comma-separated; empty: make_config's default for the backend.
   std::string nics;
+  // Extra environment entries ("NAME=VALUE"), e.g. FI_TCP_PORT_LOW_RANGE to pin its port.
+  std::vector<std::string> env;
 };
 
 class PeerProcess {
@@ -42,7 +44,12 @@ class PeerProcess {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    int rc = posix_spawnp(&pid_, argv[0], &fa, nullptr, argv.data(), environ);
+    std::vector<std::string> env_entries = options.env;
+    std::vector<char*> envp;
+    for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
+    for (auto& e : env_entries) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    int rc = posix_spawnp(&pid_, argv[0], &fa, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&fa);
     close(to_child[0]);
     close(from_child[1]);
@@ -64,6 +71,7 @@ class PeerProcess {
     }
     if (out_ >= 0) close(out_);
   }
+  pid_t pid() const { return pid_; }
   // Kills the child with SIGKILL and reaps it.
   void kill_now() {
     if (pid_ <= 0) return;

@@ -30,5 +30,31 @@ TEST(Config, EnvironmentOverrides) {
   }
 }
 
+// Bad-input table (docs/bad-input.md): values that parse but make no sense are rejected with
+// the variable's name, and the configuration is left as it was for the rejected field.
+TEST(Config, EnvironmentValuesOutOfRangeAreRejected) {
+  struct Row {
+    const char* var;
+    const char* value;
+  };
+  for (Row row :
+       {Row{"FABRIC_CPU", "-3"}, Row{"FABRIC_CPU", "99999999999"}, Row{"FABRIC_SPIN_US", "-1"},
+        Row{"FABRIC_IDLE_SLEEP_US", "-50"}, Row{"FABRIC_IDLE_SLEEP_US", "3600000001"},
+        Row{"FABRIC_NICS", "lo,"}, Row{"FABRIC_NICS", ","}, Row{"FABRIC_SPIN_US", "12us"}}) {
+    setenv(row.var, row.value, 1);
+    Config c;
+    Status s = c.apply_env_overrides();
+    EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << row.var << "=" << row.value;
+    EXPECT_NE(s.message().find(row.var), std::string::npos) << s.to_string();
+    EXPECT_EQ(c.spin_time, Config{}.spin_time);
+    unsetenv(row.var);
+  }
+  setenv("FABRIC_CPU", "-2", 1);  // GroupConfig::kCpuNone is a legal value
+  Config c;
+  ASSERT_TRUE(c.apply_env_overrides());
+  EXPECT_EQ(c.groups[0].cpu, GroupConfig::kCpuNone);
+  unsetenv("FABRIC_CPU");
+}
+
 }  // namespace
 }  // namespace fabric
