@@ -8,8 +8,6 @@
 
 #include "fabric/config.h"
 
-#include <algorithm>
-
 namespace fabric {
 
 namespace {
@@ -68,12 +66,12 @@ Status Config::apply_env_overrides() {
     idle_sleep = std::chrono::microseconds(n);
   }
   if (const char* v = std::getenv("FABRIC_INFLIGHT_SPIN_US"); v && *v) {
-    if (Status s = parse_int("FABRIC_INFLIGHT_SPIN_US", v, n); !s) return s;
+    if (Status s = parse_int("FABRIC_INFLIGHT_SPIN_US", v, -1, kMaxIdleMicros, n); !s) return s;
     inflight_spin = std::chrono::microseconds(n);
   }
   if (const char* v = std::getenv("FABRIC_CALLBACK_SPIN_US"); v && *v) {
-    if (Status s = parse_int("FABRIC_CALLBACK_SPIN_US", v, n); !s) return s;
-    callback_spin = std::chrono::microseconds(std::max(n, 0ll));
+    if (Status s = parse_int("FABRIC_CALLBACK_SPIN_US", v, 0, kMaxIdleMicros, n); !s) return s;
+    callback_spin = std::chrono::microseconds(n);
   }
   return Status::ok();
 }
