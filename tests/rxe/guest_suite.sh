@@ -13,7 +13,7 @@ fi
 
 # The 300 MiB single write is left out: the guest has 512 MiB of memory.
 t0=$(uptime_s)
-"$conformance" --gtest_filter='*/verbs:-*SeveralHundredMiB*' --gtest_brief=1 || status=1
+"$conformance" --gtest_filter='*/verbs:-*SeveralHundredMiB*' || status=1
 t1=$(uptime_s)
 "$verbs" --gtest_brief=1 || status=1
 t2=$(uptime_s)

@@ -2,6 +2,8 @@
 #include <arpa/inet.h>
 #include <fmt/format.h>
 
+#include <sched.h>
+
 #include <cerrno>
 #include <cstring>
 
@@ -232,6 +234,7 @@ size_t VerbsDomain::poll(std::span<Completion> out) {
   }
   if (imm_consumed_ > 0) repost_imm_receives();
   if (!retired_.empty()) reap_retired();
+  if (j == 0 && software_device_) sched_yield();
   return j;
 }
 

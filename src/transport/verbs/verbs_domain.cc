@@ -256,6 +256,10 @@ Status VerbsDomain::open_port(const std::string& nic, bool gpu_direct) {
       gid_index_ = gid;
       lid_ = pa.lid;
       active_mtu_ = static_cast<uint8_t>(pa.active_mtu);
+      // Soft-RoCE and soft-iWARP do the NIC's work on the host's CPUs, in kernel threads that a
+      // busy-polling worker would starve: an empty poll yields the CPU there.
+      software_device_ = std::string_view(name).rfind("rxe", 0) == 0 ||
+                         std::string_view(name).rfind("siw", 0) == 0;
       gpu_direct_ = gpu_direct && cuda::cuda_available() && dmabuf_supported();
       info_ = DomainInfo{"verbs", fmt::format("{}:{}", name, p), pa.max_msg_sz,
                          /*delivery_complete=*/true, gpu_direct_};
@@ -380,13 +384,26 @@ Status VerbsDomain::create_queues() {
 VerbsDomain::~VerbsDomain() {
   // Queue pairs before the queues and channel they use (the members below them), address
   // handles before the protection domain.
+  // Work still queued is flushed rather than sent: a queue pair destroyed in the ready-to-send
+  // state may first transmit everything posted on it (Soft-RoCE does).
   std::vector<ibv_ah*> ahs;
   for (auto& [h, p] : peers_) {
     if (p->ah != nullptr) ahs.push_back(p->ah);
+    for (auto* q : {p->msg.get(), p->wr.get()}) {
+      if (q == nullptr) continue;
+      ibv_qp_attr at{};
+      at.qp_state = IBV_QPS_ERR;
+      (void)ibv_modify_qp(q->qp, &at, IBV_QP_STATE);
+    }
   }
+  const auto t0 = Clock::now();
+  const size_t qps = 2 * peers_.size() + retired_.size();
   peers_.clear();
   retired_.clear();
   ud_qp_.reset();
+  detail::log().debug(
+      "verbs '{}': destroyed {} queue pairs in {} ms", info_.name, qps,
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
   for (ibv_ah* ah : ahs) ibv_destroy_ah(ah);
   for (ibv_ah* ah : retired_ahs_) ibv_destroy_ah(ah);
 }

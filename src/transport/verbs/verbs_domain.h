@@ -138,6 +138,7 @@ class VerbsDomain final : public Domain {
   uint8_t active_mtu_ = IBV_MTU_1024;  // enum ibv_mtu
   uint64_t instance_ = 0;              // random: tells this domain from an earlier one
   bool gpu_direct_ = false;
+  bool software_device_ = false;  // rxe, siw: the "NIC" runs on the host's CPUs
 
   std::unordered_map<uint64_t, PeerHandle> by_instance_;
   std::unordered_map<uint32_t, verbs_detail::QueuePair*> by_qpn_;
