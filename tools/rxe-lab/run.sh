@@ -76,7 +76,7 @@ fi
 command -v qemu-system-x86_64 >/dev/null || skip "qemu-system-x86_64 is not on PATH"
 
 # --- the kernel, downloaded once ----------------------------------------------------------
-mkdir -p "$cache"
+mkdir -p "$cache" 2>/dev/null && [ -w "$cache" ] || skip "cannot write the cache directory $cache"
 cache=$(cd "$cache" && pwd)
 kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null |
   sed -n 's/.*Depends: \(linux-image-6\.1\.0-[0-9]*-amd64\)$/\1/p' | head -1)
@@ -209,6 +209,10 @@ if [ "$status" = 124 ] || [ "$status" = 137 ]; then
 fi
 result=$(tr -d '\r' <"$console" | sed -n 's/^RXELAB-RESULT \([0-9]*\) .*/\1/p' | tail -1)
 booted=$(tr -d '\r' <"$console" | sed -n 's/^RXELAB-READY \([0-9.]*\).*/\1/p' | tail -1)
+if [ -z "$result" ] && ! tr -d '\r' <"$console" | grep -q '^RXELAB-BOOTED'; then
+  # qemu could not start or the kernel never reached init: the lab cannot run here.
+  skip "qemu (exit status $status) did not boot the guest to its init"
+fi
 if [ -z "$result" ]; then
   echo "rxe-lab: the guest printed no result line (qemu exited with $status)"
   exit 1

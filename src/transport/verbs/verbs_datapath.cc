@@ -61,6 +61,13 @@ PostResult VerbsDomain::post_write(const WriteRequest& req) {
     return PostResult::failed(Status(
         ErrorCode::kNotFound, fmt::format("'{}': unknown peer handle {}", info_.name, req.peer)));
   }
+  if (req.length > info_.max_write_bytes || req.length > UINT32_MAX) {
+    return PostResult::failed(Status(
+        ErrorCode::kInvalidArgument,
+        fmt::format("'{}': a write of {} bytes is larger than one work request can carry ({})",
+                    info_.name, req.length,
+                    std::min<uint64_t>(info_.max_write_bytes, UINT32_MAX))));
+  }
   if (p->state != Peer::State::kConnected) return not_connected(*p);
   ibv_sge sge{reinterpret_cast<uint64_t>(req.local), static_cast<uint32_t>(req.length),
               lkey_of(req.local_desc)};
