@@ -17,7 +17,8 @@ namespace fabric {
 // One device group: the NICs (libfabric domains) that serve one GPU or one host buffer pool,
 // polled by one worker thread. A transfer submitted on a group is sharded across its NICs.
 struct GroupConfig {
-  // Domain names as libfabric reports them (`fi_info -p tcp` lists "lo", "eth0", ...).
+  // Domain names as libfabric reports them (`fi_info -p tcp` lists "lo", "eth0", ...); for the
+  // verbs provider, RDMA devices as fabric-info lists them ("rxe0", or "mlx5_0:2" for a port).
   // Empty: the first domain the provider offers. A NIC may be listed twice (two endpoints on
   // one NIC: no extra bandwidth, but real multi-rail behaviour for tests).
   std::vector<std::string> nics;
@@ -62,8 +63,9 @@ struct VerbsConfig {
 };
 
 struct Config {
-  // "auto" (efa when present, else tcp), "tcp", "shm", "efa", "verbs", or any libfabric
-  // provider offering reliable datagram (FI_EP_RDM) endpoints with RMA and remote CQ data.
+  // "auto" (efa when present, else tcp), "tcp", "shm", "efa", any libfabric provider offering
+  // reliable datagram (FI_EP_RDM) endpoints with RMA and remote CQ data, or "verbs": the verbs
+  // backend (RC queue pairs through libibverbs; NICs named "mlx5_0", "rxe0:1"; docs/verbs.md).
   std::string provider = "auto";
   // One entry per device group. The default: one group on the provider's first domain.
   std::vector<GroupConfig> groups = {GroupConfig{}};
