@@ -3,8 +3,9 @@
 #   make deps    install the Debian packages the build needs (idempotent, quiet when present)
 #   make build   configure and build; binaries land in build/bin/
 #   make run     loopback demonstration: two processes, verified writes, throughput per op
-#   make test    everything CI runs: format check, unit + conformance tests, Python tests,
-#                ASan+UBSan, TSan
+#   make test    everything CI runs: format check, unit + conformance tests (with the verbs
+#                backend on Soft-RoCE in a qemu guest: ctest -L rxe), Python tests, ASan+UBSan,
+#                TSan
 #   make test-python  the fabric_lib Python module's pytest suite (Debian's /usr/bin/python3)
 #   make bench   the full benchmark over tcp and shm, with its baselines (UCX, iperf3, raw
 #                libfabric): tables on stdout, bench/results/<provider>.{json,md,png}
@@ -22,7 +23,7 @@ SHELL := /bin/bash
 
 DEB_PACKAGES := cmake ninja-build g++ pkg-config make \
   libfabric-dev libfabric-bin libhwloc-dev hwloc libfmt-dev libspdlog-dev libcli11-dev \
-  libgtest-dev googletest clang-format iproute2 \
+  libgtest-dev googletest clang-format iproute2 libibverbs-dev ibverbs-providers rdma-core \
   pybind11-dev python3-dev python3-pip python3-pytest python3-pytest-timeout python3-numpy \
   python3-torch
 # Only `make bench` installs these: the baselines fabric-bench compares with (ucx_perftest,

@@ -25,6 +25,10 @@
 #include "fabric/fabric.h"
 #include "topology/topology.h"
 #include "transport/libfabric/lf_domain.h"
+#include "transport/open_domain.h"
+#ifdef FABRIC_WITH_VERBS
+#include "transport/verbs/verbs_domain.h"
+#endif
 
 namespace {
 
@@ -59,8 +63,22 @@ struct EngineReport {
   std::string error;  // set when the engine could not be created
 };
 
+// A port of an RDMA device, as the verbs backend (provider "verbs") sees it.
+struct VerbsPort {
+  std::string device;
+  int port = 0;
+  std::string state;
+  std::string link_layer;
+  uint32_t active_mtu = 0;
+  int gid_index = -1;
+  std::string gid;
+  std::string netdev;
+};
+
 struct Report {
   std::string libfabric_version;
+  bool verbs_built = false;
+  std::vector<VerbsPort> verbs_ports;
   std::string auto_provider;
   std::vector<ProviderReport> providers;
   std::vector<fabric::topology::NicPlacement> nics;
@@ -128,6 +146,13 @@ Report gather_machine() {
   for (std::string_view p : kKnownProviders) {
     r.providers.push_back({std::string(p), fabric::transport::list_domains(std::string(p))});
   }
+  r.verbs_built = fabric::transport::verbs_built();
+#ifdef FABRIC_WITH_VERBS
+  for (const auto& p : fabric::transport::list_verbs_ports()) {
+    r.verbs_ports.push_back(VerbsPort{p.device, p.port, p.state, p.link_layer, p.active_mtu,
+                                      p.gid_index, p.gid, p.netdev});
+  }
+#endif
   r.nics = fabric::topology::list_nics();
   r.allowed_cpus = fabric::topology::allowed_cpus();
   return r;
@@ -201,6 +226,19 @@ void print_text(const Report& r) {
     }
   }
 
+  fmt::print(
+      "\nRDMA devices for the verbs backend (provider \"verbs\", NIC DEVICE or DEVICE:PORT):\n");
+  if (!r.verbs_built)
+    fmt::print("  (this build has no verbs backend: libibverbs-dev was missing)\n");
+  if (r.verbs_built && r.verbs_ports.empty()) fmt::print("  (none)\n");
+  for (const auto& v : r.verbs_ports) {
+    fmt::print("  {:<10} port {} {:<6} {:<10} MTU {:<5} GID {} {}{}\n", v.device, v.port, v.state,
+               v.link_layer, v.active_mtu,
+               v.gid_index < 0 ? std::string("-") : std::to_string(v.gid_index),
+               v.gid.empty() ? "(no usable GID)" : v.gid,
+               v.netdev.empty() ? "" : " on " + v.netdev);
+  }
+
   fmt::print("\nNICs seen by hwloc:\n");
   if (r.nics.empty()) fmt::print("  (none)\n");
   for (const auto& n : r.nics) {
@@ -248,6 +286,14 @@ void print_json(const Report& r) {
                                json_string(n.name), json_string(n.pci), n.numa_node,
                                json_ints(n.cpus)));
   }
+  std::vector<std::string> verbs;
+  for (const auto& v : r.verbs_ports) {
+    verbs.push_back(fmt::format(
+        R"({{"device":{},"port":{},"state":{},"link_layer":{},"active_mtu":{},"gid_index":{},)"
+        R"("gid":{},"netdev":{}}})",
+        json_string(v.device), v.port, json_string(v.state), json_string(v.link_layer),
+        v.active_mtu, v.gid_index, json_string(v.gid), json_string(v.netdev)));
+  }
   std::string engine = "null";
   if (r.engine) {
     const EngineReport& e = *r.engine;
@@ -263,11 +309,12 @@ void print_json(const Report& r) {
     }
   }
   fmt::print(
-      R"({{"libfabric":{},"auto_provider":{},"providers":[{}],"nics":[{}],"allowed_cpus":{},)"
-      R"("engine":{}}})"
+      R"({{"libfabric":{},"auto_provider":{},"providers":[{}],"verbs_built":{},"verbs":[{}],)"
+      R"("nics":[{}],"allowed_cpus":{},"engine":{}}})"
       "\n",
       json_string(r.libfabric_version), json_string(r.auto_provider), fmt::join(providers, ","),
-      fmt::join(nics, ","), json_ints(r.allowed_cpus), engine);
+      r.verbs_built, fmt::join(verbs, ","), fmt::join(nics, ","), json_ints(r.allowed_cpus),
+      engine);
 }
 
 }  // namespace

@@ -17,7 +17,8 @@ namespace fabric {
 // One device group: the NICs (libfabric domains) that serve one GPU or one host buffer pool,
 // polled by one worker thread. A transfer submitted on a group is sharded across its NICs.
 struct GroupConfig {
-  // Domain names as libfabric reports them (`fi_info -p tcp` lists "lo", "eth0", ...).
+  // Domain names as libfabric reports them (`fi_info -p tcp` lists "lo", "eth0", ...); for the
+  // verbs provider, RDMA devices as fabric-info lists them ("rxe0", or "mlx5_0:2" for a port).
   // Empty: the first domain the provider offers. A NIC may be listed twice (two endpoints on
   // one NIC: no extra bandwidth, but real multi-rail behaviour for tests).
   std::vector<std::string> nics;
@@ -43,9 +44,28 @@ struct FaultConfig {
   std::function<bool(uint64_t sequence)> fail_write;
 };
 
+// The verbs backend (Config::provider "verbs": RC queue pairs through libibverbs; docs/verbs.md).
+struct VerbsConfig {
+  // GID index used on every NIC of the engine. kGidAuto: the RoCE v2 GID that carries the
+  // IPv4 address of the port's network interface (the IB GID 0 on InfiniBand ports).
+  static constexpr int kGidAuto = -1;
+  int gid_index = kGidAuto;
+  // Connection set-up: a peer is connected on first use with a handshake datagram, resent
+  // after connect_retry, doubling, up to connect_attempts datagrams; a peer that never answers
+  // fails the work queued for it with kPeerUnreachable.
+  std::chrono::milliseconds connect_retry{100};
+  uint32_t connect_attempts = 6;
+  // Fault injection for tests: the first drop_handshakes handshake datagrams each domain sends
+  // are dropped, the next delay_handshakes are sent only after handshake_delay.
+  uint32_t drop_handshakes = 0;
+  uint32_t delay_handshakes = 0;
+  std::chrono::milliseconds handshake_delay{0};
+};
+
 struct Config {
-  // "auto" (efa when present, else tcp), "tcp", "shm", "efa", "verbs", or any libfabric
-  // provider offering reliable datagram (FI_EP_RDM) endpoints with RMA and remote CQ data.
+  // "auto" (efa when present, else tcp), "tcp", "shm", "efa", any libfabric provider offering
+  // reliable datagram (FI_EP_RDM) endpoints with RMA and remote CQ data, or "verbs": the verbs
+  // backend (RC queue pairs through libibverbs; NICs named "mlx5_0", "rxe0:1"; docs/verbs.md).
   std::string provider = "auto";
   // One entry per device group. The default: one group on the provider's first domain.
   std::vector<GroupConfig> groups = {GroupConfig{}};
@@ -126,6 +146,7 @@ struct Config {
   std::chrono::milliseconds close_timeout{2000};
 
   FaultConfig faults;
+  VerbsConfig verbs;
 
   // Applies FABRIC_PROVIDER, FABRIC_NICS (comma-separated, group 0), FABRIC_CPU,
   // FABRIC_SPIN_US, FABRIC_IDLE_SLEEP_US, FABRIC_INFLIGHT_SPIN_US and FABRIC_CALLBACK_SPIN_US.

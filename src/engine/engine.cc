@@ -22,6 +22,7 @@
 #include "topology/topology.h"
 #include "transport/fault/fault_domain.h"
 #include "transport/libfabric/lf_domain.h"
+#include "transport/open_domain.h"
 
 namespace fabric {
 
@@ -171,7 +172,7 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
       domains.clear();
       info = GroupInfo{};
       for (size_t i = 0; i < nics.size(); ++i) {
-        auto d = transport::LfDomain::open(config.provider, nics[i], gpu_direct);
+        auto d = transport::open_domain(config, nics[i], gpu_direct);
         if (!d) {
           return Status(d.status().code(),
                         fmt::format("group {} NIC {}: {}", g, i, d.status().message()));

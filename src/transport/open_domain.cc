@@ -1,0 +1,37 @@
+#include "transport/open_domain.h"
+
+#include "transport/libfabric/lf_domain.h"
+#ifdef FABRIC_WITH_VERBS
+#include "transport/verbs/verbs_domain.h"
+#endif
+
+namespace fabric::transport {
+
+bool verbs_built() {
+#ifdef FABRIC_WITH_VERBS
+  return true;
+#else
+  return false;
+#endif
+}
+
+Result<std::unique_ptr<Domain>> open_domain(const Config& config, const std::string& nic,
+                                            bool gpu_direct) {
+  if (config.provider == kVerbsProvider) {
+#ifdef FABRIC_WITH_VERBS
+    auto d = VerbsDomain::open(nic, config.verbs, gpu_direct);
+    if (!d) return d.status();
+    return std::unique_ptr<Domain>(std::move(*d));
+#else
+    (void)gpu_direct;
+    return Status(ErrorCode::kUnsupported,
+                  "the verbs backend is not in this build (libibverbs-dev was not found when it "
+                  "was configured)");
+#endif
+  }
+  auto d = LfDomain::open(config.provider, nic, gpu_direct);
+  if (!d) return d.status();
+  return std::unique_ptr<Domain>(std::move(*d));
+}
+
+}  // namespace fabric::transport

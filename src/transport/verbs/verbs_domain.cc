@@ -1,0 +1,868 @@
+// verbs backend, control path: choosing the device, port and GID; opening the queues;
+// registering memory; peers and the connection handshake.
+#include "transport/verbs/verbs_domain.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "common/log.h"
+#include "cuda/device_memory.h"
+#include "transport/verbs/verbs_dmabuf.h"
+#include "transport/verbs/verbs_objects.h"
+
+namespace fabric::transport {
+
+using namespace verbs_detail;
+
+void VerbsDomain::ChannelCloser::operator()(ibv_comp_channel* c) const noexcept {
+  if (c != nullptr && ibv_destroy_comp_channel(c) != 0) {
+    detail::log().warn("ibv_destroy_comp_channel failed: {}", strerror(errno));
+  }
+}
+void VerbsDomain::CqCloser::operator()(ibv_cq* c) const noexcept {
+  if (c != nullptr && ibv_destroy_cq(c) != 0) {
+    detail::log().warn("ibv_destroy_cq failed: {}", strerror(errno));
+  }
+}
+void VerbsDomain::SrqCloser::operator()(ibv_srq* s) const noexcept {
+  if (s != nullptr && ibv_destroy_srq(s) != 0) {
+    detail::log().warn("ibv_destroy_srq failed: {}", strerror(errno));
+  }
+}
+void VerbsDomain::MrCloser::operator()(ibv_mr* m) const noexcept {
+  if (m != nullptr && ibv_dereg_mr(m) != 0) {
+    detail::log().warn("ibv_dereg_mr failed: {}", strerror(errno));
+  }
+}
+
+namespace {
+
+constexpr uint32_t kCqDepth = 16384;
+constexpr uint32_t kQpSendDepth = 512;
+constexpr uint32_t kMsgSrqDepth = 1024;
+constexpr uint32_t kImmSrqDepth = 1024;
+constexpr uint32_t kUdRecvSlots = 64;
+constexpr uint32_t kUdSendSlots = 64;
+constexpr uint32_t kUdSlotBytes = 256;  // a GRH and a Hello, rounded up
+static_assert(kGrhBytes + sizeof(Hello) <= kUdSlotBytes);
+constexpr uint8_t kHopLimit = 64;
+// RC transport: local ACK timeout 4.096 us * 2^14 = 67 ms, 7 retries; receiver-not-ready
+// retried without bound (the peer reposts its receives), after at least 0.01 ms.
+constexpr uint8_t kAckTimeout = 14;
+constexpr uint8_t kRetryCount = 7;
+constexpr uint8_t kRnrRetryForever = 7;
+constexpr uint8_t kMinRnrTimer = 1;
+
+uint32_t mtu_bytes(uint8_t mtu) {
+  return mtu >= IBV_MTU_256 && mtu <= IBV_MTU_4096 ? 128u << mtu : 0;
+}
+
+std::string gid_text(const ibv_gid& g) {
+  std::string s;
+  for (int i = 0; i < 16; i += 2) {
+    s += fmt::format("{}{:02x}{:02x}", i ? ":" : "", g.raw[i], g.raw[i + 1]);
+  }
+  return s;
+}
+
+bool ipv4_mapped(const ibv_gid& g) {
+  static constexpr uint8_t kPrefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  return std::memcmp(g.raw, kPrefix, sizeof(kPrefix)) == 0;
+}
+
+// Whether the IPv4 address in a mapped GID is an address of the interface `ifindex`.
+bool ipv4_on_interface(const ibv_gid& g, uint32_t ifindex) {
+  char name[IF_NAMESIZE] = {};
+  if (ifindex == 0 || if_indextoname(ifindex, name) == nullptr) return false;
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return false;
+  bool found = false;
+  for (ifaddrs* a = list; a != nullptr && !found; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    if (std::strcmp(a->ifa_name, name) != 0) continue;
+    const auto* sin = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+    found = std::memcmp(&sin->sin_addr, g.raw + 12, 4) == 0;
+  }
+  freeifaddrs(list);
+  return found;
+}
+
+// The GID the backend uses on a port: on RoCE, the RoCE v2 GID carrying an IPv4 address of the
+// port's interface (routable, and what rxe and ConnectX both offer); on InfiniBand, GID 0.
+// Returns -1 when none fits. `netdev` gets the interface name of a RoCE port.
+int pick_gid(ibv_context* ctx, uint8_t port, const ibv_port_attr& pa, std::string& netdev) {
+  if (pa.link_layer == IBV_LINK_LAYER_INFINIBAND) return 0;
+  int fallback = -1;
+  for (int i = 0; i < pa.gid_tbl_len; ++i) {
+    ibv_gid_entry e{};
+    if (ibv_query_gid_ex(ctx, port, static_cast<uint32_t>(i), &e, 0) != 0) continue;
+    if (e.gid_type != IBV_GID_TYPE_ROCE_V2 || !ipv4_mapped(e.gid)) continue;
+    char name[IF_NAMESIZE] = {};
+    if (e.ndev_ifindex != 0 && if_indextoname(e.ndev_ifindex, name) != nullptr) netdev = name;
+    if (ipv4_on_interface(e.gid, e.ndev_ifindex)) return i;
+    if (fallback < 0) fallback = i;
+  }
+  return fallback;
+}
+
+const char* port_state_name(ibv_port_state s) {
+  return ibv_port_state_str(s);
+}
+
+struct DeviceList {
+  ibv_device** list = nullptr;
+  int count = 0;
+  DeviceList() { list = ibv_get_device_list(&count); }
+  ~DeviceList() {
+    if (list != nullptr) ibv_free_device_list(list);
+  }
+};
+
+class VerbsRegistration final : public MemoryRegistration {
+ public:
+  VerbsRegistration(std::shared_ptr<Device> dev, ibv_mr* mr, uint64_t addr)
+      : dev_(std::move(dev)), mr_(mr) {
+    // The local key travels in the descriptor pointer, tagged so that it is never null.
+    local_desc_ = reinterpret_cast<void*>(uintptr_t{mr->lkey} | (uintptr_t{1} << 32));
+    remote_addr_ = addr;
+    remote_key_ = mr->rkey;
+  }
+  ~VerbsRegistration() override {
+    if (ibv_dereg_mr(mr_) != 0) detail::log().warn("ibv_dereg_mr failed: {}", strerror(errno));
+  }
+
+ private:
+  std::shared_ptr<Device> dev_;  // the protection domain outlives the region
+  ibv_mr* mr_;
+};
+
+}  // namespace
+
+std::vector<VerbsPortListing> list_verbs_ports() {
+  std::vector<VerbsPortListing> out;
+  DeviceList devs;
+  for (int d = 0; d < devs.count; ++d) {
+    ibv_context* ctx = ibv_open_device(devs.list[d]);
+    if (ctx == nullptr) continue;
+    ibv_device_attr da{};
+    if (ibv_query_device(ctx, &da) == 0) {
+      for (uint8_t p = 1; p <= da.phys_port_cnt; ++p) {
+        ibv_port_attr pa{};
+        if (ibv_query_port(ctx, p, &pa) != 0) continue;
+        VerbsPortListing l;
+        l.device = ibv_get_device_name(devs.list[d]);
+        l.port = p;
+        l.state = port_state_name(pa.state);
+        l.active = pa.state == IBV_PORT_ACTIVE;
+        l.link_layer = pa.link_layer == IBV_LINK_LAYER_INFINIBAND ? "InfiniBand" : "Ethernet";
+        l.active_mtu = mtu_bytes(pa.active_mtu);
+        l.gid_index = pick_gid(ctx, p, pa, l.netdev);
+        ibv_gid g{};
+        if (l.gid_index >= 0 && ibv_query_gid(ctx, p, l.gid_index, &g) == 0) l.gid = gid_text(g);
+        out.push_back(std::move(l));
+      }
+    }
+    ibv_close_device(ctx);
+  }
+  return out;
+}
+
+Result<std::unique_ptr<VerbsDomain>> VerbsDomain::open(const std::string& nic,
+                                                       const VerbsConfig& config, bool gpu_direct) {
+  if (config.connect_attempts == 0 || config.connect_retry.count() <= 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "config.verbs.connect_attempts and config.verbs.connect_retry must be positive");
+  }
+  std::unique_ptr<VerbsDomain> d(new VerbsDomain());
+  d->config_ = config;
+  if (Status s = d->open_port(nic, gpu_direct); !s) return s;
+  if (Status s = d->create_queues(); !s) return s;
+  return d;
+}
+
+Status VerbsDomain::open_port(const std::string& nic, bool gpu_direct) {
+  std::string want_dev = nic;
+  int want_port = 0;
+  if (auto colon = nic.rfind(':'); colon != std::string::npos) {
+    want_dev = nic.substr(0, colon);
+    const std::string p = nic.substr(colon + 1);
+    if (p.empty() || p.size() > 3 || !std::all_of(p.begin(), p.end(), ::isdigit) ||
+        std::stoi(p) < 1 || std::stoi(p) > 255) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("verbs NIC '{}': the port after ':' must be 1 to 255", nic));
+    }
+    want_port = std::stoi(p);
+  }
+  DeviceList devs;
+  if (devs.count == 0) {
+    return Status(ErrorCode::kUnsupported,
+                  "no RDMA (verbs) device on this machine (ibv_get_device_list found none)");
+  }
+  std::string seen;
+  for (int i = 0; i < devs.count; ++i) {
+    const char* name = ibv_get_device_name(devs.list[i]);
+    seen += fmt::format("{}{}", seen.empty() ? "" : ", ", name);
+    if (!want_dev.empty() && want_dev != name) continue;
+    auto dev = std::make_shared<Device>();
+    dev->ctx = ibv_open_device(devs.list[i]);
+    if (dev->ctx == nullptr) {
+      return Status(ErrorCode::kFabric,
+                    fmt::format("ibv_open_device({}) failed: {}", name, strerror(errno)));
+    }
+    ibv_device_attr da{};
+    if (ibv_query_device(dev->ctx, &da) != 0) {
+      return Status(ErrorCode::kFabric,
+                    fmt::format("ibv_query_device({}) failed: {}", name, strerror(errno)));
+    }
+    for (uint8_t p = 1; p <= da.phys_port_cnt; ++p) {
+      if (want_port != 0 && p != want_port) continue;
+      ibv_port_attr pa{};
+      if (ibv_query_port(dev->ctx, p, &pa) != 0 || pa.state != IBV_PORT_ACTIVE) continue;
+      std::string netdev;
+      int gid = config_.gid_index >= 0 ? config_.gid_index : pick_gid(dev->ctx, p, pa, netdev);
+      if (gid < 0 || gid >= pa.gid_tbl_len) {
+        if (!want_dev.empty()) {
+          return Status(ErrorCode::kNotFound,
+                        fmt::format("verbs NIC '{}' port {}: {}", name, p,
+                                    config_.gid_index >= 0
+                                        ? fmt::format("GID index {} is outside its table of {}",
+                                                      gid, pa.gid_tbl_len)
+                                        : std::string("no RoCE v2 GID with an IPv4 address (give "
+                                                      "the interface an IPv4 address, or set "
+                                                      "config.verbs.gid_index)")));
+        }
+        continue;
+      }
+      if (ibv_query_gid(dev->ctx, p, gid, &gid_) != 0) {
+        return Status(ErrorCode::kFabric,
+                      fmt::format("ibv_query_gid({} port {} index {}) failed", name, p, gid));
+      }
+      dev->pd = ibv_alloc_pd(dev->ctx);
+      if (dev->pd == nullptr) {
+        return Status(ErrorCode::kFabric,
+                      fmt::format("ibv_alloc_pd({}) failed: {}", name, strerror(errno)));
+      }
+      dev_ = std::move(dev);
+      port_ = p;
+      gid_index_ = gid;
+      lid_ = pa.lid;
+      active_mtu_ = static_cast<uint8_t>(pa.active_mtu);
+      // Soft-RoCE and soft-iWARP do the NIC's work on the host's CPUs, in kernel threads that a
+      // busy-polling worker would starve: an empty poll yields the CPU there.
+      software_device_ = std::string_view(name).rfind("rxe", 0) == 0 ||
+                         std::string_view(name).rfind("siw", 0) == 0;
+      gpu_direct_ = gpu_direct && cuda::cuda_available() && dmabuf_supported();
+      info_ = DomainInfo{"verbs", fmt::format("{}:{}", name, p), pa.max_msg_sz,
+                         /*delivery_complete=*/true, gpu_direct_};
+      cq_depth_ = std::min<uint32_t>(kCqDepth, static_cast<uint32_t>(da.max_cqe));
+      qp_send_depth_ = std::min<uint32_t>(kQpSendDepth, static_cast<uint32_t>(da.max_qp_wr));
+      msg_srq_depth_ = std::min<uint32_t>(kMsgSrqDepth, static_cast<uint32_t>(da.max_srq_wr));
+      imm_srq_depth_ = std::min<uint32_t>(kImmSrqDepth, static_cast<uint32_t>(da.max_srq_wr));
+      detail::log().debug("verbs: opened {} port {} GID {} ({}{}), active MTU {}", name, p, gid,
+                          gid_text(gid_), netdev.empty() ? "" : " on " + netdev,
+                          mtu_bytes(active_mtu_));
+      return Status::ok();
+    }
+    if (!want_dev.empty()) {
+      return Status(ErrorCode::kNotFound,
+                    want_port ? fmt::format("verbs NIC '{}' has no active port {}", nic, want_port)
+                              : fmt::format("verbs NIC '{}' has no active port", nic));
+    }
+  }
+  if (want_dev.empty()) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("no verbs device with an active port (devices: {})", seen));
+  }
+  return Status(ErrorCode::kNotFound,
+                fmt::format("no verbs device named '{}' (devices: {})", want_dev, seen));
+}
+
+Status VerbsDomain::create_queues() {
+  ibv_context* ctx = dev_->ctx;
+  auto fail = [&](const char* what) {
+    return Status(ErrorCode::kFabric,
+                  fmt::format("{} on '{}' failed: {}", what, info_.name, strerror(errno)));
+  };
+  channel_.reset(ibv_create_comp_channel(ctx));
+  if (!channel_) return fail("ibv_create_comp_channel");
+  for (int fd : {channel_->fd, ctx->async_fd}) {
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) return fail("fcntl(O_NONBLOCK)");
+  }
+  cq_.reset(ibv_create_cq(ctx, static_cast<int>(cq_depth_), nullptr, channel_.get(), 0));
+  if (!cq_) return fail("ibv_create_cq");
+  cq_depth_ = static_cast<uint32_t>(cq_->cqe);
+  ud_cq_.reset(ibv_create_cq(ctx, kUdRecvSlots + kUdSendSlots, nullptr, channel_.get(), 0));
+  if (!ud_cq_) return fail("ibv_create_cq (handshake)");
+
+  ibv_srq_init_attr sa{};
+  sa.attr.max_wr = msg_srq_depth_;
+  sa.attr.max_sge = 1;
+  msg_srq_.reset(ibv_create_srq(dev_->pd, &sa));
+  if (!msg_srq_) return fail("ibv_create_srq (messages)");
+  sa.attr.max_wr = imm_srq_depth_;
+  imm_srq_.reset(ibv_create_srq(dev_->pd, &sa));
+  if (!imm_srq_) return fail("ibv_create_srq (immediates)");
+  // Zero-length receives for write-with-immediate, all posted now and reposted as consumed.
+  imm_consumed_ = imm_srq_depth_;
+  if (cq_depth_ < imm_srq_depth_ + msg_srq_depth_ + 2 * qp_send_depth_) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("'{}': its completion queue holds {} entries, fewer than the "
+                              "backend's receive queues need",
+                              info_.name, cq_depth_));
+  }
+
+  // The handshake: one UD queue pair and its buffers.
+  ud_recv_slots_ = kUdRecvSlots;
+  ud_send_slots_ = kUdSendSlots;
+  ud_buf_.assign(static_cast<size_t>(kUdSlotBytes) * (ud_recv_slots_ + ud_send_slots_),
+                 std::byte{0});
+  ud_mr_.reset(ibv_reg_mr(dev_->pd, ud_buf_.data(), ud_buf_.size(), IBV_ACCESS_LOCAL_WRITE));
+  if (!ud_mr_) return fail("ibv_reg_mr (handshake buffers)");
+  ibv_qp_init_attr qa{};
+  qa.send_cq = ud_cq_.get();
+  qa.recv_cq = ud_cq_.get();
+  qa.qp_type = IBV_QPT_UD;
+  qa.cap.max_send_wr = ud_send_slots_;
+  qa.cap.max_recv_wr = ud_recv_slots_;
+  qa.cap.max_send_sge = 1;
+  qa.cap.max_recv_sge = 1;
+  ud_qp_ = std::make_unique<QueuePair>();
+  ud_qp_->role = QueuePair::Role::kHandshake;
+  ud_qp_->qp = ibv_create_qp(dev_->pd, &qa);
+  if (ud_qp_->qp == nullptr) return fail("ibv_create_qp (UD handshake)");
+  ibv_qp_attr at{};
+  at.qp_state = IBV_QPS_INIT;
+  at.pkey_index = 0;
+  at.port_num = port_;
+  at.qkey = kQkey;
+  if (ibv_modify_qp(ud_qp_->qp, &at,
+                    IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY) != 0) {
+    return fail("ibv_modify_qp (UD to INIT)");
+  }
+  at = {};
+  at.qp_state = IBV_QPS_RTR;
+  if (ibv_modify_qp(ud_qp_->qp, &at, IBV_QP_STATE) != 0) return fail("ibv_modify_qp (UD to RTR)");
+  at.qp_state = IBV_QPS_RTS;
+  at.sq_psn = 0;
+  if (ibv_modify_qp(ud_qp_->qp, &at, IBV_QP_STATE | IBV_QP_SQ_PSN) != 0) {
+    return fail("ibv_modify_qp (UD to RTS)");
+  }
+  for (uint32_t i = 0; i < ud_recv_slots_; ++i) {
+    ibv_sge sge{reinterpret_cast<uint64_t>(ud_buf_.data() + i * kUdSlotBytes), kUdSlotBytes,
+                ud_mr_->lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = i;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    if (ibv_post_recv(ud_qp_->qp, &wr, &bad) != 0) return fail("ibv_post_recv (handshake)");
+  }
+  for (uint32_t i = 0; i < ud_send_slots_; ++i) ud_free_send_.push_back(ud_recv_slots_ + i);
+
+  std::random_device rd;
+  instance_ = (uint64_t{rd()} << 32) | rd();
+  Name n{kNameMagic, ud_qp_->qp->qp_num, instance_, {}, lid_, active_mtu_, port_, 0};
+  std::memcpy(n.gid, gid_.raw, 16);
+  name_.resize(sizeof(n));
+  std::memcpy(name_.data(), &n, sizeof(n));
+  wc_.resize(64);
+  repost_imm_receives();
+  if (imm_consumed_ != 0) return fail("ibv_post_srq_recv (immediates)");
+  return Status::ok();
+}
+
+VerbsDomain::~VerbsDomain() {
+  // Queue pairs before the queues and channel they use (the members below them), address
+  // handles before the protection domain.
+  // Work still queued is flushed rather than sent: a queue pair destroyed in the ready-to-send
+  // state may first transmit everything posted on it (Soft-RoCE does).
+  std::vector<ibv_ah*> ahs;
+  for (auto& [h, p] : peers_) {
+    if (p->ah != nullptr) ahs.push_back(p->ah);
+    for (auto* q : {p->msg.get(), p->wr.get()}) {
+      if (q == nullptr) continue;
+      ibv_qp_attr at{};
+      at.qp_state = IBV_QPS_ERR;
+      (void)ibv_modify_qp(q->qp, &at, IBV_QP_STATE);
+    }
+  }
+  const auto t0 = Clock::now();
+  const size_t qps = 2 * peers_.size() + retired_.size();
+  peers_.clear();
+  retired_.clear();
+  ud_qp_.reset();
+  detail::log().debug(
+      "verbs '{}': destroyed {} queue pairs in {} ms", info_.name, qps,
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
+  for (ibv_ah* ah : ahs) ibv_destroy_ah(ah);
+  for (ibv_ah* ah : retired_ahs_) ibv_destroy_ah(ah);
+}
+
+int VerbsDomain::wait_fd() const {
+  return channel_ ? channel_->fd : -1;
+}
+
+// --- memory ---------------------------------------------------------------------------------
+
+Result<std::unique_ptr<MemoryRegistration>> VerbsDomain::register_memory(void* ptr,
+                                                                         uint64_t length) {
+  // Relaxed ordering lets the NIC reorder its PCIe writes (faster through some root complexes);
+  // the contract never depended on their order. Devices without it ignore the flag (it is one
+  // of the optional access flags), and a kernel that rejects it gets a second try without.
+  constexpr int kBase = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+  const uint64_t addr = reinterpret_cast<uint64_t>(ptr);
+  ibv_mr* mr = nullptr;
+  auto memory =
+      gpu_direct_ ? cuda::classify(ptr, length) : Result<cuda::PointerInfo>(cuda::PointerInfo{});
+  if (!memory) return memory.status();
+  if (memory->kind == cuda::MemoryKind::kCuda) {
+    // GPU memory: through a dma-buf of its pages, registered at its virtual address.
+    auto buf = dmabuf_for(ptr, length);
+    if (!buf) return buf.status();
+    mr = ibv_reg_dmabuf_mr(dev_->pd, buf->offset, length, addr, buf->fd,
+                           kBase | IBV_ACCESS_RELAXED_ORDERING);
+    int err = errno;
+    dmabuf_close(*buf);
+    if (mr == nullptr) {
+      return Status(ErrorCode::kFabric,
+                    fmt::format("ibv_reg_dmabuf_mr of {} bytes of GPU memory at {} on '{}' "
+                                "failed: {}",
+                                length, ptr, info_.name, strerror(err)));
+    }
+  } else {
+    mr = ibv_reg_mr(dev_->pd, ptr, length, kBase | IBV_ACCESS_RELAXED_ORDERING);
+    if (mr == nullptr && errno == EINVAL) mr = ibv_reg_mr(dev_->pd, ptr, length, kBase);
+    if (mr == nullptr) {
+      return Status(ErrorCode::kFabric,
+                    fmt::format("ibv_reg_mr of {} bytes at {} on '{}' failed: {}", length, ptr,
+                                info_.name, strerror(errno)));
+    }
+  }
+  return std::unique_ptr<MemoryRegistration>(new VerbsRegistration(dev_, mr, addr));
+}
+
+// --- peers ----------------------------------------------------------------------------------
+
+Peer* VerbsDomain::peer_of(PeerHandle h) {
+  auto it = peers_.find(h);
+  return it == peers_.end() ? nullptr : it->second.get();
+}
+
+Peer& VerbsDomain::peer_by_instance(uint64_t instance, const ibv_gid& gid, uint32_t ud_qpn,
+                                    uint16_t lid, uint8_t mtu) {
+  if (auto it = by_instance_.find(instance); it != by_instance_.end()) {
+    return *peers_.at(it->second);
+  }
+  auto p = std::make_unique<Peer>();
+  p->handle = next_handle_++;
+  p->instance = instance;
+  p->gid = gid;
+  p->ud_qpn = ud_qpn;
+  p->lid = lid;
+  p->mtu = mtu;
+  ibv_ah_attr ah{};
+  ah.is_global = 1;
+  ah.grh.dgid = gid;
+  ah.grh.sgid_index = static_cast<uint8_t>(gid_index_);
+  ah.grh.hop_limit = kHopLimit;
+  ah.dlid = lid;
+  ah.port_num = port_;
+  p->ah = ibv_create_ah(dev_->pd, &ah);
+  if (p->ah == nullptr) {
+    p->state = Peer::State::kFailed;
+    p->failed_at = Clock::now();
+    p->error =
+        fmt::format("ibv_create_ah towards GID {} failed: {}", gid_text(gid), strerror(errno));
+  }
+  Peer& ref = *p;
+  by_instance_[instance] = p->handle;
+  peers_.emplace(p->handle, std::move(p));
+  return ref;
+}
+
+Result<PeerHandle> VerbsDomain::resolve_peer(std::span<const std::byte> name) {
+  Name n{};
+  if (name.size() != sizeof(Name)) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("'{}': a verbs peer address has {} bytes, not {} (is the peer using "
+                              "the verbs backend?)",
+                              info_.name, sizeof(Name), name.size()));
+  }
+  std::memcpy(&n, name.data(), sizeof(n));
+  if (n.magic != kNameMagic) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("'{}': not a verbs peer address (magic {:#x})", info_.name, n.magic));
+  }
+  if (auto it = by_instance_.find(n.instance); it != by_instance_.end()) return it->second;
+  ibv_gid gid{};
+  std::memcpy(gid.raw, n.gid, 16);
+  return peer_by_instance(n.instance, gid, n.ud_qpn, n.lid, n.mtu).handle;
+}
+
+void VerbsDomain::forget_peer(PeerHandle h) {
+  Peer* p = peer_of(h);
+  if (p == nullptr) return;
+  retire_qps(*p, ErrorCode::kPeerUnreachable, "the engine declared the peer unreachable");
+  if (p->state == Peer::State::kConnecting) --connecting_;
+  if (p->ah != nullptr) retired_ahs_.push_back(p->ah);  // a handshake may still be in flight
+  by_instance_.erase(p->instance);
+  peers_.erase(h);
+}
+
+// --- queue pairs ----------------------------------------------------------------------------
+
+Status VerbsDomain::create_qps(Peer& p) {
+  auto make = [&](QueuePair::Role role, ibv_srq* srq) -> Result<std::unique_ptr<QueuePair>> {
+    ibv_qp_init_attr qa{};
+    qa.send_cq = cq_.get();
+    qa.recv_cq = cq_.get();
+    qa.srq = srq;
+    qa.qp_type = IBV_QPT_RC;
+    qa.sq_sig_all = 1;
+    qa.cap.max_send_wr = qp_send_depth_;
+    qa.cap.max_send_sge = 1;
+    auto q = std::make_unique<QueuePair>();
+    q->role = role;
+    q->peer = p.handle;
+    q->qp = ibv_create_qp(dev_->pd, &qa);
+    if (q->qp == nullptr) {
+      return Status(ErrorCode::kFabric, fmt::format("ibv_create_qp (RC) on '{}' failed: {}",
+                                                    info_.name, strerror(errno)));
+    }
+    ibv_qp_attr at{};
+    at.qp_state = IBV_QPS_INIT;
+    at.pkey_index = 0;
+    at.port_num = port_;
+    at.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+    if (ibv_modify_qp(q->qp, &at,
+                      IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
+      return Status(ErrorCode::kFabric, fmt::format("ibv_modify_qp (RC to INIT) on '{}' failed: {}",
+                                                    info_.name, strerror(errno)));
+    }
+    by_qpn_[q->qp->qp_num] = q.get();
+    return q;
+  };
+  auto msg = make(QueuePair::Role::kMessages, msg_srq_.get());
+  if (!msg) return msg.status();
+  auto wr = make(QueuePair::Role::kWrites, imm_srq_.get());
+  if (!wr) {
+    by_qpn_.erase((*msg)->qp->qp_num);
+    return wr.status();
+  }
+  p.msg = std::move(*msg);
+  p.wr = std::move(*wr);
+  std::random_device rd;
+  p.msg_psn = rd() & 0xffffff;
+  p.wr_psn = rd() & 0xffffff;
+  ++p.gen;
+  return Status::ok();
+}
+
+Status VerbsDomain::connect_qps(Peer& p, const Hello& h) {
+  // Path MTU: the smaller of both ports' active MTU.
+  const auto mtu = static_cast<ibv_mtu>(std::min(active_mtu_, h.mtu));
+  auto connect = [&](QueuePair& q, uint32_t remote_qpn, uint32_t remote_psn, uint32_t my_psn) {
+    ibv_qp_attr at{};
+    at.qp_state = IBV_QPS_RTR;
+    at.path_mtu = mtu;
+    at.dest_qp_num = remote_qpn;
+    at.rq_psn = remote_psn;
+    at.max_dest_rd_atomic = 1;
+    at.min_rnr_timer = kMinRnrTimer;
+    at.ah_attr.is_global = 1;
+    std::memcpy(at.ah_attr.grh.dgid.raw, h.gid, 16);
+    at.ah_attr.grh.sgid_index = static_cast<uint8_t>(gid_index_);
+    at.ah_attr.grh.hop_limit = kHopLimit;
+    at.ah_attr.dlid = h.lid;
+    at.ah_attr.port_num = port_;
+    if (ibv_modify_qp(q.qp, &at,
+                      IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                          IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) != 0) {
+      return Status(ErrorCode::kFabric, fmt::format("ibv_modify_qp (RC to RTR) on '{}' failed: {}",
+                                                    info_.name, strerror(errno)));
+    }
+    at = {};
+    at.qp_state = IBV_QPS_RTS;
+    at.timeout = kAckTimeout;
+    at.retry_cnt = kRetryCount;
+    at.rnr_retry = kRnrRetryForever;
+    at.sq_psn = my_psn;
+    at.max_rd_atomic = 1;
+    if (ibv_modify_qp(q.qp, &at,
+                      IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                          IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) != 0) {
+      return Status(ErrorCode::kFabric, fmt::format("ibv_modify_qp (RC to RTS) on '{}' failed: {}",
+                                                    info_.name, strerror(errno)));
+    }
+    return Status::ok();
+  };
+  if (Status s = connect(*p.msg, h.msg_qpn, h.msg_psn, p.msg_psn); !s) return s;
+  if (Status s = connect(*p.wr, h.wr_qpn, h.wr_psn, p.wr_psn); !s) return s;
+  p.remote_gen = h.gen;
+  if (p.state == Peer::State::kConnecting) --connecting_;
+  p.state = Peer::State::kConnected;
+  detail::log().debug("verbs '{}': connected to {} (QPs {}/{} -> {}/{}, path MTU {})", info_.name,
+                      gid_text(p.gid), p.msg->qp->qp_num, p.wr->qp->qp_num, h.msg_qpn, h.wr_qpn,
+                      mtu_bytes(mtu));
+  return Status::ok();
+}
+
+void VerbsDomain::retire_qps(Peer& p, ErrorCode code, const std::string& why) {
+  for (auto* q : {&p.msg, &p.wr}) {
+    if (!*q) continue;
+    ibv_qp_attr at{};
+    at.qp_state = IBV_QPS_ERR;
+    if (ibv_modify_qp((*q)->qp, &at, IBV_QP_STATE) != 0) {
+      detail::log().warn("'{}': ibv_modify_qp (to ERR) failed: {}", info_.name, strerror(errno));
+    }
+    (*q)->error = code;
+    (*q)->error_text = why;
+    retired_.push_back(std::move(*q));
+  }
+  if (p.state == Peer::State::kConnected) p.state = Peer::State::kIdle;
+}
+
+void VerbsDomain::reap_retired() {
+  for (size_t i = 0; i < retired_.size();) {
+    if (retired_[i]->outstanding == 0) {
+      by_qpn_.erase(retired_[i]->qp->qp_num);
+      retired_[i] = std::move(retired_.back());
+      retired_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+// --- the handshake --------------------------------------------------------------------------
+
+PostResult VerbsDomain::not_connected(Peer& p) {
+  const auto now = Clock::now();
+  if (p.state == Peer::State::kConnecting) return PostResult::again();
+  if (p.state == Peer::State::kFailed) {
+    if (now < p.failed_at + config_.connect_retry || p.ah == nullptr) {
+      return PostResult::failed(Status(ErrorCode::kPeerUnreachable, p.error));
+    }
+    p.state = Peer::State::kIdle;  // time to try again
+  }
+  if (!p.msg) {
+    if (Status s = create_qps(p); !s) return PostResult::failed(std::move(s));
+  }
+  p.state = Peer::State::kConnecting;
+  ++connecting_;
+  p.attempts = 1;
+  p.interval = config_.connect_retry;
+  p.first_attempt = now;
+  p.next_retry = now + p.interval;
+  send_hello(p, Hello::kRequest, 0);
+  return PostResult::again();
+}
+
+void VerbsDomain::send_hello(Peer& p, uint8_t type, uint32_t echo_gen) {
+  Hello h{};
+  h.magic = kHelloMagic;
+  h.type = type;
+  h.mtu = active_mtu_;
+  h.lid = lid_;
+  h.src_instance = instance_;
+  h.dst_instance = p.instance;
+  h.src_ud_qpn = ud_qp_->qp->qp_num;
+  h.gen = p.gen;
+  h.echo_gen = echo_gen;
+  h.msg_qpn = p.msg->qp->qp_num;
+  h.wr_qpn = p.wr->qp->qp_num;
+  h.msg_psn = p.msg_psn;
+  h.wr_psn = p.wr_psn;
+  std::memcpy(h.gid, gid_.raw, 16);
+  const uint32_t n = hellos_sent_++;
+  if (n < config_.drop_handshakes) {
+    detail::log().debug("verbs '{}': dropping handshake datagram {} (fault injection)", info_.name,
+                        n);
+    return;
+  }
+  if (n < config_.drop_handshakes + config_.delay_handshakes) {
+    delayed_.push_back(
+        std::make_unique<DelayedHello>(Clock::now() + config_.handshake_delay, h, p.handle));
+    return;
+  }
+  transmit_hello(h, p);
+}
+
+void VerbsDomain::transmit_hello(const Hello& h, Peer& p) {
+  if (p.ah == nullptr) return;
+  if (ud_free_send_.empty()) {
+    detail::log().debug("verbs '{}': no free handshake send slot; the retry will resend",
+                        info_.name);
+    return;
+  }
+  const uint32_t slot = ud_free_send_.back();
+  ud_free_send_.pop_back();
+  std::byte* buf = ud_buf_.data() + static_cast<size_t>(slot) * kUdSlotBytes;
+  std::memcpy(buf, &h, sizeof(h));
+  ibv_sge sge{reinterpret_cast<uint64_t>(buf), sizeof(h), ud_mr_->lkey};
+  ibv_send_wr wr{};
+  wr.wr_id = slot;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.wr.ud.ah = p.ah;
+  wr.wr.ud.remote_qpn = p.ud_qpn;
+  wr.wr.ud.remote_qkey = kQkey;
+  ibv_send_wr* bad = nullptr;
+  if (ibv_post_send(ud_qp_->qp, &wr, &bad) != 0) {
+    ud_free_send_.push_back(slot);
+    detail::log().warn("verbs '{}': posting a handshake datagram failed: {}", info_.name,
+                       strerror(errno));
+  }
+}
+
+void VerbsDomain::on_hello(const Hello& h) {
+  if (h.magic != kHelloMagic || h.dst_instance != instance_) return;  // not for this domain
+  ibv_gid gid{};
+  std::memcpy(gid.raw, h.gid, 16);
+  Peer& p = peer_by_instance(h.src_instance, gid, h.src_ud_qpn, h.lid, h.mtu);
+  if (h.type == Hello::kRequest) {
+    if (h.gen < p.remote_gen) return;  // a stale request, delayed past a newer one
+    if (p.state == Peer::State::kConnected && h.gen == p.remote_gen) {
+      send_hello(p, Hello::kReply, h.gen);  // our reply was lost or is late: answer again
+      return;
+    }
+    if (p.state == Peer::State::kConnected) {
+      // The peer made new queue pairs (its old ones broke, or it forgot us): so do we.
+      retire_qps(p, ErrorCode::kPeerUnreachable, "the peer reconnected");
+    }
+    if (!p.msg) {
+      if (Status s = create_qps(p); !s) {
+        detail::log().warn("verbs '{}': cannot answer a connection request: {}", info_.name,
+                           s.message());
+        return;
+      }
+    }
+    if (Status s = connect_qps(p, h); !s) {
+      detail::log().warn("verbs '{}': {}", info_.name, s.message());
+      retire_qps(p, s.code(), s.message());
+      return;
+    }
+    send_hello(p, Hello::kReply, h.gen);
+  } else if (h.type == Hello::kReply) {
+    if (p.state != Peer::State::kConnecting || h.echo_gen != p.gen) return;  // late or stale
+    if (Status s = connect_qps(p, h); !s) {
+      detail::log().warn("verbs '{}': {}", info_.name, s.message());
+      retire_qps(p, s.code(), s.message());
+      --connecting_;
+      p.state = Peer::State::kFailed;
+      p.failed_at = Clock::now();
+      p.error = s.message();
+    }
+  }
+}
+
+void VerbsDomain::read_async_events() {
+  ibv_async_event ev{};
+  while (ibv_get_async_event(dev_->ctx, &ev) == 0) {
+    switch (ev.event_type) {
+      case IBV_EVENT_QP_FATAL:
+      case IBV_EVENT_QP_REQ_ERR:
+      case IBV_EVENT_QP_ACCESS_ERR: {
+        auto it = by_qpn_.find(ev.element.qp->qp_num);
+        if (it != by_qpn_.end()) {
+          Peer* p = peer_of(it->second->peer);
+          if (p != nullptr && (p->msg.get() == it->second || p->wr.get() == it->second)) {
+            retire_qps(*p, ErrorCode::kFabric,
+                       fmt::format("its {} queue pair reported '{}'", it->second->role_name(),
+                                   ibv_event_type_str(ev.event_type)));
+          }
+        }
+        break;
+      }
+      default:
+        detail::log().debug("verbs '{}': async event '{}'", info_.name,
+                            ibv_event_type_str(ev.event_type));
+        break;
+    }
+    ibv_ack_async_event(&ev);
+  }
+}
+
+bool VerbsDomain::progress_handshakes() {
+  bool any = false;
+  ibv_wc wc[16];
+  int n = ibv_poll_cq(ud_cq_.get(), 16, wc);
+  for (int i = 0; i < n; ++i) {
+    any = true;
+    const uint32_t slot = static_cast<uint32_t>(wc[i].wr_id);
+    if (slot >= ud_recv_slots_) {  // a datagram went out
+      ud_free_send_.push_back(slot);
+      continue;
+    }
+    std::byte* buf = ud_buf_.data() + static_cast<size_t>(slot) * kUdSlotBytes;
+    if (wc[i].status == IBV_WC_SUCCESS && wc[i].opcode == IBV_WC_RECV &&
+        wc[i].byte_len >= kGrhBytes + sizeof(Hello)) {
+      Hello h{};
+      std::memcpy(&h, buf + kGrhBytes, sizeof(h));
+      on_hello(h);
+    }
+    ibv_sge sge{reinterpret_cast<uint64_t>(buf), kUdSlotBytes, ud_mr_->lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = slot;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    if (ibv_post_recv(ud_qp_->qp, &wr, &bad) != 0) {
+      detail::log().warn("verbs '{}': reposting a handshake receive failed: {}", info_.name,
+                         strerror(errno));
+    }
+  }
+  return any;
+}
+
+void VerbsDomain::progress() {
+  progress_handshakes();
+  if (!delayed_.empty()) {
+    const auto now = Clock::now();
+    while (!delayed_.empty() && delayed_.front()->due <= now) {
+      std::unique_ptr<DelayedHello> d = std::move(delayed_.front());
+      delayed_.pop_front();
+      if (Peer* p = peer_of(d->peer)) transmit_hello(d->hello, *p);
+    }
+  }
+  if (connecting_ > 0) {
+    const auto now = Clock::now();
+    for (auto& [h, pp] : peers_) {
+      Peer& p = *pp;
+      if (p.state != Peer::State::kConnecting || now < p.next_retry) continue;
+      if (p.attempts >= config_.connect_attempts) {
+        --connecting_;
+        p.state = Peer::State::kFailed;
+        p.failed_at = now;
+        p.error = fmt::format(
+            "'{}': the peer at GID {} (handshake QP {}) never answered the connection "
+            "handshake: {} requests over {} ms",
+            info_.name, gid_text(p.gid), p.ud_qpn, p.attempts,
+            std::chrono::duration_cast<std::chrono::milliseconds>(now - p.first_attempt).count());
+        retire_qps(p, ErrorCode::kPeerUnreachable, p.error);
+        detail::log().warn("verbs {}", p.error);
+        continue;
+      }
+      ++p.attempts;
+      p.interval *= 2;
+      p.next_retry = now + p.interval;
+      send_hello(p, Hello::kRequest, 0);
+    }
+  }
+  if ((++poll_calls_ & 63) == 0) read_async_events();
+  if (!retired_.empty()) reap_retired();
+}
+
+}  // namespace fabric::transport
