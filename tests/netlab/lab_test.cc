@@ -137,7 +137,7 @@ struct LabPeer {
 
   static std::unique_ptr<LabPeer> start(uint32_t nics) {
     auto p = std::make_unique<LabPeer>();
-    PeerOptions options{{"ip", "netns", "exec", g_lab + "-b"}, nic_list(nics)};
+    PeerOptions options{{"ip", "netns", "exec", g_lab + "-b"}, nic_list(nics), {}};
     if (!p->process.start(Backend{"tcp", "tcp", false}, kPeerBytes, options)) return nullptr;
     auto addr = Address::from_hex(p->process.read_value("address"));
     auto mem = from_hex(p->process.read_value("memory"));
