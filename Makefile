@@ -20,7 +20,7 @@ DEB_PACKAGES := cmake ninja-build g++ pkg-config make \
   libfabric-dev libfabric-bin libhwloc-dev hwloc libfmt-dev libspdlog-dev libcli11-dev \
   libgtest-dev googletest clang-format iproute2 \
   pybind11-dev python3-dev python3-pip python3-pytest python3-pytest-timeout python3-numpy \
-  python3-torch
+  python3-torch etcd-server libcurl4-openssl-dev nlohmann-json3-dev
 # Only `make bench` installs these: the baselines fabric-bench compares with (ucx_perftest,
 # iperf3, run in a private network namespace made with unshare and ip) and the plot.
 BENCH_PACKAGES := ucx-utils iperf3 python3-matplotlib iproute2 util-linux

@@ -7,6 +7,7 @@
 //                                      -> "finished ID CODE" when the prefill side ends
 //   pull ID NPAGES ADDR_HEX...         decode: pull request ID from these prefill ranks
 //                                      -> "ready ID ok|corrupt" or "error ID CODE"
+//   etcd ENDPOINT NAME                 join an etcd registry (lease TTL 1 s) as member NAME
 //   quit
 // Arguments as tests/support/peer_process.h passes them: PROVIDER REORDER(0|1) BUFFER_BYTES.
 #include <iostream>
@@ -14,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "fabric/kv/registry.h"
 #include "kv_test_support.h"
 
 using namespace fabric;
@@ -43,6 +45,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<KvPrefiller> prefiller;
   std::unique_ptr<KvDecoder> decoder;
   std::vector<std::thread> threads;
+  std::unique_ptr<EtcdRegistry> registry;
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream in(line);
@@ -114,6 +117,17 @@ int main(int argc, char** argv) {
       };
       auto r = decoder->submit(std::move(rq));
       say(r ? "pulling" : "error " + r.status().to_string());
+    } else if (cmd == "etcd" && rank) {
+      EtcdOptions o;
+      Member m;
+      in >> o.endpoint >> m.name;
+      o.lease_ttl = std::chrono::seconds(1);
+      m.role = prefiller ? "prefill" : "decode";
+      m.address = rank->engine->address().to_hex();
+      auto r = EtcdRegistry::connect(o);
+      Status st = r ? (*r)->join(m) : r.status();
+      if (r) registry = std::move(*r);
+      say(st ? "joined" : "error " + st.to_string());
     } else if (cmd == "quit") {
       break;
     } else {
