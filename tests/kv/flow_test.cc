@@ -163,6 +163,9 @@ class KvFlow : public ::testing::TestWithParam<Backend> {
   std::vector<std::unique_ptr<KvDecoder>> decoders_;
 };
 
+// Handshakes and edge cases, on fewer backends.
+class KvFlowEdges : public KvFlow {};
+
 TEST_P(KvFlow, SameTpPagesByteExact) {
   build(2, 2);
   if (IsSkipped()) return;
@@ -188,7 +191,7 @@ TEST_P(KvFlow, Tp4IntoTp2ByteExact) {
   run_request(12, {4, 6});
 }
 
-TEST_P(KvFlow, PullBeforeStartAndLayersBeforePull) {
+TEST_P(KvFlowEdges, PullBeforeStartAndLayersBeforePull) {
   build(1, 1);
   if (IsSkipped()) return;
   // The decoder asks first; the prefiller starts later.
@@ -230,7 +233,7 @@ TEST_P(KvFlow, ManyRequestsInFlight) {
   EXPECT_EQ(prefillers_[0]->live_requests(), 0u);
 }
 
-TEST_P(KvFlow, DecoderCancelsBeforePrefillStarts) {
+TEST_P(KvFlowEdges, DecoderCancelsBeforePrefillStarts) {
   build(1, 1, 8, 2);
   if (IsSkipped()) return;
   submit_decode(1, 2);
@@ -246,7 +249,7 @@ TEST_P(KvFlow, DecoderCancelsBeforePrefillStarts) {
   run_request(2, {2, 3});
 }
 
-TEST_P(KvFlow, DecoderCancelsMidLayers) {
+TEST_P(KvFlowEdges, DecoderCancelsMidLayers) {
   build(2, 2, 8, 2);
   if (IsSkipped()) return;
   start_prefill(1, {0, 1});
@@ -261,7 +264,7 @@ TEST_P(KvFlow, DecoderCancelsMidLayers) {
   run_request(2, {4, 5});
 }
 
-TEST_P(KvFlow, PrefillerCancelsMidLayers) {
+TEST_P(KvFlowEdges, PrefillerCancelsMidLayers) {
   build(1, 2, 8, 2);
   if (IsSkipped()) return;
   start_prefill(1, {0, 1});
@@ -274,7 +277,7 @@ TEST_P(KvFlow, PrefillerCancelsMidLayers) {
   run_request(2, {2, 3});
 }
 
-TEST_P(KvFlow, PrefillerCancelsBeforePull) {
+TEST_P(KvFlowEdges, PrefillerCancelsBeforePull) {
   build(1, 1, 8, 2);
   if (IsSkipped()) return;
   start_prefill(1, {0, 1});
@@ -287,7 +290,7 @@ TEST_P(KvFlow, PrefillerCancelsBeforePull) {
   run_request(2, {2, 3});
 }
 
-TEST_P(KvFlow, CancelAfterReadyIsNotFound) {
+TEST_P(KvFlowEdges, CancelAfterReadyIsNotFound) {
   build(1, 1);
   if (IsSkipped()) return;
   run_request(1, {0});
@@ -295,7 +298,7 @@ TEST_P(KvFlow, CancelAfterReadyIsNotFound) {
   EXPECT_EQ(prefillers_[0]->cancel(1).code(), ErrorCode::kNotFound);
 }
 
-TEST_P(KvFlow, RejectsBadInput) {
+TEST_P(KvFlowEdges, RejectsBadInput) {
   build(2, 1);
   if (IsSkipped()) return;
   DecodeRequest r = events_.request(1, 0, {}, 2);
@@ -328,6 +331,12 @@ TEST_P(KvFlow, RejectsBadInput) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, KvFlow, ::testing::ValuesIn(fabric::testing::all_backends()),
+                         fabric::testing::backend_name);
+
+// Ordering and cancellation: on the reordering tcp and on plain shm (CI time).
+INSTANTIATE_TEST_SUITE_P(Backends, KvFlowEdges,
+                         ::testing::Values(Backend{"tcp_reorder", "tcp", true},
+                                           Backend{"shm", "shm", false}),
                          fabric::testing::backend_name);
 
 }  // namespace
