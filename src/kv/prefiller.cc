@@ -42,7 +42,8 @@ class KvPrefiller::Impl : public std::enable_shared_from_this<Impl> {
     closed_ = true;
   }
 
-  Status start(RequestId id, std::vector<uint32_t> pages, uint32_t decode_tp, FinishedFn fn) {
+  Status start(RequestId id, std::vector<uint32_t> pages, uint32_t decode_tp, FinishedFn fn,
+               LayerFn on_layer) {
     if (pages.empty()) return Status(ErrorCode::kInvalidArgument, "start: no pages");
     for (uint32_t p : pages) {
       if (p >= layout_.num_pages) {
@@ -69,6 +70,7 @@ class KvPrefiller::Impl : public std::enable_shared_from_this<Impl> {
       r.expected = targets_of(*plan, layout_.tp_rank);
       r.layers.assign(layout_.num_layers, false);
       r.on_finished = std::move(fn);
+      r.on_layer = std::move(on_layer);
       r.deadline = Clock::now() + options_.pull_timeout;
       // Decode ranks that cancelled before this start: nothing to wait for from them.
       std::erase_if(r.expected, [&](uint32_t rank) {
@@ -191,6 +193,7 @@ class KvPrefiller::Impl : public std::enable_shared_from_this<Impl> {
     uint32_t imm = 0;
     std::vector<SliceCopy> slices;
     std::vector<bool> sent;
+    std::vector<uint32_t> layer_inflight;  // writes of each layer not completed yet
     uint32_t unsent = 0;
     uint32_t inflight = 0;
     bool stopping = false;
@@ -207,6 +210,7 @@ class KvPrefiller::Impl : public std::enable_shared_from_this<Impl> {
     Status status;  // the first error
     Clock::time_point deadline;
     FinishedFn on_finished;
+    LayerFn on_layer;
   };
   struct Orphan {
     wire::Message message;
@@ -287,6 +291,7 @@ class KvPrefiller::Impl : public std::enable_shared_from_this<Impl> {
     p.imm = m.imm;
     p.slices = std::move(slices);
     p.sent.assign(layout_.num_layers, false);
+    p.layer_inflight.assign(layout_.num_layers, 0);
     p.unsent = layout_.num_layers;
     if (!bad.is_ok() || r.cancelled) {
       stop_pull(p, bad.is_ok() ? r.status : bad);
@@ -316,20 +321,22 @@ class KvPrefiller::Impl : public std::enable_shared_from_this<Impl> {
       w.imm = p.imm;
       std::weak_ptr<Impl> weak = weak_from_this();
       const uint32_t rank = p.decode_rank;
-      auto done = [weak, id, rank](const Status& st) {
-        if (auto self = weak.lock()) self->write_done(id, rank, st);
+      auto done = [weak, id, rank, layer](const Status& st) {
+        if (auto self = weak.lock()) self->write_done(id, rank, layer, st);
       };
       ++p.inflight;
+      ++p.layer_inflight[layer];
       auto t = engine_.submit(w, Callbacks{[done] { done(Status::ok()); }, done});
       if (!t) {
         --p.inflight;
+        --p.layer_inflight[layer];
         stop_pull(p, t.status());
         return;
       }
     }
   }
 
-  void write_done(RequestId id, uint32_t rank, const Status& st) {
+  void write_done(RequestId id, uint32_t rank, uint32_t layer, const Status& st) {
     Actions actions;
     {
       std::lock_guard lock(mu_);
@@ -338,6 +345,10 @@ class KvPrefiller::Impl : public std::enable_shared_from_this<Impl> {
       auto p = it->second.pulls.find(rank);
       if (p == it->second.pulls.end()) return;
       --p->second.inflight;
+      if (--p->second.layer_inflight[layer] == 0 && st.is_ok() && !p->second.stopping &&
+          it->second.on_layer) {
+        actions.push_back([fn = it->second.on_layer, id, rank, layer] { fn(id, rank, layer); });
+      }
       if (!st.is_ok()) stop_pull(p->second, st);
       maybe_end_pull(it, p->second, actions);
       maybe_end_request(it, actions);
@@ -523,8 +534,8 @@ KvPrefiller::~KvPrefiller() {
   impl_->shutdown();
 }
 Status KvPrefiller::start(RequestId id, std::vector<uint32_t> pages, uint32_t decode_tp,
-                          FinishedFn on_finished) {
-  return impl_->start(id, std::move(pages), decode_tp, std::move(on_finished));
+                          FinishedFn on_finished, LayerFn on_layer) {
+  return impl_->start(id, std::move(pages), decode_tp, std::move(on_finished), std::move(on_layer));
 }
 Status KvPrefiller::layer_done(RequestId id, uint32_t layer) {
   return impl_->layer_done(id, layer);

@@ -114,8 +114,10 @@ class KvFlow : public ::testing::TestWithParam<Backend> {
   void start_prefill(RequestId id, const std::vector<uint32_t>& pages) {
     for (size_t r = 0; r < prefill_.size(); ++r) {
       fill_request(prefill_[r]->layout, prefill_[r]->cache.data(), pages, id);
-      ASSERT_TRUE(prefillers_[r]->start(id, pages, static_cast<uint32_t>(decoders_.size()),
-                                        events_.finished(static_cast<uint32_t>(r))));
+      ASSERT_TRUE(
+          prefillers_[r]->start(id, pages, static_cast<uint32_t>(decoders_.size()),
+                                events_.finished(static_cast<uint32_t>(r)),
+                                [this](RequestId, uint32_t, uint32_t) { ++layer_events_; }));
     }
   }
   void layers(RequestId id, uint32_t from, uint32_t to) {
@@ -157,6 +159,7 @@ class KvFlow : public ::testing::TestWithParam<Backend> {
     return o;
   }();
   Events events_;
+  std::atomic<int> layer_events_{0};
   std::vector<std::unique_ptr<Rank>> prefill_, decode_;
   std::vector<Address> prefill_addresses_;
   std::vector<std::unique_ptr<KvPrefiller>> prefillers_;
@@ -183,6 +186,8 @@ TEST_P(KvFlow, Tp2IntoTp4ByteExact) {
   build(2, 4);
   if (IsSkipped()) return;
   run_request(11, {0, 7, 3, 2});
+  // Each of the 2 prefill ranks wrote 4 layers into each of its 2 decode ranks.
+  EXPECT_EQ(layer_events_.load(), 16);
 }
 
 TEST_P(KvFlow, Tp4IntoTp2ByteExact) {

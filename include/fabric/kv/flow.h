@@ -123,6 +123,9 @@ class KvPrefiller {
   // request is in flight: Ok when every pull got every layer, else the first error. The source
   // pages may be reused from then on.
   using FinishedFn = std::function<void(RequestId, const Status&)>;
+  // Runs when every write of one layer into one decode rank has completed (the layer's source
+  // pages are no longer read for that rank). Optional; for pipelining and measurements.
+  using LayerFn = std::function<void(RequestId, uint32_t decode_rank, uint32_t layer)>;
 
   static Result<std::unique_ptr<KvPrefiller>> create(TransferEngine& engine, const KvLayout& layout,
                                                      const Registration& memory,
@@ -136,7 +139,7 @@ class KvPrefiller {
   // Errors: kInvalidArgument (no pages, a page outside the pool, a decode TP size that does not
   // fit), kAlreadyExists (the id is live), kClosed.
   Status start(RequestId id, std::vector<uint32_t> pages, uint32_t decode_tp,
-               FinishedFn on_finished);
+               FinishedFn on_finished, LayerFn on_layer = nullptr);
   // Layer `layer` of the request is computed: write it to every decode rank that pulled (and
   // later to those that pull later). Errors: kNotFound, kOutOfRange (no such layer).
   Status layer_done(RequestId id, uint32_t layer);
