@@ -10,6 +10,8 @@
 #                libfabric): tables on stdout, bench/results/<provider>.{json,md,png}
 #   make bench-netlab  multi-NIC aggregation on the network-namespace lab (root): N = 1, 2, 4
 #                shaped veth links and an unequal set; bench/results/netlab.{md,json}
+#   make demo-kv the disaggregated KV-cache demonstration (examples/disagg_kv): a router,
+#                prefill and decode processes and a private etcd on this machine; a table
 #   make format  apply .clang-format to every source file
 
 SHELL := /bin/bash
@@ -34,7 +36,7 @@ PYTHON := /usr/bin/python3
 PYTEST_ARGS ?= -q -rs
 
 .PHONY: deps build run test test-default test-python test-asan test-tsan bench bench-deps format \
-  check-format clean bench-netlab
+  check-format clean bench-netlab demo-kv
 
 deps:
 	@missing=()
@@ -106,6 +108,13 @@ bench-netlab: deps
 	@cmake --preset default >/dev/null
 	cmake --build --preset default --target fabric-bench
 	bench/netlab_bench.sh $(NETLAB_RATE_MBIT) bench/results
+
+# KV_DEMO_ARGS: e.g. --provider shm --requests 48 --compute-ms 5 (fabric-kv-demo --help).
+KV_DEMO_ARGS ?=
+demo-kv: deps
+	@cmake --preset default >/dev/null
+	cmake --build --preset default --target fabric-kv-demo
+	./build/bin/fabric-kv-demo $(KV_DEMO_ARGS)
 
 format:
 	@clang-format -i $(SOURCES)

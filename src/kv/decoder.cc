@@ -125,6 +125,7 @@ class KvDecoder::Impl : public std::enable_shared_from_this<Impl> {
       pull.request = id;
       pull.decode_rank = layout_.tp_rank;
       pull.imm = value;
+      pull.prefill_tp = static_cast<uint32_t>(rq.prefill_ranks.size());
       pull.layout = layout_;
       pull.pages = pages;
       pull.memory = memory_bytes_;

@@ -264,6 +264,11 @@ class KvPrefiller::Impl : public std::enable_shared_from_this<Impl> {
     std::vector<SliceCopy> slices;
     if (!memory) {
       bad = memory.status();
+    } else if (m.prefill_tp != layout_.tp_size) {
+      bad = Status(
+          ErrorCode::kInvalidArgument,
+          fmt::format("the decoder planned for a prefill TP size of {}, this rank is of TP {}",
+                      m.prefill_tp, layout_.tp_size));
     } else if (m.pages.size() != r.pages.size()) {
       bad = Status(ErrorCode::kInvalidArgument,
                    fmt::format("the decoder asked for {} pages, the prefill holds {}",

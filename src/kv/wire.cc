@@ -26,6 +26,7 @@ Bytes encode(const Message& m) {
     case Type::kPull: {
       const KvLayout& l = m.layout;
       w.u32(m.imm);
+      w.u32(m.prefill_tp);
       for (uint32_t v : {l.num_layers, l.num_pages, l.tokens_per_page, l.num_kv_heads, l.head_bytes,
                          uint32_t{l.split_kv}, l.tp_size, l.tp_rank}) {
         w.u32(v);
@@ -71,7 +72,7 @@ Result<Message> decode(std::span<const std::byte> bytes) {
     case Type::kPull: {
       KvLayout& l = m.layout;
       uint32_t split = 0;
-      if (!r.u32(m.imm) || !r.u32(l.num_layers) || !r.u32(l.num_pages) ||
+      if (!r.u32(m.imm) || !r.u32(m.prefill_tp) || !r.u32(l.num_layers) || !r.u32(l.num_pages) ||
           !r.u32(l.tokens_per_page) || !r.u32(l.num_kv_heads) || !r.u32(l.head_bytes) ||
           !r.u32(split) || !r.u32(l.tp_size) || !r.u32(l.tp_rank) || !r.u64(l.base_offset) ||
           !r.u64(l.layer_stride) || !r.u64(l.page_stride)) {

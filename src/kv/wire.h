@@ -28,7 +28,8 @@ struct Message {
   uint32_t prefill_rank = 0;  // the prefill rank the message is about (kFinished)
   // kPull
   uint32_t imm = 0;
-  KvLayout layout;  // the decoder's layout
+  uint32_t prefill_tp = 0;  // the prefill TP size the decoder planned with
+  KvLayout layout;          // the decoder's layout
   std::vector<uint32_t> pages;
   Bytes memory;  // the decoder's RemoteMemory, encoded
   // kCancel, kPing: the sender's address, encoded (replies go there)

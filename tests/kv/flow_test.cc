@@ -295,6 +295,19 @@ TEST_P(KvFlowEdges, PrefillerCancelsBeforePull) {
   run_request(2, {2, 3});
 }
 
+TEST_P(KvFlowEdges, MismatchedPrefillTpIsRefused) {
+  build(2, 1);
+  if (IsSkipped()) return;
+  start_prefill(1, {0, 1});
+  // The decoder believes the prefill instance is TP1 (one address): rank 0 refuses the pull.
+  auto r = decoders_[0]->submit(events_.request(1, 0, {prefill_addresses_[0]}, 2));
+  ASSERT_TRUE(r);
+  Status s = events_.decoded(1);
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("prefill TP"), std::string::npos) << s.to_string();
+  EXPECT_EQ(decoders_[0]->free_pages(), 8u);
+}
+
 TEST_P(KvFlowEdges, CancelAfterReadyIsNotFound) {
   build(1, 1);
   if (IsSkipped()) return;
