@@ -163,14 +163,16 @@ class KvPrefiller::Impl : public std::enable_shared_from_this<Impl> {
     run(actions);
   }
 
-  Result<Watcher> watch_layers(UvmWatchers& watchers, RequestId id) {
+  Result<Watcher> watch_layers(UvmWatchers& watchers, RequestId id,
+                               std::function<void(uint32_t)> observer) {
     std::weak_ptr<Impl> weak = weak_from_this();
     const uint32_t layers = layout_.num_layers;
-    return watchers.watch([weak, id, layers](uint64_t old_value, uint64_t new_value) {
+    return watchers.watch([weak, id, layers, observer](uint64_t old_value, uint64_t new_value) {
       auto self = weak.lock();
       if (!self) return false;
       for (uint64_t l = old_value; l < new_value && l < layers; ++l) {
         self->layer_done(id, static_cast<uint32_t>(l)).ignore();
+        if (observer) observer(static_cast<uint32_t>(l));
       }
       return new_value < layers;
     });
@@ -552,8 +554,9 @@ void KvPrefiller::fail_peer(const Address& peer) {
   impl_->fail_peer(peer.to_hex(), Status(ErrorCode::kPeerUnreachable,
                                          "decode rank " + peer.short_name() + " left"));
 }
-Result<Watcher> KvPrefiller::watch_layers(UvmWatchers& watchers, RequestId id) {
-  return impl_->watch_layers(watchers, id);
+Result<Watcher> KvPrefiller::watch_layers(UvmWatchers& watchers, RequestId id,
+                                          std::function<void(uint32_t)> observer) {
+  return impl_->watch_layers(watchers, id, std::move(observer));
 }
 size_t KvPrefiller::live_requests() const {
   return impl_->live();

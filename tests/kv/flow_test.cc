@@ -84,6 +84,9 @@ class KvFlow : public ::testing::TestWithParam<Backend> {
  protected:
   void build(uint32_t ptp, uint32_t dtp, uint32_t prefill_pages = 8, uint32_t decode_pages = 8) {
     Config c = fabric::testing::make_config(GetParam());
+    // Six engines on two cores under a sanitizer can starve a worker for seconds: no rank dies
+    // in these tests, so give the dead-peer watchdog room.
+    c.peer_timeout = std::chrono::milliseconds(15000);
     for (uint32_t r = 0; r < ptp; ++r) {
       auto rank = make_rank(c, test_layout(ptp, r, prefill_pages));
       if (!rank && rank.status().code() == ErrorCode::kUnsupported) {

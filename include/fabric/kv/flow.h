@@ -151,9 +151,11 @@ class KvPrefiller {
 
   // The GPU trigger: a watcher whose word counts the layers computed so far (a kernel stores
   // 1, 2, ... as layers finish); each new value calls layer_done for the layers it covers, and
-  // the watch ends after the last layer. Errors: those of UvmWatchers::watch (kUnsupported
-  // without CUDA).
-  Result<Watcher> watch_layers(UvmWatchers& watchers, RequestId id);
+  // the watch ends after the last layer. `observer`, when set, runs after each of those
+  // layer_done calls (on the watcher's polling thread). Errors: those of UvmWatchers::watch
+  // (kUnsupported without CUDA).
+  Result<Watcher> watch_layers(UvmWatchers& watchers, RequestId id,
+                               std::function<void(uint32_t layer)> observer = nullptr);
 
   size_t live_requests() const;
   const KvLayout& layout() const;
