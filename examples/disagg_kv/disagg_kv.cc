@@ -339,6 +339,7 @@ int worker(const Args& a) {
   }
   cv.notify_all();
   if (compute.joinable()) compute.join();
+  registry->reset();  // its watch calls into the decoder: stop it first
   prefiller.reset();
   decoder.reset();
   return 0;
