@@ -15,6 +15,8 @@
 #                FUZZ_SECONDS (15); fails on any crash, leak or sanitizer report
 #   make fuzz-long  the same for FUZZ_LONG_SECONDS (600) per target; prints exec counts
 #   make soak    the long soak with accounting (docs/hardening.md): >= 10^6 transfers
+#   make demo-kv the disaggregated KV-cache demonstration (examples/disagg_kv): a router,
+#                prefill and decode processes and a private etcd on this machine; a table
 #   make format  apply .clang-format to every source file
 
 SHELL := /bin/bash
@@ -25,7 +27,7 @@ DEB_PACKAGES := cmake ninja-build g++ pkg-config make \
   libfabric-dev libfabric-bin libhwloc-dev hwloc libfmt-dev libspdlog-dev libcli11-dev \
   libgtest-dev googletest clang-format iproute2 libibverbs-dev ibverbs-providers rdma-core \
   pybind11-dev python3-dev python3-pip python3-pytest python3-pytest-timeout python3-numpy \
-  python3-torch
+  python3-torch etcd-server libcurl4-openssl-dev nlohmann-json3-dev
 # Only `make bench` installs these: the baselines fabric-bench compares with (ucx_perftest,
 # iperf3, run in a private network namespace made with unshare and ip) and the plot.
 BENCH_PACKAGES := ucx-utils iperf3 python3-matplotlib iproute2 util-linux
@@ -47,7 +49,7 @@ PYTHON := /usr/bin/python3
 PYTEST_ARGS ?= -q -rs
 
 .PHONY: deps build run test test-default test-python test-asan test-tsan bench bench-deps format \
-  check-format clean bench-netlab test-fuzz fuzz-long fuzz-build soak
+  check-format clean bench-netlab test-fuzz fuzz-long fuzz-build soak demo-kv
 
 deps:
 	@missing=()
@@ -139,6 +141,13 @@ bench-netlab: deps
 	@cmake --preset default >/dev/null
 	cmake --build --preset default --target fabric-bench
 	bench/netlab_bench.sh $(NETLAB_RATE_MBIT) bench/results
+
+# KV_DEMO_ARGS: e.g. --provider shm --requests 48 --compute-ms 5 (fabric-kv-demo --help).
+KV_DEMO_ARGS ?=
+demo-kv: deps
+	@cmake --preset default >/dev/null
+	cmake --build --preset default --target fabric-kv-demo
+	./build/bin/fabric-kv-demo $(KV_DEMO_ARGS)
 
 format:
 	@clang-format -i $(SOURCES)

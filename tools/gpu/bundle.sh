@@ -12,6 +12,8 @@ grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/ex
 rm -rf .gpu && mkdir -p .gpu/lib .gpu/include .gpu/bin
 cp build/bin/fabric_gpu_tests build/bin/fabric-bench-gpu build/bin/fabric-bench-uvm .gpu/
 strip .gpu/fabric_gpu_tests .gpu/fabric-bench-gpu .gpu/fabric-bench-uvm
+# The KV-cache GPU pipeline (fabric::kv), when built.
+if [ -x build/bin/fabric-kv-gpu ]; then cp build/bin/fabric-kv-gpu .gpu/ && strip .gpu/fabric-kv-gpu; fi
 cp build/lib/libfabriclib.a .gpu/ && strip --strip-debug .gpu/libfabriclib.a
 cp /usr/local/cuda/lib64/libcudart_static.a .gpu/
 for l in libhwloc.so.15 libspdlog.so.1.10 libfmt.so.9; do cp "/lib/x86_64-linux-gnu/$l" .gpu/lib/; done

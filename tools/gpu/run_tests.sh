@@ -12,3 +12,9 @@ for args in "--provider shm" "--provider shm --staged" "--provider tcp --op stag
   echo "== fabric-bench-gpu $args --iters 11 =="
   timeout 150 ./fabric-bench-gpu $args --iters 11 2>&1 | tail -12
 done
+if [ -x ./fabric-kv-gpu ]; then
+  for p in shm tcp; do
+    echo "== fabric-kv-gpu --provider $p --requests 8 =="
+    timeout 240 ./fabric-kv-gpu --provider $p --requests 8 2>&1 | tail -16
+  done
+fi
