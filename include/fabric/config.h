@@ -101,8 +101,8 @@ struct Config {
   // that size each group keeps registered (more sends than that wait for a free buffer).
   uint64_t max_message_bytes = 64 * 1024;
   uint32_t send_buffers = 64;
-  // Receive buffers (of max_message_bytes) each group keeps posted from the start on its first
-  // NIC, for the engine's own messages (the staged path's commits and acknowledgments). User
+  // Receive buffers (of max_message_bytes) each group keeps posted from the start on each of
+  // its NICs, for the engine's own messages (the staged path's commits and acknowledgments). User
   // messages that arrive before set_receive_handler land there too and are dropped with a
   // warning.
   uint32_t control_buffers = 32;
@@ -126,14 +126,17 @@ struct Config {
   // NIC failover (docs/failover.md). A NIC whose work towards a peer makes no progress for
   // nic_timeout while another NIC of the group completed work within that time is marked down:
   // it gets no new work, its queued work moves to the surviving NICs, and its posted writes
-  // without an immediate are re-posted there. Failover is on only when nic_timeout is
+  // without an immediate and its messages are re-posted there (the receiver drops a message it
+  // already has). Messages stalled for nic_timeout on a NIC that is not marked down, and
+  // Commits unacknowledged for nic_timeout, are sent again over the next NIC that is up.
+  // Failover is on only when nic_timeout is
   // non-zero and shorter than peer_timeout (otherwise only peer_timeout applies).
   std::chrono::milliseconds nic_timeout{5000};
   // How often a NIC marked down is probed (a zero-byte write to the peer it lost); the first
   // probe that completes brings it back into use.
   std::chrono::milliseconds nic_probe_interval{500};
-  // Immediates of writes to host memory travel as one engine message (a Commit, over the
-  // group's first NIC) after all of the transfer's data has completed; the receiver counts them
+  // Immediates of writes to host memory travel as one engine message (a Commit, which fails
+  // over like any message) after all of the transfer's data has completed; the receiver counts them
   // when it arrives. Data writes then carry no immediate, so a NIC failure mid-write re-posts
   // them without any risk of double counting. Off (the default), an
   // immediate rides on its write (WriteImm): one work request less per write, but a write

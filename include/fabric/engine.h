@@ -108,12 +108,15 @@ class TransferEngine {
 
   // --- two-sided messages -------------------------------------------------------------------
 
-  // Sends `message` (copied before return; at most Config::max_message_bytes) to the peer's
-  // first NIC, which must have receive buffers (set_receive_handler). Errors: kOutOfRange.
+  // Sends `message` (copied before return; at most Config::max_message_bytes) to the peer,
+  // which must have receive buffers (set_receive_handler). It goes over the group's first NIC
+  // that is up; when that NIC stops making progress it is sent again over another one, and
+  // the receiver drops a second copy: delivered at most once, and exactly once when `on_done`
+  // runs (docs/failover.md). Errors: kOutOfRange.
   Result<TransferId> submit_send(const Address& peer, std::span<const std::byte> message,
                                  Callbacks callbacks, uint32_t group = 0);
 
-  // Posts `count` receive buffers of `buffer_bytes` on the group's first NIC and keeps them
+  // Posts `count` receive buffers of `buffer_bytes` on every NIC of the group and keeps them
   // posted: each message is copied out, the buffer reposted, and `on_message` runs on the
   // callback thread with the bytes (valid during the call). Once per group:
   // kAlreadyExists on a second call. Blocking.

@@ -761,7 +761,7 @@ void bind_engine(py::module_& m) {
           py::arg("peer"), py::arg("message"), py::kw_only(), py::arg("group") = 0,
           py::arg("on_done") = py::none(), py::arg("on_error") = py::none(),
           "Sends `message` (bytes-like, copied before return, at most Config.max_message_bytes: "
-          "OutOfRange otherwise) to the peer's first NIC, which must receive "
+          "OutOfRange otherwise) to the peer, which must receive "
           "(set_receive_handler). Messages are not flow-controlled: a peer without a free "
           "receive buffer may fail or drop. Returns a Transfer.")
       .def(
@@ -784,7 +784,7 @@ void bind_engine(py::module_& m) {
           },
           py::arg("handler") = py::none(), py::kw_only(), py::arg("buffer_bytes") = 64 * 1024,
           py::arg("count") = 64, py::arg("group") = 0,
-          "Posts `count` receive buffers of `buffer_bytes` on the group's first NIC and keeps "
+          "Posts `count` receive buffers of `buffer_bytes` on every NIC of the group and keeps "
           "them posted. Each message is passed as bytes to handler(message) on the callback "
           "thread, or, with no handler, queued for recv(). Once per group: AlreadyExists on a "
           "second call. Blocking, GIL released.")

@@ -258,6 +258,7 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
           {(*w)->domain(i).endpoint_name(), (*w)->scratch_addr(i), (*w)->scratch_key(i)});
     }
     e->addresses_.emplace_back(info.provider, std::move(nic_addrs));
+    (*w)->set_address(e->addresses_.back());
     e->infos_.push_back(std::move(info));
     e->workers_.push_back(std::move(*w));
   }
@@ -789,13 +790,16 @@ Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const 
   auto t = new_transfer(std::move(cb));
   t->peers.push_back(peer);
   t->message.reserve(engine::kMessageHeaderBytes + message.size());
-  t->message.push_back(static_cast<std::byte>(engine::MessageKind::kUser));
+  t->message.resize(engine::kMessageHeaderBytes);  // sender and sequence: stamped by the worker
+  t->message[0] = static_cast<std::byte>(engine::MessageKind::kUser);
   t->message.insert(t->message.end(), message.begin(), message.end());
+  // Over the first NIC that is up; every NIC of the peer has receive buffers.
+  const uint32_t nic = engine::failover_nic(0, workers_[group]->up_nics(), 0);
   Op op;
   op.transfer = t.get();
   op.kind = Op::Kind::kSend;
-  op.domain = 0;
-  op.peer = &t->peers[0].nics()[0].name;
+  op.domain = nic;
+  op.peer = &t->peers[0].nics()[engine::remote_rail(nic, t->peers[0].num_nics())].name;
   op.owner = &t->peers[0];
   op.message = &t->message;
   op.length = t->message.size();

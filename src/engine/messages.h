@@ -1,6 +1,11 @@
-// The engine's two-sided messages. Every message a group sends starts with one kind byte:
-// user messages (submit_send) and the staged path's control messages share the receive
-// buffers of the group's first NIC, and the worker tells them apart by that byte.
+// The engine's two-sided messages. Every message a group sends starts with a header: one kind
+// byte, the sending worker's id and the message's sequence number. User messages (submit_send)
+// and the staged path's control messages share the receive buffers that every NIC of a group
+// keeps posted; the worker tells them apart by the kind byte.
+//
+// Failover (docs/failover.md) may send a message again over another NIC when it cannot know
+// whether the first copy arrived; the receiver drops a (sender, sequence) pair it has already
+// seen (SeenWindow), so every message is delivered at most once.
 //
 // The staged path (GPU memory that a NIC cannot reach, docs/engine.md): a writer puts the data
 // into the owner's pinned host mirror, then sends a Commit naming the ranges it wrote; the
@@ -9,7 +14,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -21,7 +28,69 @@
 namespace fabric::engine {
 
 enum class MessageKind : uint8_t { kUser = 1, kCommit = 2, kAck = 3 };
-constexpr uint64_t kMessageHeaderBytes = 1;
+// kind (1), sender (8), sequence (8).
+constexpr uint64_t kMessageHeaderBytes = 17;
+
+struct MessageHeader {
+  MessageKind kind;
+  uint64_t sender;
+  uint64_t seq;
+};
+
+// A header with sender and sequence zero (stamped when the message is first sent).
+inline void put_header(detail::ByteWriter& w, MessageKind kind) {
+  w.u8(static_cast<uint8_t>(kind));
+  w.u64(0);
+  w.u64(0);
+}
+
+inline void stamp_header(Bytes& message, uint64_t sender, uint64_t seq) {
+  std::memcpy(message.data() + 1, &sender, sizeof(sender));
+  std::memcpy(message.data() + 9, &seq, sizeof(seq));
+}
+
+inline std::optional<MessageHeader> read_header(std::span<const std::byte> message) {
+  detail::ByteReader r(message);
+  uint8_t kind = 0;
+  MessageHeader h{};
+  if (!r.u8(kind) || !r.u64(h.sender) || !r.u64(h.seq)) return std::nullopt;
+  h.kind = static_cast<MessageKind>(kind);
+  return h;
+}
+
+// The sequence numbers seen from one sender (they start at 1): everything up to `floor`, and
+// the ones above it. Messages are unordered, so gaps are normal; a gap that stays open (a
+// message whose sender gave up on it) would grow the set for ever, so past kMaxAbove entries
+// the floor moves up over the oldest gap: a copy of a message that old arriving later is then
+// dropped (its sender reported it failed, which allows either outcome).
+class SeenWindow {
+ public:
+  static constexpr size_t kMaxAbove = size_t{1} << 16;
+
+  // False when seq was seen before (or is 0, which no sender uses).
+  bool insert(uint64_t seq) {
+    if (seq <= floor_ || !above_.insert(seq).second) return false;
+    while (above_.size() > kMaxAbove) {
+      floor_ = *above_.begin();
+      above_.erase(above_.begin());
+      compact();
+    }
+    compact();
+    return true;
+  }
+  uint64_t floor() const { return floor_; }
+  size_t above() const { return above_.size(); }
+
+ private:
+  void compact() {
+    while (!above_.empty() && *above_.begin() == floor_ + 1) {
+      ++floor_;
+      above_.erase(above_.begin());
+    }
+  }
+  uint64_t floor_ = 0;
+  std::set<uint64_t> above_;
+};
 
 struct Range {
   uint64_t offset;
@@ -30,15 +99,15 @@ struct Range {
 
 struct Commit {
   uint64_t transfer = 0;  // the writer's transfer id, echoed in the Ack
-  Bytes reply_to;         // the writer's first NIC endpoint name
+  Bytes reply_to;         // the writer's group Address (encoded): the Ack may use any rail
   uint64_t region = 0;    // the owner's staged region id; 0: host memory (Config::reliable_imm)
   bool has_imm = false;
   uint32_t imm = 0;
   uint64_t imm_times = 0;  // arrivals of imm to count once the ranges are in device memory
   std::vector<Range> ranges;
 
-  // Fixed bytes before the ranges, plus the reply address.
-  static constexpr uint64_t kFixedBytes = 1 + 8 + 4 + 8 + 1 + 4 + 8 + 4;
+  // Fixed bytes of the message before the ranges, plus the reply address.
+  static constexpr uint64_t kFixedBytes = kMessageHeaderBytes + 8 + 4 + 8 + 1 + 4 + 8 + 4;
   static constexpr uint64_t kRangeBytes = 16;
   // Most arrivals one Commit may ask the owner to count (a paged write counts one per page).
   // The owner tallies them one by one, so a corrupt count must not make it loop for ever.
@@ -46,7 +115,7 @@ struct Commit {
 
   Bytes encode() const {
     detail::ByteWriter w;
-    w.u8(static_cast<uint8_t>(MessageKind::kCommit));
+    put_header(w, MessageKind::kCommit);
     w.u64(transfer);
     w.u32(static_cast<uint32_t>(reply_to.size()));
     w.bytes(reply_to);
@@ -62,7 +131,7 @@ struct Commit {
     return w.take();
   }
 
-  // `in` starts after the kind byte.
+  // `in` starts after the header.
   static std::optional<Commit> decode(std::span<const std::byte> in) {
     detail::ByteReader r(in);
     Commit c;
@@ -85,13 +154,15 @@ struct Commit {
 
 struct Ack {
   uint64_t transfer = 0;
+  uint64_t commit = 0;  // the Commit's sequence number: a Commit sent twice is acknowledged once
   ErrorCode code = ErrorCode::kOk;
   std::string message;
 
   Bytes encode() const {
     detail::ByteWriter w;
-    w.u8(static_cast<uint8_t>(MessageKind::kAck));
+    put_header(w, MessageKind::kAck);
     w.u64(transfer);
+    w.u64(commit);
     w.u8(static_cast<uint8_t>(code));
     w.u32(static_cast<uint32_t>(message.size()));
     w.bytes(std::as_bytes(std::span(message.data(), message.size())));
@@ -104,8 +175,8 @@ struct Ack {
     uint8_t code = 0;
     uint32_t len = 0;
     Bytes text;
-    if (!r.u64(a.transfer) || !r.u8(code) || !r.u32(len) || !r.bytes(len, text) ||
-        r.remaining() != 0) {
+    if (!r.u64(a.transfer) || !r.u64(a.commit) || !r.u8(code) || !r.u32(len) ||
+        !r.bytes(len, text) || r.remaining() != 0) {
       return std::nullopt;
     }
     a.code = static_cast<ErrorCode>(code);

@@ -44,6 +44,20 @@ struct LocalRegion {
 struct Transfer;
 struct PeerQueue;
 
+// A Commit (staged path, or a reliable immediate) until its Ack arrives. Failover may send it
+// again (its bytes, hence its sequence number, unchanged): the owner counts it once and
+// acknowledges every copy, and the writer takes the first Ack for its sequence number.
+struct CommitSend {
+  Transfer* transfer = nullptr;
+  uint64_t seq = 0;
+  const Bytes* message = nullptr;
+  const Address* owner = nullptr;
+  bool acked = false;                          // or given up on
+  uint32_t domain = 0;                         // NIC of the latest copy
+  uint32_t live = 0;                           // copies queued or posted
+  std::chrono::steady_clock::time_point sent;  // when the latest copy was queued
+};
+
 // One work request. Its address is the wr_id the domain hands back on completion, so an Op
 // never moves once the transfer is accepted.
 struct Op {
@@ -52,13 +66,13 @@ struct Op {
   Transfer* transfer = nullptr;
   Kind kind = Kind::kWrite;
   bool has_imm = false;
-  bool commit = false;  // kSend: a staged-path Commit whose Ack the transfer awaits
   uint32_t domain = 0;
   uint32_t imm = 0;
   bool abandoned = false;          // its peer was declared dead while the provider still held it
   int32_t send_slot = -1;          // kSend: the registered send buffer in use while posted
   const Bytes* peer = nullptr;     // the peer NIC's endpoint name (kept alive by the transfer)
   const Bytes* message = nullptr;  // kSend: the bytes to send (kept alive by the transfer)
+  CommitSend* commit = nullptr;    // kSend: a Commit whose Ack the transfer awaits
   // kWrite into a staged destination: which of the transfer's dsts, and the offset in it.
   uint32_t dst_index = kNoDst;
   uint64_t dst_offset = 0;
@@ -118,6 +132,7 @@ struct Transfer {
   // allocates on construction, on every submission's path).
   std::list<Op> control;          // Commit sends
   std::list<Bytes> control_msgs;  // their bytes
+  std::list<CommitSend> commits;  // their state until acknowledged
   std::list<Gate> gates;
   // Failover: copies of ops given up on a NIC marked down, re-posted on a surviving NIC.
   std::list<Op> retries;
@@ -127,8 +142,7 @@ struct Transfer {
   std::shared_ptr<LocalRegion> src;
   std::vector<RemoteMemory> dsts;
   std::vector<Address> peers;
-  Bytes message;    // kSend: the copied message, behind its kind byte
-  Bytes peer_name;  // an engine-internal send: the peer's endpoint name
+  Bytes message;  // kSend: the copied message, behind its kind byte
 };
 
 }  // namespace fabric::engine

@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <random>
 
 #include "engine/plan.h"
 #include "topology/topology.h"
@@ -66,33 +67,40 @@ Result<std::unique_ptr<Worker>> Worker::create(
     d.scratch = std::move(*reg);
     w->domains_.push_back(std::move(d));
   }
-  // Registered send buffers on the first NIC, which carries all two-sided messages.
+  // Registered send buffers, on every NIC: a message goes over the first NIC that is up.
   auto pool = std::make_unique<SendPool>();
   pool->slot_bytes = round_up(config.max_message_bytes + kMessageHeaderBytes, kBufferAlignment);
   const uint64_t total = pool->slot_bytes * std::max<uint32_t>(config.send_buffers, 1);
   pool->storage.reset(static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, total)));
-  auto reg = w->domains_[0].domain->register_memory(pool->storage.get(), total);
-  if (!reg) return reg.status();
-  pool->reg = std::move(*reg);
+  for (auto& d : w->domains_) {
+    auto reg = d.domain->register_memory(pool->storage.get(), total);
+    if (!reg) return reg.status();
+    pool->regs.push_back(std::move(*reg));
+  }
   for (int32_t i = static_cast<int32_t>(std::max<uint32_t>(config.send_buffers, 1)) - 1; i >= 0;
        --i) {
     pool->free.push_back(i);
   }
   w->send_pool_ = std::move(pool);
-  // The engine's own receive buffers, posted before anything can be sent to this group.
-  auto control = w->make_pool(config.max_message_bytes + kMessageHeaderBytes,
-                              std::max<uint32_t>(config.control_buffers, 1));
-  if (!control) return control.status();
-  w->control_pool_ = std::move(*control);
-  for (RecvSlot& slot : w->control_pool_->slots) w->repost(slot);
+  // The engine's own receive buffers on every NIC, posted before anything can be sent here.
+  for (uint32_t i = 0; i < w->domains_.size(); ++i) {
+    auto control = w->make_pool(i, config.max_message_bytes + kMessageHeaderBytes,
+                                std::max<uint32_t>(config.control_buffers, 1));
+    if (!control) return control.status();
+    w->control_pools_.push_back(std::move(*control));
+    for (RecvSlot& slot : w->control_pools_.back()->slots) w->repost(slot);
+  }
+  // Receivers tell this worker's messages apart from any other's (a restarted engine's too).
+  std::random_device random;
+  w->sender_id_ = (uint64_t{random()} << 32) ^ random();
   return w;
 }
 
 Worker::~Worker() {
   stop();
   // Registrations before the domains they live on.
-  recv_pool_.reset();
-  control_pool_.reset();
+  recv_pools_.clear();
+  control_pools_.clear();
   send_pool_.reset();
   commit_jobs_.clear();
   live_.clear();
@@ -189,7 +197,8 @@ Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> Worker::regi
   return regs;
 }
 
-Result<std::unique_ptr<Worker::ReceivePool>> Worker::make_pool(uint64_t buffer_bytes,
+Result<std::unique_ptr<Worker::ReceivePool>> Worker::make_pool(uint32_t domain,
+                                                               uint64_t buffer_bytes,
                                                                uint32_t count) {
   auto pool = std::make_unique<ReceivePool>();
   const uint64_t slot = round_up(buffer_bytes, kBufferAlignment);
@@ -198,39 +207,46 @@ Result<std::unique_ptr<Worker::ReceivePool>> Worker::make_pool(uint64_t buffer_b
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("cannot allocate {} receive buffers of {} bytes", count, slot));
   }
-  auto reg = domains_[0].domain->register_memory(pool->storage.get(), slot * count);
+  auto reg = domains_[domain].domain->register_memory(pool->storage.get(), slot * count);
   if (!reg) return reg.status();
   pool->reg = std::move(*reg);
   pool->slots.reserve(count);
   for (uint32_t i = 0; i < count; ++i) {
-    pool->slots.push_back({pool->storage.get() + i * slot, slot, pool->reg->local_desc()});
+    pool->slots.push_back({pool->storage.get() + i * slot, slot, pool->reg->local_desc(), domain});
   }
   return pool;
 }
 
 Status Worker::start_receives(std::function<void(std::span<const std::byte>)> handler,
                               uint64_t buffer_bytes, uint32_t count) {
-  if (recv_pool_) {
+  if (!recv_pools_.empty()) {
     return Status(ErrorCode::kAlreadyExists,
                   fmt::format("group {} already has a receive handler", group_));
   }
-  // Every buffer takes the largest message a peer may send, whichever pool it lands in.
-  auto pool =
-      make_pool(std::max(buffer_bytes, config_.max_message_bytes + kMessageHeaderBytes), count);
-  if (!pool) return pool.status();
-  recv_pool_ = std::move(*pool);
+  // Every buffer takes the largest message a peer may send, whichever pool it lands in; every
+  // NIC gets `count` of them, since a message may come over any rail.
+  std::vector<std::unique_ptr<ReceivePool>> pools;
+  for (uint32_t i = 0; i < domains_.size(); ++i) {
+    auto pool = make_pool(
+        i, std::max(buffer_bytes, config_.max_message_bytes + kMessageHeaderBytes), count);
+    if (!pool) return pool.status();
+    pools.push_back(std::move(*pool));
+  }
+  recv_pools_ = std::move(pools);
   user_handler_ = std::make_shared<MessageHandler>(std::move(handler));
-  for (RecvSlot& s : recv_pool_->slots) repost(s);
+  for (auto& pool : recv_pools_) {
+    for (RecvSlot& s : pool->slots) repost(s);
+  }
   return Status::ok();
 }
 
 void Worker::repost(RecvSlot& slot) {
   transport::RecvRequest req{reinterpret_cast<uint64_t>(&slot), slot.buf, slot.size, slot.desc};
-  auto r = domains_[0].domain->post_recv(req);
+  auto r = domains_[slot.domain].domain->post_recv(req);
   if (r.kind != transport::PostResult::Kind::kPosted) {
     detail::log().error(
         "group {}: cannot repost a receive buffer on '{}': {}", group_,
-        domains_[0].domain->info().name,
+        domains_[slot.domain].domain->info().name,
         r.kind == transport::PostResult::Kind::kAgain ? "queue full" : r.error.to_string());
   }
 }
@@ -284,6 +300,7 @@ void Worker::start_transfer(std::unique_ptr<Transfer> owned) {
     finish(t);
     return;
   }
+  if (!t.message.empty()) stamp(t.message);
   t.pending = t.ops.size() + 1;  // +1 holds the transfer open while its ops are queued
   if (t.src && t.src->staged()) {
     stage_sources(t);  // ops are queued as their device-to-host copies complete
@@ -334,8 +351,8 @@ transport::PostResult Worker::post(DomainState& d, Op& op, transport::PeerHandle
         send_pool_->storage.get() + static_cast<uint64_t>(op.send_slot) * send_pool_->slot_bytes;
     std::memcpy(buf, op.message->data(), op.message->size());
     op.local = buf;
-    op.local_desc = send_pool_->reg->local_desc();
   }
+  op.local_desc = send_pool_->regs[op.domain]->local_desc();  // the op may have moved NICs
   return d.domain->post_send(
       {reinterpret_cast<uint64_t>(&op), op.local, op.length, op.local_desc, peer});
 }
@@ -382,8 +399,12 @@ bool Worker::poll(uint32_t index) {
       case transport::Completion::Kind::kLocal: {
         Op& op = *reinterpret_cast<Op*>(c.wr_id);
         --posted_;
-        if (op.abandoned) {  // its transfer already failed; the provider has let go of it now
+        if (op.abandoned) {  // given up on or replaced; the provider has let go of it now
           --abandoned_;
+          if (op.send_slot >= 0) {
+            send_pool_->free.push_back(op.send_slot);
+            op.send_slot = -1;
+          }
           Transfer& t = *op.transfer;
           if (--t.abandoned == 0 && t.finished) live_.erase(t.id);
           break;
@@ -404,7 +425,7 @@ bool Worker::poll(uint32_t index) {
         imm_batch_.push_back(c.imm);
         break;
       case transport::Completion::Kind::kRecv:
-        on_recv(c);
+        on_recv(c, index);
         break;
       case transport::Completion::Kind::kRemoteError:
         detail::log().warn("group {} NIC '{}': {}", group_, d.domain->info().name, c.error_message);
@@ -422,7 +443,20 @@ bool Worker::poll(uint32_t index) {
   return true;
 }
 
-void Worker::on_recv(const transport::Completion& c) {
+uint64_t Worker::stamp(Bytes& message) {
+  const uint64_t seq = ++next_seq_;
+  stamp_header(message, sender_id_, seq);
+  return seq;
+}
+
+uint32_t Worker::message_nic() const {
+  for (uint32_t i = 0; i < domains_.size(); ++i) {
+    if (!domains_[i].down) return i;
+  }
+  return 0;
+}
+
+void Worker::on_recv(const transport::Completion& c, uint32_t domain) {
   RecvSlot& slot = *reinterpret_cast<RecvSlot*>(c.wr_id);
   if (c.error != ErrorCode::kOk) {
     if (stopping_ || c.error == ErrorCode::kCancelled) return;
@@ -431,13 +465,22 @@ void Worker::on_recv(const transport::Completion& c) {
     return;
   }
   if (c.length < kMessageHeaderBytes) {
-    detail::log().warn("group {}: dropped an empty message", group_);
+    detail::log().warn("group {}: dropped a message of {} bytes, shorter than its header", group_,
+                       c.length);
     repost(slot);
     return;
   }
-  const auto kind = static_cast<MessageKind>(slot.buf[0]);
+  const MessageHeader header = *read_header(std::span(slot.buf, c.length));
   const std::span<const std::byte> body(slot.buf + kMessageHeaderBytes,
                                         c.length - kMessageHeaderBytes);
+  if (!seen_[header.sender].insert(header.seq)) {
+    // A copy failover sent again, and the first one arrived too: delivered once. A Commit's
+    // writer still waits for an Ack, which may be what got lost.
+    if (header.kind == MessageKind::kCommit) commit_duplicate(header, domain);
+    repost(slot);
+    return;
+  }
+  const MessageKind kind = header.kind;
   switch (kind) {
     case MessageKind::kUser:
       if (user_handler_) {
@@ -450,7 +493,7 @@ void Worker::on_recv(const transport::Completion& c) {
       }
       break;
     case MessageKind::kCommit:
-      handle_commit(body);
+      handle_commit(header, body, domain);
       break;
     case MessageKind::kAck:
       handle_ack(body);
@@ -468,8 +511,35 @@ void Worker::complete_op(Op& op, const Status& status) {
     op.send_slot = -1;
   }
   Transfer& t = *op.transfer;
+  if (op.commit != nullptr) {
+    CommitSend& cs = *op.commit;
+    --cs.live;
+    if (!status.is_ok()) {
+      // Another copy may still be (or have been) delivered and acknowledged.
+      if (cs.acked || cs.live > 0) {
+        if (--t.pending == 0) advance(t);
+        return;
+      }
+      std::vector<bool> up(domains_.size());
+      for (size_t i = 0; i < up.size(); ++i) up[i] = !domains_[i].down && i != op.domain;
+      const uint32_t to = failover_nic(op.domain, up, failover_salt_++);
+      if (failover_active() && to != op.domain && !stopping_ && t.error.is_ok() &&
+          now_ < t.ack_deadline) {
+        detail::log().warn(
+            "group {}: a commit message failed on NIC '{}' ({}); sending it again "
+            "over '{}'",
+            group_, domains_[op.domain].domain->info().name, status.message(),
+            domains_[to].domain->info().name);
+        resend_commit(cs, to);
+        if (--t.pending == 0) advance(t);
+        return;
+      }
+      cs.acked = true;  // given up: its Ack will never come
+      unacked_.erase(cs.seq);
+      --t.acks;
+    }
+  }
   if (!status.is_ok() && t.error.is_ok()) t.error = status;
-  if (op.commit && !status.is_ok()) --t.acks;  // its Ack will never come
   if (status.is_ok() && op.dst_index != Op::kNoDst) record_staged(op);
   if (--t.pending == 0) advance(t);
 }
@@ -506,7 +576,10 @@ void Worker::advance(Transfer& t) {
 }
 
 void Worker::finish(Transfer& t) {
-  if (!t.staged.empty()) std::erase(awaiting_acks_, &t);
+  if (!t.commits.empty()) {
+    std::erase(awaiting_acks_, &t);
+    forget_commits(t);
+  }
   if (t.probe_nic >= 0) probe_done(t);
   if ((t.id & kInternalTransfer) != 0 && t.probe_nic < 0 && !t.error.is_ok()) {
     detail::log().warn("group {}: an engine message could not be delivered: {}", group_,
@@ -595,14 +668,71 @@ std::vector<bool> Worker::up_nics() const {
 }
 
 bool Worker::movable(const Op& op) const {
-  // A write that was never posted can go over any NIC: rail-aligned addresses and keys come
-  // from the op's destination. Sends stay on the first NIC (the peer's receive buffers).
-  return op.kind == Op::Kind::kWrite && op.owner != nullptr;
+  // Work that was never posted can go over any NIC: rail-aligned addresses and keys come from
+  // the op's destination, and every NIC of the peer has receive buffers for messages.
+  return op.owner != nullptr;
+}
+
+bool Worker::failover_active() const {
+  return config_.nic_timeout.count() > 0 && config_.nic_timeout < config_.peer_timeout &&
+         domains_.size() >= 2;
+}
+
+void Worker::repost_copy(Op& op, uint32_t to) {
+  Transfer& t = *op.transfer;
+  op.abandoned = true;
+  ++t.abandoned;
+  ++abandoned_;
+  Op& copy = t.retries.emplace_back(op);
+  copy.abandoned = false;
+  copy.send_slot = -1;  // the original keeps its buffer until the provider lets go of it
+  copy.queue = nullptr;
+  copy.prev = copy.next = nullptr;
+  retarget(copy, to);
+  if (copy.commit != nullptr) copy.commit->sent = now_;
+  ++domains_[op.domain].failed_over;
+  enqueue(copy);
+}
+
+void Worker::reroute_messages(uint32_t nic, PeerQueue& q) {
+  std::vector<bool> up(domains_.size());
+  for (size_t i = 0; i < up.size(); ++i) up[i] = !domains_[i].down && i != nic;
+  const uint32_t to = failover_nic(nic, up, failover_salt_++);
+  if (to == nic) return;
+  std::vector<Op*> unposted, posted;
+  std::erase_if(q.ops, [&](Op* op) {
+    const bool move = op->kind == Op::Kind::kSend && movable(*op);
+    if (move) unposted.push_back(op);
+    return move;
+  });
+  for (Op* op = q.inflight; op != nullptr; op = op->next) {
+    if (op->kind == Op::Kind::kSend && movable(*op)) posted.push_back(op);
+  }
+  if (unposted.empty() && posted.empty()) return;
+  detail::log().warn(
+      "group {}: {} message(s) made no progress on NIC '{}' for {} ms; sending them over '{}'",
+      group_, unposted.size() + posted.size(), domains_[nic].domain->info().name,
+      config_.nic_timeout.count(), domains_[to].domain->info().name);
+  queued_ -= unposted.size();
+  for (Op* op : posted) {
+    q.unlink(*op);  // still in the provider's hands, now as an abandoned request
+    repost_copy(*op, to);
+  }
+  for (Op* op : unposted) {
+    retarget(*op, to);
+    enqueue(*op);
+  }
 }
 
 void Worker::retarget(Op& op, uint32_t to) {
   if (to == op.domain) return;
   const Address& owner = *op.owner;
+  if (op.kind == Op::Kind::kSend) {  // its buffer's descriptor is taken when it is posted
+    op.peer = &owner.nics()[remote_rail(to, owner.num_nics())].name;
+    op.domain = to;
+    if (op.commit != nullptr) op.commit->domain = to;
+    return;
+  }
   if (op.dst_mem != nullptr) {
     const auto& rails = op.dst_mem->rails();
     const uint32_t from = remote_rail(op.domain, rails.size());
@@ -626,10 +756,7 @@ void Worker::retarget(Op& op, uint32_t to) {
 }
 
 void Worker::watch_nics() {
-  if (config_.nic_timeout.count() <= 0 || config_.nic_timeout >= config_.peer_timeout ||
-      domains_.size() < 2) {
-    return;
-  }
+  if (!failover_active()) return;
   const auto timeout = config_.nic_timeout;
   auto stalled = [&](const PeerQueue& q) {
     return (q.inflight_count > 0 || !q.ops.empty()) && now_ - q.last_progress > timeout;
@@ -670,7 +797,18 @@ void Worker::watch_nics() {
       }
       if (culprit != nullptr) break;
     }
-    if (culprit != nullptr) mark_down(i, *culprit);
+    if (culprit != nullptr) {
+      mark_down(i, *culprit);
+      continue;
+    }
+    // No evidence against the NIC (no other NIC reached the same peer lately), but messages
+    // stalled on it: they try another NIC, where a dead link would be bypassed. The receiver
+    // drops a copy it already has.
+    std::vector<PeerQueue*> stuck;
+    for (auto& [peer, q] : d.queues) {
+      if (stalled(q)) stuck.push_back(&q);
+    }
+    for (PeerQueue* q : stuck) reroute_messages(i, *q);
   }
 }
 
@@ -728,23 +866,25 @@ void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
   for (size_t i = 0; i < domains_.size(); ++i) up[i] = !domains_[i].down;
   const std::string& name = d.domain->info().name;
   for (Op* op : posted) {
+    Transfer& t = *op->transfer;
+    const uint32_t to = failover_nic(nic, up, failover_salt_++);
+    const bool idempotent = (op->kind == Op::Kind::kWrite && !op->has_imm) ||
+                            (op->kind == Op::Kind::kSend && movable(*op));
+    if (idempotent && t.probe_nic < 0 && to != nic) {
+      // Data only: the same bytes to the same place, so posting it again is harmless whether or
+      // not the first one landed. A message: the receiver drops a second copy. The copy
+      // completes in the original's place. The connection was dropped: the original's buffer
+      // is free again.
+      if (op->send_slot >= 0) {
+        send_pool_->free.push_back(op->send_slot);
+        op->send_slot = -1;
+      }
+      repost_copy(*op, to);
+      continue;
+    }
     op->abandoned = true;
     ++op->transfer->abandoned;
     ++abandoned_;
-    Transfer& t = *op->transfer;
-    const uint32_t to = failover_nic(nic, up, failover_salt_++);
-    if (op->kind == Op::Kind::kWrite && !op->has_imm && t.probe_nic < 0 && to != nic) {
-      // Data only: the same bytes to the same place, so posting it again is idempotent, whether
-      // or not the first one landed. The copy completes in the original's place.
-      Op& copy = t.retries.emplace_back(*op);
-      copy.abandoned = false;
-      copy.queue = nullptr;
-      copy.prev = copy.next = nullptr;
-      retarget(copy, to);
-      ++d.failed_over;
-      enqueue(copy);
-      continue;
-    }
     Status error;
     if (to == nic && t.probe_nic < 0) {
       error = Status(ErrorCode::kPeerUnreachable,
@@ -1025,7 +1165,7 @@ void Worker::record_staged(Op& op) {
 void Worker::flush_commits(Transfer& t, uint32_t dst_index, bool final) {
   StagedDst& sd = t.staged[dst_index];
   const RemoteMemory& dst = t.dsts[dst_index];
-  const Bytes& reply_to = domains_[0].domain->endpoint_name();
+  const Bytes& reply_to = self_;
   const uint64_t room = config_.max_message_bytes + kMessageHeaderBytes;
   const uint64_t fixed = Commit::kFixedBytes + reply_to.size();
   const uint64_t per_message = room > fixed ? (room - fixed) / Commit::kRangeBytes : 0;
@@ -1055,35 +1195,70 @@ void Worker::flush_commits(Transfer& t, uint32_t dst_index, bool final) {
       c.imm_times = sd.imm_times;
       sd.has_imm = false;
     }
-    const Bytes& msg = t.control_msgs.emplace_back(c.encode());
-    Op& op = t.control.emplace_back();
-    op.transfer = &t;
-    op.kind = Op::Kind::kSend;
-    op.commit = true;
-    op.domain = 0;
-    op.peer = &dst.owner().nics()[0].name;
-    op.message = &msg;
-    op.length = msg.size();
-    ++t.pending;
+    Bytes& msg = t.control_msgs.emplace_back(c.encode());
+    CommitSend& cs = t.commits.emplace_back();
+    cs.transfer = &t;
+    cs.seq = stamp(msg);
+    cs.message = &msg;
+    cs.owner = &dst.owner();
+    unacked_.emplace(cs.seq, &cs);
     if (t.acks++ == 0) awaiting_acks_.push_back(&t);
     t.ack_deadline = now_ + config_.peer_timeout;
-    enqueue(op);
+    resend_commit(cs, message_nic());
   } while (pos < sd.unflushed.size());
   sd.unflushed.clear();
   sd.unflushed_bytes = 0;
 }
 
-void Worker::handle_commit(std::span<const std::byte> body) {
+void Worker::resend_commit(CommitSend& cs, uint32_t to) {
+  Transfer& t = *cs.transfer;
+  const Address& owner = *cs.owner;
+  Op& op = t.control.emplace_back();
+  op.transfer = &t;
+  op.kind = Op::Kind::kSend;
+  op.commit = &cs;
+  op.domain = to;
+  op.owner = &owner;
+  op.peer = &owner.nics()[remote_rail(to, owner.num_nics())].name;
+  op.message = cs.message;
+  op.length = cs.message->size();
+  ++t.pending;
+  ++cs.live;
+  cs.domain = to;
+  cs.sent = now_;
+  enqueue(op);
+}
+
+void Worker::forget_commits(Transfer& t) {
+  for (CommitSend& cs : t.commits) {
+    if (!cs.acked) unacked_.erase(cs.seq);
+    cs.acked = true;
+  }
+}
+
+void Worker::handle_commit(const MessageHeader& header, std::span<const std::byte> body,
+                           uint32_t domain) {
   auto commit = Commit::decode(body);
-  if (!commit) {
-    detail::log().warn("group {}: dropped a malformed staged-path commit", group_);
+  auto reply = commit ? Address::decode(commit->reply_to) : Result<Address>(Status::ok());
+  if (!commit || !reply || reply->empty()) {
+    detail::log().warn("group {}: dropped a malformed commit message", group_);
     return;
   }
   auto owned = std::make_unique<CommitJob>();
   CommitJob& job = *owned;
   job.commit = std::move(*commit);
+  job.sender = header.sender;
+  job.seq = header.seq;
+  job.reply_domain = domain;
   CommitJob* key = owned.get();
   commit_jobs_.emplace(key, std::move(owned));
+  const CommitKey record{header.sender, header.seq};
+  commit_records_[record] = CommitRecord{key, ErrorCode::kOk, {}, 0, {}};
+  commit_order_.push_back(record);
+  while (commit_order_.size() > kMaxCommitRecords) {
+    commit_records_.erase(commit_order_.front());
+    commit_order_.pop_front();
+  }
   if (job.commit.region == 0) {
     // A reliable immediate (Config::reliable_imm) for host memory: the writes it follows have
     // completed, so the data is in place; nothing to copy, count it now.
@@ -1141,9 +1316,37 @@ void Worker::commit_done(CommitJob& job) {
   if (!job.status.is_ok()) {
     detail::log().warn("group {}: staged commit failed: {}", group_, job.status.to_string());
   }
-  Ack ack{job.commit.transfer, job.status.code(), job.status.message()};
-  send_internal(std::move(job.commit.reply_to), ack.encode());
+  Ack ack{job.commit.transfer, job.seq, job.status.code(), job.status.message()};
+  auto record = commit_records_.find({job.sender, job.seq});
+  if (record != commit_records_.end()) {
+    record->second =
+        CommitRecord{nullptr, ack.code, ack.message, ack.transfer, job.commit.reply_to};
+  }
+  send_ack(*Address::decode(job.commit.reply_to), job.reply_domain, ack);
   commit_jobs_.erase(&job);
+}
+
+void Worker::commit_duplicate(const MessageHeader& header, uint32_t domain) {
+  auto it = commit_records_.find({header.sender, header.seq});
+  if (it == commit_records_.end()) {
+    detail::log().warn(
+        "group {}: a commit message arrived again after its result was "
+        "forgotten; not acknowledged",
+        group_);
+    return;
+  }
+  CommitRecord& r = it->second;
+  if (r.job != nullptr) {  // still being copied: its Ack goes back the way this copy came
+    r.job->reply_domain = domain;
+    return;
+  }
+  auto reply = Address::decode(r.reply);
+  if (!reply) return;
+  send_ack(*reply, domain, Ack{r.transfer, header.seq, r.code, r.message});
+}
+
+void Worker::send_ack(const Address& to, uint32_t domain, const Ack& ack) {
+  send_internal(to, domain, ack.encode());
 }
 
 void Worker::handle_ack(std::span<const std::byte> body) {
@@ -1152,9 +1355,13 @@ void Worker::handle_ack(std::span<const std::byte> body) {
     detail::log().warn("group {}: dropped a malformed staged-path acknowledgment", group_);
     return;
   }
-  auto it = live_.find(ack->transfer);
-  if (it == live_.end() || it->second->acks == 0) return;  // late: the transfer gave up on it
-  Transfer& t = *it->second;
+  // Late (the transfer gave up on it), or a second Ack of a Commit sent twice: ignored.
+  auto it = unacked_.find(ack->commit);
+  if (it == unacked_.end() || it->second->transfer->id != ack->transfer) return;
+  CommitSend& cs = *it->second;
+  unacked_.erase(it);
+  cs.acked = true;
+  Transfer& t = *cs.transfer;
   if (ack->code != ErrorCode::kOk && t.error.is_ok()) {
     const bool known = static_cast<int>(ack->code) <= static_cast<int>(ErrorCode::kInternal);
     t.error = Status(known ? ack->code : ErrorCode::kInternal,
@@ -1166,16 +1373,18 @@ void Worker::handle_ack(std::span<const std::byte> body) {
   }
 }
 
-void Worker::send_internal(Bytes peer_name, Bytes message) {
+void Worker::send_internal(Address owner, uint32_t domain, Bytes message) {
   auto t = std::make_unique<Transfer>();
   t->id = kInternalTransfer | next_internal_++;
-  t->peer_name = std::move(peer_name);
+  t->peers.push_back(std::move(owner));
   t->message = std::move(message);
+  const Address& to = t->peers[0];
   Op op;
   op.transfer = t.get();
   op.kind = Op::Kind::kSend;
-  op.domain = 0;
-  op.peer = &t->peer_name;
+  op.domain = domain;
+  op.owner = &to;
+  op.peer = &to.nics()[remote_rail(domain, to.num_nics())].name;
   op.message = &t->message;
   op.length = t->message.size();
   t->ops.push_back(op);
@@ -1184,8 +1393,38 @@ void Worker::send_internal(Bytes peer_name, Bytes message) {
 
 void Worker::watch_acks() {
   std::vector<Transfer*> overdue;
+  std::vector<TransferId> waiting;
   for (Transfer* t : awaiting_acks_) {
-    if (t->acks > 0 && now_ > t->ack_deadline) overdue.push_back(t);
+    if (t->acks > 0 && now_ > t->ack_deadline) {
+      overdue.push_back(t);
+    } else {
+      waiting.push_back(t->id);
+    }
+  }
+  // A Commit delivered without an Ack for nic_timeout: the Ack (or the Commit) may be stuck on
+  // a dead link, so a copy goes over the next NIC that is up. The owner counts it once.
+  if (failover_active()) {
+    size_t resent = 0;
+    for (TransferId id : waiting) {
+      auto it = live_.find(id);
+      if (it == live_.end() || it->second->finished) continue;
+      Transfer& t = *it->second;
+      ++t.pending;  // holds t while copies are queued
+      for (CommitSend& cs : t.commits) {
+        if (cs.acked || cs.live > 0 || now_ - cs.sent <= config_.nic_timeout) continue;
+        std::vector<bool> up(domains_.size());
+        for (size_t i = 0; i < up.size(); ++i) up[i] = !domains_[i].down && i != cs.domain;
+        resend_commit(cs, failover_nic(cs.domain, up, failover_salt_++));
+        ++resent;
+      }
+      if (--t.pending == 0) advance(t);
+    }
+    if (resent > 0) {
+      detail::log().warn(
+          "group {}: {} commit message(s) without an acknowledgment for {} ms: sent again over "
+          "the next NIC that is up",
+          group_, resent, config_.nic_timeout.count());
+    }
   }
   for (Transfer* t : overdue) {
     if (t->error.is_ok()) {
@@ -1195,6 +1434,7 @@ void Worker::watch_acks() {
                                     config_.peer_timeout.count()));
     }
     t->acks = 0;
+    forget_commits(*t);
     std::erase(awaiting_acks_, t);
     advance(*t);
   }

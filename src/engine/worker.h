@@ -88,6 +88,9 @@ class Worker {
   void* scratch_local(uint32_t i) { return domains_[i].scratch_buf.get(); }
   void* scratch_desc(uint32_t i) const { return domains_[i].scratch->local_desc(); }
   int cpu() const { return cpu_; }
+  // The group's own address, named in Commits so that the owner can acknowledge over any rail.
+  // Set by the engine before start().
+  void set_address(const Address& self) { self_ = self.encode(); }
   // Failover: which of the group's NICs are up (not marked down). Thread-safe; submitting
   // threads plan new transfers over the NICs that are up.
   std::vector<bool> up_nics() const;
@@ -124,6 +127,7 @@ class Worker {
     std::byte* buf;
     uint64_t size;
     void* desc;
+    uint32_t domain;
   };
   using PeerQueue = engine::PeerQueue;
   struct DomainState {
@@ -141,8 +145,9 @@ class Worker {
     bool probing = false;      // a probe is in flight
     uint64_t failed_over = 0;  // work requests moved off it, for the log
   };
-  // Receive buffers on the first NIC: the engine's own pool, posted from the start, and the
-  // user's (set_receive_handler). Any message may land in either; its kind byte routes it.
+  // Receive buffers of one NIC: the engine's own pool, posted from the start, and the user's
+  // (set_receive_handler). Every NIC has both, since a message may come over any rail. Any
+  // message may land in either; its kind byte routes it.
   struct ReceivePool {
     Buffer storage;
     std::unique_ptr<transport::MemoryRegistration> reg;
@@ -152,8 +157,31 @@ class Worker {
   // A staged-path Commit being copied into device memory; its address is the copier's token.
   struct CommitJob {
     Commit commit;
+    uint64_t sender = 0;
+    uint64_t seq = 0;
+    uint32_t reply_domain = 0;  // the NIC its latest copy arrived on: the Ack goes back there
     std::shared_ptr<LocalRegion> region;
     Status status;
+  };
+  // Commits counted, by (sender, sequence), so that a copy sent again is acknowledged with the
+  // first one's result instead of being counted twice. Bounded (kMaxCommitRecords, oldest
+  // forgotten first).
+  struct CommitKey {
+    uint64_t sender;
+    uint64_t seq;
+    friend bool operator==(const CommitKey&, const CommitKey&) = default;
+  };
+  struct CommitKeyHash {
+    size_t operator()(const CommitKey& k) const noexcept {
+      return std::hash<uint64_t>{}(k.sender * 0x9e3779b97f4a7c15ull ^ k.seq);
+    }
+  };
+  struct CommitRecord {
+    CommitJob* job = nullptr;  // still being copied; null once acknowledged
+    ErrorCode code = ErrorCode::kOk;
+    std::string message;
+    uint64_t transfer = 0;  // the writer's, for the Ack
+    Bytes reply;            // the writer's Address, encoded
   };
   struct CopierEntry {
     cuda::PointerInfo device;
@@ -162,7 +190,7 @@ class Worker {
   };
   struct SendPool {
     Buffer storage;
-    std::unique_ptr<transport::MemoryRegistration> reg;
+    std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;  // one per NIC
     std::vector<int32_t> free;
     uint64_t slot_bytes = 0;
   };
@@ -179,9 +207,14 @@ class Worker {
   void complete_op(Op& op, const Status& status);
   void advance(Transfer& t);
   void finish(Transfer& t);
-  void on_recv(const transport::Completion& c);
+  void on_recv(const transport::Completion& c, uint32_t domain);
   void repost(RecvSlot& slot);
-  Result<std::unique_ptr<ReceivePool>> make_pool(uint64_t buffer_bytes, uint32_t count);
+  Result<std::unique_ptr<ReceivePool>> make_pool(uint32_t domain, uint64_t buffer_bytes,
+                                                 uint32_t count);
+  // Gives a message its sender id and the next sequence number.
+  uint64_t stamp(Bytes& message);
+  // The first NIC that is up (messages go there), or 0 when none is.
+  uint32_t message_nic() const;
   // Staged path.
   Result<cuda::Copier*> copier_for(const cuda::PointerInfo& device, bool commits);
   void stage_sources(Transfer& t);
@@ -189,10 +222,15 @@ class Worker {
   void gate_done(Gate& gate, const Status& status);
   void record_staged(Op& op);
   void flush_commits(Transfer& t, uint32_t dst_index, bool with_imm);
-  void handle_commit(std::span<const std::byte> body);
+  void handle_commit(const MessageHeader& header, std::span<const std::byte> body, uint32_t domain);
+  void commit_duplicate(const MessageHeader& header, uint32_t domain);
   void commit_done(CommitJob& job);
+  void send_ack(const Address& to, uint32_t domain, const Ack& ack);
   void handle_ack(std::span<const std::byte> body);
-  void send_internal(Bytes peer_name, Bytes message);
+  void send_internal(Address owner, uint32_t domain, Bytes message);
+  // Queues a copy of a Commit on NIC `to` (failover, or its Ack overdue).
+  void resend_commit(CommitSend& cs, uint32_t to);
+  void forget_commits(Transfer& t);
   void watch_acks();
   void watch_peers();
   void declare_dead(DomainState& d, PeerQueue& q);
@@ -203,6 +241,11 @@ class Worker {
   // (data-only writes re-posted, the rest failed) and drops the connection.
   void fail_over(uint32_t nic, PeerQueue& q, bool posted_too);
   bool movable(const Op& op) const;
+  bool failover_active() const;
+  // Posts a copy of a posted op on NIC `to` in its place (the original is abandoned).
+  void repost_copy(Op& op, uint32_t to);
+  // Moves the messages of a stalled queue on a NIC that is not marked down to another NIC.
+  void reroute_messages(uint32_t nic, PeerQueue& q);
   void retarget(Op& op, uint32_t to);
   void probe(uint32_t nic);
   void probe_done(Transfer& t);
@@ -216,9 +259,9 @@ class Worker {
   int cpu_;
   WorkerServices services_;
   std::vector<DomainState> domains_;
-  std::unique_ptr<ReceivePool> control_pool_;
-  std::unique_ptr<ReceivePool> recv_pool_;
-  std::shared_ptr<MessageHandler> user_handler_;  // null until set_receive_handler
+  std::vector<std::unique_ptr<ReceivePool>> control_pools_;  // one per NIC
+  std::vector<std::unique_ptr<ReceivePool>> recv_pools_;     // one per NIC; empty: no handler
+  std::shared_ptr<MessageHandler> user_handler_;             // null until set_receive_handler
   std::unique_ptr<SendPool> send_pool_;
   std::vector<CopierEntry> copiers_;
   std::unique_ptr<std::atomic<bool>[]> nic_up_;  // published to submitting threads
@@ -227,6 +270,16 @@ class Worker {
   std::vector<Transfer*> awaiting_acks_;  // transfers with Commits not yet acknowledged
   std::vector<cuda::Copier::Done> copies_done_;
   uint64_t next_internal_ = 0;
+  // Messages: this worker's sender id (random), its last sequence number, and what it has
+  // seen from every sender.
+  uint64_t sender_id_ = 0;
+  uint64_t next_seq_ = 0;
+  std::unordered_map<uint64_t, SeenWindow> seen_;
+  Bytes self_;
+  std::unordered_map<uint64_t, CommitSend*> unacked_;  // by sequence number
+  static constexpr size_t kMaxCommitRecords = size_t{1} << 14;
+  std::unordered_map<CommitKey, CommitRecord, CommitKeyHash> commit_records_;
+  std::deque<CommitKey> commit_order_;
 
   // Worker-thread state.
   std::unordered_map<TransferId, std::unique_ptr<Transfer>> live_;

@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
 
   engine::Commit commit;
   commit.transfer = 17;
-  commit.reply_to = tcp1.nics()[0].name;
+  commit.reply_to = tcp1.encode();
   commit.region = 5;
   commit.has_imm = true;
   commit.imm = 99;
@@ -72,10 +72,15 @@ int main(int argc, char** argv) {
   commit.ranges.clear();
   commit.region = 0;
   write(root / "messages", "commit_reliable_imm", commit.encode());
-  write(root / "messages", "ack_ok", engine::Ack{17, ErrorCode::kOk, ""}.encode());
-  write(root / "messages", "ack_error",
-        engine::Ack{17, ErrorCode::kRemoteAccess, "staged region 0x5 is not registered"}.encode());
-  write(root / "messages", "user", Bytes{std::byte{1}, std::byte{'h'}, std::byte{'i'}});
+  write(root / "messages", "ack_ok", engine::Ack{17, 1, ErrorCode::kOk, ""}.encode());
+  write(
+      root / "messages", "ack_error",
+      engine::Ack{17, 2, ErrorCode::kRemoteAccess, "staged region 0x5 is not registered"}.encode());
+  Bytes user(engine::kMessageHeaderBytes);
+  user[0] = std::byte{1};
+  user.push_back(std::byte{'h'});
+  user.push_back(std::byte{'i'});
+  write(root / "messages", "user", user);
 
   write(root / "config", "all_set", std::string("tcp\nlo,eth0\n3\n200\n50"));
   write(root / "config", "provider_only", std::string("shm"));

@@ -1,5 +1,6 @@
 // Fuzz target: the engine's own two-sided messages (src/engine/messages.h) as a worker receives
-// them: a kind byte, then a Commit or an Ack body (user messages are handed over as bytes).
+// them: a header (kind byte, sender, sequence), then a Commit or an Ack body (user messages are
+// handed over as bytes).
 // Properties: decoding never crashes or over-reads; an accepted message is within the bounds
 // the worker relies on (imm_times at most kMaxImmTimes, one 16-byte entry per range) and
 // re-encodes to exactly the input.
@@ -17,15 +18,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < kMessageHeaderBytes) return 0;  // the worker drops empty messages
   const auto message = std::as_bytes(std::span(data, size));
   const auto body = message.subspan(kMessageHeaderBytes);
+  // encode() leaves sender and sequence zero (the worker stamps them): compare the rest.
   auto same = [&](const fabric::Bytes& encoded) {
-    return encoded.size() == size && std::equal(encoded.begin(), encoded.end(), message.begin());
+    return encoded.size() == size && encoded[0] == message[0] &&
+           std::equal(encoded.begin() + kMessageHeaderBytes, encoded.end(), body.begin());
   };
   switch (static_cast<MessageKind>(data[0])) {
     case MessageKind::kCommit: {
       auto c = Commit::decode(body);
       if (!c) break;
       FUZZ_CHECK(c->imm_times <= Commit::kMaxImmTimes, "imm_times bounded");
-      FUZZ_CHECK(body.size() == Commit::kFixedBytes - 1 + c->reply_to.size() +
+      FUZZ_CHECK(body.size() == Commit::kFixedBytes - kMessageHeaderBytes + c->reply_to.size() +
                                     c->ranges.size() * Commit::kRangeBytes,
                  "the ranges are what the message holds");
       // has_imm is one byte on the wire, read as a bool: only 0 and 1 round-trip exactly.

@@ -663,6 +663,67 @@ TEST_F(Failover, LinkKilledWithFabricImmediatesFailsOnlyWhatIsUncertain) {
   write_verified(0, 0, 3 * kMiB, 803, Routing::sharded(), "sharded write while NIC 1 is down");
 }
 
+// The first link is the one that carried every message before messages learned to fail over:
+// killed mid-stream of writes (reliable immediates: Commits and Acks are messages too) and of
+// user messages, every transfer and every message completes, the peer receives each message
+// exactly once (none twice, even once the link is back and TCP delivers what it held), the
+// counts and the data are exact, and new messages go over the surviving link while it is down.
+TEST_F(Failover, FirstLinkKilledMessagesAndCommitsFailOver) {
+  open_failover(2, true);
+  // Each half of the stream covers the whole destination, so the checksum covers every byte.
+  constexpr int kSingles = 32, kPaged = 64, kMessages = 200;
+  std::vector<std::unique_ptr<Probe>> messages;
+  auto send = [&](int k) {
+    const std::string text = "msg " + std::to_string(k) + std::string(1000, '.');
+    auto& p = messages.emplace_back(std::make_unique<Probe>());
+    ASSERT_TRUE(
+        engine_->submit_send(peer_->address, std::as_bytes(std::span(text)), p->callbacks()));
+  };
+  Stream st;
+  submit_stream(st, kSingles / 2, kPaged / 2, 6);
+  for (int k = 0; k < kMessages / 2; ++k) send(k);
+  submit_stream(st, kSingles / 2, kPaged / 2, 7);
+  for (int k = kMessages / 2; k < kMessages; ++k) send(k);
+  std::this_thread::sleep_for(150ms);
+  set_link(0, "down");
+  int done = 0, failed = 0;
+  Status first_error;
+  wait_stream(st, 60s, done, failed, first_error);
+  EXPECT_EQ(failed, 0) << "first error: " << first_error.to_string();
+  EXPECT_EQ(done, kSingles + kPaged);
+  int sent = 0;
+  for (const auto& p : messages) {
+    Status s = p->wait(60s);
+    EXPECT_TRUE(s) << s.to_string();
+    EXPECT_EQ(p->calls(), 1);
+    sent += s.is_ok();
+  }
+  EXPECT_EQ(sent, kMessages);
+  EXPECT_TRUE(wait_nic(0, false, 5s)) << "NIC 0 was not marked down";
+  EXPECT_EQ(peer_count(kSingleImm, kSingles), static_cast<uint64_t>(kSingles));
+  EXPECT_EQ(peer_count(kPageImm, kPaged * kPagesPerWrite),
+            static_cast<uint64_t>(kPaged * kPagesPerWrite));
+  EXPECT_EQ(peer_->checksum(0, kPeerBytes), src_checksum(0, kPeerBytes)) << "data differs";
+  peer_->process.send("messages " + std::to_string(kMessages));
+  EXPECT_EQ(peer_->process.read_line(), "messages " + std::to_string(kMessages) + " 0 0");
+
+  // While NIC 0 is down, new messages go over NIC 1.
+  for (int k = kMessages; k < kMessages + 50; ++k) send(k);
+  for (const auto& p : messages) EXPECT_TRUE(p->wait(30s));
+  EXPECT_FALSE(engine_->nics_up()[0]) << "NIC 0 came back while its link was down";
+  peer_->process.send("messages " + std::to_string(kMessages + 50));
+  EXPECT_EQ(peer_->process.read_line(), "messages " + std::to_string(kMessages + 50) + " 0 0");
+
+  // Back up: whatever the dead link still held arrives now, and is dropped as a copy.
+  set_link(0, "up");
+  ASSERT_TRUE(wait_nic(0, true, 20s)) << "NIC 0 did not come back after its link did";
+  std::this_thread::sleep_for(500ms);
+  write_verified(0, 0, 3 * kMiB, 805, Routing::sharded(), "sharded write after NIC 0 is back");
+  peer_->process.send("messages " + std::to_string(kMessages + 50));
+  EXPECT_EQ(peer_->process.read_line(), "messages " + std::to_string(kMessages + 50) + " 0 0");
+  EXPECT_EQ(peer_count(kSingleImm, 0), static_cast<uint64_t>(kSingles));
+}
+
 // (b) Every link down: every transfer fails within peer_timeout plus slack, exactly once, and
 // the engine serves again once the links are back.
 TEST_F(Failover, AllLinksDownEveryTransferFailsWithinTheBound) {

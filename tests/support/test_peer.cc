@@ -5,9 +5,14 @@
 //   expect IMM COUNT                   wait (30 s at most) for COUNT arrivals of IMM
 //   checksum OFFSET LENGTH             FNV-1a of a range of the buffer
 //   write DESC_HEX SRC DST LEN IMM     single write from the buffer into DESC, then report
+//   messages COUNT                     wait (30 s at most) until COUNT distinct messages "msg K"
+//                                      arrived; report distinct, duplicate and malformed ones
 //   quit
+#include <condition_variable>
 #include <cstdio>
 #include <iostream>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -39,6 +44,25 @@ int main(int argc, char** argv) {
   auto reg = engine.register_memory(buf.data(), size);
   if (!reg) {
     std::cout << "error " << reg.status().to_string() << std::endl;
+    return 1;
+  }
+  // Messages "msg K" (sent by the failover tests): which K arrived, and how often.
+  std::mutex messages_mu;
+  std::condition_variable messages_cv;
+  std::set<uint64_t> distinct;
+  uint64_t duplicates = 0, malformed = 0;
+  Status handler = engine.set_receive_handler([&](std::span<const std::byte> m) {
+    const std::string text(reinterpret_cast<const char*>(m.data()), m.size());
+    std::lock_guard lock(messages_mu);
+    if (text.rfind("msg ", 0) != 0) {
+      ++malformed;
+    } else if (!distinct.insert(std::stoull(text.substr(4))).second) {
+      ++duplicates;
+    }
+    messages_cv.notify_all();
+  });
+  if (!handler) {
+    std::cout << "error " << handler.to_string() << std::endl;
     return 1;
   }
   std::cout << "address " << engine.address().to_hex() << "\n"
@@ -97,6 +121,14 @@ int main(int argc, char** argv) {
           engine.submit(SingleWrite{reg->handle, src, *desc, dst, len, imm, {}}, done.callbacks());
       Status s = id ? done.wait() : id.status();
       std::cout << (s ? std::string("done") : "error " + s.to_string()) << std::endl;
+    } else if (cmd == "messages") {
+      uint64_t count = 0;
+      in >> count;
+      std::unique_lock lock(messages_mu);
+      messages_cv.wait_for(lock, std::chrono::seconds(30),
+                           [&] { return distinct.size() >= count; });
+      std::cout << "messages " << distinct.size() << " " << duplicates << " " << malformed
+                << std::endl;
     } else if (cmd == "quit") {
       break;
     } else {

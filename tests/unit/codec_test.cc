@@ -151,5 +151,52 @@ TEST(Codec, CommitWithTooManyArrivalsIsRejected) {
   EXPECT_FALSE(Commit::decode(std::span(bad).subspan(kMessageHeaderBytes)));
 }
 
+// The receiver's record of message sequence numbers (messages.h): a copy failover sent again is
+// recognised whatever the order, and an open gap cannot grow the record without bound.
+TEST(SeenWindow, EachSequenceIsNewOnceInAnyOrder) {
+  SeenWindow w;
+  EXPECT_FALSE(w.insert(0)) << "no sender uses 0";
+  for (uint64_t seq : {3, 1, 5, 2}) EXPECT_TRUE(w.insert(seq)) << seq;
+  EXPECT_EQ(w.floor(), 3u);
+  EXPECT_EQ(w.above(), 1u);  // 5, past the gap at 4
+  for (uint64_t seq : {1, 2, 3, 5}) EXPECT_FALSE(w.insert(seq)) << seq;
+  EXPECT_TRUE(w.insert(4));
+  EXPECT_EQ(w.floor(), 5u);
+  EXPECT_EQ(w.above(), 0u);
+  EXPECT_FALSE(w.insert(4));
+}
+
+TEST(SeenWindow, AGapThatNeverClosesIsForgottenPastTheBound) {
+  SeenWindow w;
+  ASSERT_TRUE(w.insert(1));
+  // 2 never arrives (its sender gave up on it); everything after it does.
+  for (uint64_t seq = 3; seq < 3 + SeenWindow::kMaxAbove; ++seq) ASSERT_TRUE(w.insert(seq));
+  EXPECT_EQ(w.floor(), 1u);
+  EXPECT_EQ(w.above(), SeenWindow::kMaxAbove);
+  ASSERT_TRUE(w.insert(3 + SeenWindow::kMaxAbove));
+  EXPECT_EQ(w.floor(), 3 + SeenWindow::kMaxAbove) << "the floor moves over the gap";
+  EXPECT_EQ(w.above(), 0u);
+  EXPECT_FALSE(w.insert(2)) << "a copy older than the bound counts as seen";
+  EXPECT_FALSE(w.insert(100));
+  EXPECT_TRUE(w.insert(4 + SeenWindow::kMaxAbove));
+}
+
+TEST(MessageHeader, StampedSenderAndSequenceReadBack) {
+  Ack a{7, 9, ErrorCode::kOk, ""};
+  Bytes m = a.encode();
+  ASSERT_GE(m.size(), kMessageHeaderBytes);
+  stamp_header(m, 0x1122334455667788ull, 42);
+  auto h = read_header(m);
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->kind, MessageKind::kAck);
+  EXPECT_EQ(h->sender, 0x1122334455667788ull);
+  EXPECT_EQ(h->seq, 42u);
+  auto back = Ack::decode(std::span(m).subspan(kMessageHeaderBytes));
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->transfer, 7u);
+  EXPECT_EQ(back->commit, 9u);
+  EXPECT_FALSE(read_header(std::span(m).first(kMessageHeaderBytes - 1)));
+}
+
 }  // namespace
 }  // namespace fabric::engine
