@@ -59,21 +59,28 @@ const std::string& boot_id() {
   return id;
 }
 
-// Field 22 of /proc/PID/stat (the start time in clock ticks after boot); empty when the
-// process does not exist.
-std::string start_time(pid_t pid) {
+// From /proc/PID/stat: the state (field 3) and the start time in clock ticks after boot
+// (field 22); empty when the process does not exist.
+struct ProcStat {
+  std::string state;
+  std::string start;
+};
+ProcStat proc_stat(pid_t pid) {
   std::string stat = read_small_file("/proc/" + std::to_string(pid) + "/stat");
   auto close = stat.rfind(')');
-  if (close == std::string::npos) return {};
+  if (close == std::string::npos || close + 2 > stat.size()) return {};
   std::istringstream in(stat.substr(close + 2));
+  ProcStat out;
+  in >> out.state;
   std::string field;
-  // Fields after the command start at 3 (state); the start time is field 22.
-  for (int i = 3; i <= 22 && (in >> field); ++i) {
+  for (int i = 4; i <= 22 && (in >> field); ++i) {
   }
-  return field;
+  out.start = field;
+  return out;
 }
 
-// Whether the process that wrote owner "PID:START:..." on this host is gone for sure.
+// Whether the process that wrote owner "PID:START:..." on this host is gone for sure: no such
+// pid, a zombie (killed, not yet reaped by its parent), or another process with that pid.
 bool owner_dead(const std::string& owner) {
   pid_t pid = 0;
   std::string start;
@@ -90,8 +97,9 @@ bool owner_dead(const std::string& owner) {
   }
   if (pid <= 0) return false;
   if (kill(pid, 0) != 0 && errno == ESRCH) return true;
-  std::string now = start_time(pid);
-  return !now.empty() && !start.empty() && now != start;  // the pid was reused
+  ProcStat now = proc_stat(pid);
+  if (now.state == "Z" || now.state == "X") return true;
+  return !now.start.empty() && !start.empty() && now.start != start;
 }
 
 // One member file as read.
@@ -148,7 +156,7 @@ class FileRegistry::Impl {
  public:
   Impl(FileOptions options, int dirfd) : options_(std::move(options)), dirfd_(dirfd) {
     static std::atomic<uint64_t> instances{0};
-    owner_ = std::to_string(getpid()) + ":" + start_time(getpid()) + ":" +
+    owner_ = std::to_string(getpid()) + ":" + proc_stat(getpid()).start + ":" +
              std::to_string(instances.fetch_add(1));
     keeper_ = std::thread([this] { keep_alive(); });
   }
