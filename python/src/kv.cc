@@ -34,7 +34,7 @@ using kv::SliceCopy;
 // A C++ object (KvDecoder, KvPrefiller, Registry) behind a Python one. Touched holding the GIL.
 struct Slot {
   std::shared_ptr<void> impl;
-  py::object keep;  // what impl needs alive (the engine), dropped after impl
+  py::object keep;  // what impl needs alive (the engine, the registered memory), dropped after
 };
 
 // Every live slot, for _kv_close_all; and slots parked by a destruction in a callback. Leaked.
@@ -218,7 +218,6 @@ class PyKvBase {
   const char* what_;
   std::shared_ptr<Slot> slot_;
   std::shared_ptr<Pending> pending_;
-  py::object memory_;  // the Registration: its memory stays valid while this lives
 };
 
 class PyKvDecoder : public PyKvBase {
@@ -233,8 +232,7 @@ class PyKvDecoder : public PyKvBase {
       return KvDecoder::create(e, layout, reg, options);
     }();
     std::shared_ptr<KvDecoder> d = check(std::move(made));
-    slot_ = new_slot(std::move(d), std::move(engine));
-    memory_ = std::move(memory);
+    slot_ = new_slot(std::move(d), py::make_tuple(engine, memory));
   }
 
   py::object submit(RequestId id, py::iterable prefill_ranks, uint32_t num_pages, py::object pages,
@@ -319,8 +317,7 @@ class PyKvPrefiller : public PyKvBase {
       return KvPrefiller::create(e, layout, reg, options);
     }();
     std::shared_ptr<KvPrefiller> p = check(std::move(made));
-    slot_ = new_slot(std::move(p), std::move(engine));
-    memory_ = std::move(memory);
+    slot_ = new_slot(std::move(p), py::make_tuple(engine, memory));
   }
 
   py::object start(RequestId id, py::handle pages, uint32_t decode_tp, py::object on_finished,
