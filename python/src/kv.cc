@@ -18,6 +18,7 @@
 
 #include "bindings.h"
 #include "fabric/kv/flow.h"
+#include "fabric/kv/group.h"
 #include "fabric/kv/layout.h"
 #include "fabric/kv/registry.h"
 
@@ -302,6 +303,93 @@ class PyKvDecoder : public PyKvBase {
   }
   KvLayout layout() {
     return with_object<KvDecoder>(slot_, what_, [](KvDecoder& d) { return d.layout(); });
+  }
+  // The C++ decoder, shared (a DecodeGroup keeps it alive). Holding the GIL.
+  std::shared_ptr<KvDecoder> shared() const {
+    auto p = std::static_pointer_cast<KvDecoder>(slot_->impl);
+    if (!p) closed(what_);
+    return p;
+  }
+};
+
+// A DecodeGroup and the decoders it points into (destroyed after it).
+struct GroupHolder {
+  std::vector<std::shared_ptr<KvDecoder>> decoders;
+  std::unique_ptr<kv::DecodeGroup> group;
+  ~GroupHolder() { group.reset(); }
+};
+
+class PyKvDecodeGroup : public PyKvBase {
+ public:
+  explicit PyKvDecodeGroup(py::list decoders) : PyKvBase("KvDecodeGroup") {
+    auto holder = std::make_shared<GroupHolder>();
+    std::vector<KvDecoder*> raw;
+    for (py::handle d : decoders) {
+      if (!py::isinstance<PyKvDecoder>(d))
+        throw py::type_error("decoders: expected KvDecoder objects");
+      holder->decoders.push_back(py::cast<const PyKvDecoder&>(d).shared());
+      raw.push_back(holder->decoders.back().get());
+    }
+    holder->group = check(kv::DecodeGroup::create(std::move(raw)));
+    slot_ = new_slot(std::move(holder), py::tuple(decoders));
+  }
+
+  py::object submit(RequestId id, py::iterable prefill_ranks, uint32_t num_pages,
+                    py::object on_ready, py::object on_error) {
+    kv::GroupRequest rq;
+    rq.id = id;
+    rq.num_pages = num_pages;
+    for (py::handle a : prefill_ranks) rq.prefill_ranks.push_back(address_arg(a, "prefill_ranks"));
+    auto c = std::make_shared<Completion>();
+    py::object future = kv_request_class()(id);
+    c->future = PyRef(future);
+    if (!on_ready.is_none()) c->on_end = PyRef(callable_arg(std::move(on_ready), "on_ready"));
+    if (!on_error.is_none()) c->on_error = PyRef(callable_arg(std::move(on_error), "on_error"));
+    std::weak_ptr<Pending> weak = pending_;
+    rq.on_ready = [c, weak](RequestId id, const std::vector<std::vector<uint32_t>>& pages) {
+      if (interpreter_finalizing()) return;
+      py::gil_scoped_acquire gil;
+      Pending::forget(weak, id, c);
+      InCallback in;
+      py::list list = py::cast(pages);
+      call_user(c->on_end, py::make_tuple(id, list));
+      resolve(c->future, "set_result", list);
+      c->clear();
+    };
+    rq.on_error = [c, weak](RequestId id, const Status& s) {
+      if (interpreter_finalizing()) return;
+      py::gil_scoped_acquire gil;
+      Pending::forget(weak, id, c);
+      InCallback in;
+      py::object exc = make_exception(s);
+      call_user(c->on_error, py::make_tuple(id, exc));
+      resolve(c->future, "set_exception", exc);
+      c->clear();
+    };
+    auto previous = pending_->add(id, c);
+    Status st = with_object<GroupHolder>(
+        slot_, what_, [&](GroupHolder& g) { return g.group->submit(std::move(rq)); });
+    if (!st) {
+      pending_->restore(id, c, std::move(previous));
+      c->clear();
+      throw StatusError{st};
+    }
+    return future;
+  }
+  void cancel(RequestId id) {
+    check(with_object<GroupHolder>(slot_, what_,
+                                   [&](GroupHolder& g) { return g.group->cancel(id); }));
+  }
+  void release(RequestId id) {
+    check(with_object<GroupHolder>(slot_, what_,
+                                   [&](GroupHolder& g) { return g.group->release(id); }));
+  }
+  size_t live_requests() {
+    return with_object<GroupHolder>(slot_, what_,
+                                    [](GroupHolder& g) { return g.group->live_requests(); });
+  }
+  size_t size() {
+    return with_object<GroupHolder>(slot_, what_, [](GroupHolder& g) { return g.group->size(); });
   }
 };
 
@@ -702,6 +790,39 @@ void bind_kv(py::module_& m) {
            "Stops the decoder: live requests fail with Closed, no callback starts afterwards. "
            "Idempotent; GIL released. The engine keeps its receive handler.");
   bind_context(decoder, "decoder");
+
+  py::class_<PyKvDecodeGroup> group(
+      m, "KvDecodeGroup",
+      "The decode ranks of one TP group in this process, with one ready callback for the "
+      "group: a request is submitted on every rank and reported once, when every rank's pages "
+      "landed, or once every rank ended and one failed (the others are cancelled, the ready "
+      "ones released). Its decoders stay alive (even when closed) until the group closes.");
+  group
+      .def(py::init([](py::list decoders) { return std::make_unique<PyKvDecodeGroup>(decoders); }),
+           py::arg("decoders"),
+           "decoders[r]: the KvDecoder of decode rank r. Raises InvalidArgument (none, ranks out "
+           "of order, another TP size), Closed (a closed decoder).")
+      .def("submit", &PyKvDecodeGroup::submit, py::arg("request_id"), py::arg("prefill_ranks"),
+           py::kw_only(), py::arg("num_pages") = 0, py::arg("on_ready") = py::none(),
+           py::arg("on_error") = py::none(),
+           "Submits the request (num_pages pages on each rank) on every rank. Returns a "
+           "KvRequest that resolves to every rank's pages (a list per rank, after "
+           "on_ready(id, pages)) or raises the first error (after on_error(id, error)). A rank "
+           "that refuses it is undone on the others, and its error raised here, naming the "
+           "rank.")
+      .def("cancel", &PyKvDecodeGroup::cancel, py::arg("request_id"),
+           "Cancels a request not ready on every rank: it fails with Cancelled once every rank "
+           "ended. Raises NotFound.")
+      .def("release", &PyKvDecodeGroup::release, py::arg("request_id"),
+           "Gives every rank's pages of a ready request back. Raises NotFound.")
+      .def_property_readonly("live_requests", &PyKvDecodeGroup::live_requests,
+                             "Requests submitted, not yet ready or ended.")
+      .def_property_readonly("size", &PyKvDecodeGroup::size, "Decode ranks.")
+      .def_property_readonly("closed", &PyKvDecodeGroup::is_closed, "Whether close() ran.")
+      .def("close", &PyKvDecodeGroup::close,
+           "Stops the group: its live requests fail with Closed (their ranks keep running). "
+           "Idempotent; GIL released.");
+  bind_context(group, "group");
 
   py::class_<PyKvPrefiller> prefiller(
       m, "KvPrefiller",

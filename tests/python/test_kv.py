@@ -185,6 +185,42 @@ def test_mixed_tp_prefill2_into_decode4(ranks):
         assert d.holds(pages, ref), f"decode rank {d.layout.tp_rank}"
     for f in pres:
         assert f.result(TIMEOUT) is None
+    for d in decode:
+        d.kv.release(42)
+
+    # The same through a KvDecodeGroup: one future for the four ranks.
+    with fabric_lib.KvDecodeGroup([d.kv for d in decode]) as group:
+        assert group.size == 4
+        ready = []
+        ref = reference(43, 2)
+        for p in prefill:
+            p.fill(43, [4, 5], ref)
+            p.kv.start(43, [4, 5], 4)
+        req = group.submit(43, [p.engine.address for p in prefill], num_pages=2,
+                           on_ready=lambda i, pages: ready.append(i))
+        for layer in range(LAYERS):
+            for p in prefill:
+                p.kv.layer_done(43, layer)
+        pages = req.result(TIMEOUT)
+        assert ready == [43] and len(pages) == 4
+        for d, rank_pages in zip(decode, pages):
+            assert d.holds(rank_pages, ref), f"decode rank {d.layout.tp_rank}"
+        group.release(43)
+        # One prefill rank cancels: the group fails once, every rank's pages come back.
+        for p in prefill:
+            p.kv.start(44, [0], 4)
+        req = group.submit(44, [p.engine.address for p in prefill], num_pages=1)
+        for layer in range(LAYERS):
+            prefill[0].kv.layer_done(44, layer)
+        prefill[1].kv.cancel(44)
+        with pytest.raises(fabric_lib.Cancelled):
+            req.result(TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while any(d.kv.free_pages != 8 for d in decode) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [d.kv.free_pages for d in decode] == [8] * 4
+        with pytest.raises(fabric_lib.InvalidArgument):
+            fabric_lib.KvDecodeGroup([decode[1].kv, decode[0].kv])
 
 
 def test_cancel_from_either_side(ranks):
