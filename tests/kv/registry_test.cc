@@ -131,11 +131,11 @@ class KvFileRegistry : public ::testing::Test {
 };
 
 TEST_F(KvFileRegistry, JoinLeaveWatchInOneProcess) {
+  View view;  // outlives the registries whose threads call it
   auto a = open();
   auto b = open();
   ASSERT_TRUE(a && b);
   ASSERT_TRUE(b->join(member("d0", "decode")));
-  View view;
   ASSERT_TRUE(a->watch(view.fn()));
   EXPECT_EQ(a->watch(view.fn()).code(), ErrorCode::kAlreadyExists);
   EXPECT_TRUE(view.wait_for("d0", true, 0ms));  // the current members come first
@@ -182,9 +182,9 @@ TEST_F(KvFileRegistry, LeaseKeepsAMemberAcrossSeveralTtls) {
 }
 
 TEST_F(KvFileRegistry, MembersInOtherProcesses) {
+  View view;  // outlives the registry whose thread calls it
   auto watcher = open();
   ASSERT_TRUE(watcher);
-  View view;
   ASSERT_TRUE(watcher->watch(view.fn()));
   fabric::testing::PeerProcess quitting, crashing, stopped;
   spawn_member(quitting, "quitting");
@@ -269,11 +269,11 @@ class KvEtcd : public ::testing::Test {
 };
 
 TEST_F(KvEtcd, JoinLeaveWatch) {
+  View view;  // outlives the registries whose threads call it
   auto a = connect();
   auto b = connect();
   ASSERT_TRUE(a && b);
   ASSERT_TRUE(a->join(member("p0")));
-  View view;
   ASSERT_TRUE(b->watch(view.fn()));
   EXPECT_TRUE(view.wait_for("p0", true));
   ASSERT_TRUE(a->join(member("p1")));
@@ -294,9 +294,9 @@ TEST_F(KvEtcd, JoinLeaveWatch) {
 }
 
 TEST_F(KvEtcd, CrashedMemberDisappearsWithItsLease) {
+  View view;  // outlives the registry whose thread calls it
   auto watcher = connect();
   ASSERT_TRUE(watcher);
-  View view;
   ASSERT_TRUE(watcher->watch(view.fn()));
   fabric::testing::PeerProcess child;
   ASSERT_TRUE(child.start({"tcp", "tcp", false}, 0));
