@@ -1,6 +1,7 @@
 // fabric-kv-demo: disaggregated prefill/decode on one machine with fabric::kv.
 //
-// The router (this process) starts a private etcd, then P prefiller and D decoder processes
+// The router (this process) starts a private etcd (or, with --registry file, makes a private
+// FileRegistry directory in /dev/shm), then P prefiller and D decoder processes
 // (this binary again, with --role). Each worker opens its own TransferEngine, joins etcd with
 // its address, and obeys the router over a pipe. For each request the router picks a live
 // decoder and prefiller from its etcd watch: the decoder reserves pages and pulls; the
@@ -26,6 +27,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -51,6 +53,8 @@ struct Args {
   std::string role = "router";
   std::string name;
   std::string etcd;
+  std::string registry = "etcd";  // or "file"
+  std::string registry_dir;       // the FileRegistry directory (workers)
   std::string provider = "tcp";
   int prefillers = 3;
   int decoders = 2;
@@ -65,6 +69,22 @@ struct Args {
   uint32_t prefill_slots = 2;  // requests a prefiller holds pages for
   uint32_t decode_slots = 3;   // requests a decoder holds pages for
 };
+
+// The membership registry the workers and the router share.
+Result<std::unique_ptr<Registry>> open_registry(const Args& a, const std::string& etcd) {
+  if (a.registry == "file") {
+    FileOptions fo;
+    fo.directory = a.registry_dir;
+    auto r = FileRegistry::open(fo);
+    if (!r) return r.status();
+    return std::unique_ptr<Registry>(std::move(*r));
+  }
+  EtcdOptions eo;
+  eo.endpoint = etcd;
+  auto r = EtcdRegistry::connect(eo);
+  if (!r) return r.status();
+  return std::unique_ptr<Registry>(std::move(*r));
+}
 
 uint32_t pages_per_request(const Args& a) {
   return (a.tokens + a.page_tokens - 1) / a.page_tokens;
@@ -163,9 +183,7 @@ int worker(const Args& a) {
     if (!d) return say("fatal " + d.status().to_string()), 1;
     decoder = std::move(*d);
   }
-  EtcdOptions eo;
-  eo.endpoint = a.etcd;
-  auto registry = EtcdRegistry::connect(eo);
+  auto registry = open_registry(a, a.etcd);
   if (!registry) return say("fatal " + registry.status().to_string()), 1;
   if (decoder) {
     // A prefiller that leaves etcd (or whose lease runs out) fails only its own requests.
@@ -421,16 +439,37 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
 }
 
-int router(const Args& a) {
-  if (!fabric::kv::testing::etcd_binary()) {
+int router(Args a) {
+  if (a.registry != "etcd" && a.registry != "file") {
+    std::cerr << "--registry: etcd or file, not '" << a.registry << "'\n";
+    return 2;
+  }
+  const bool use_etcd = a.registry == "etcd";
+  if (use_etcd && !fabric::kv::testing::etcd_binary()) {
     std::cerr << "etcd-server is not installed (make deps installs it)\n";
     return 1;
   }
   fabric::kv::testing::EtcdServer etcd;
-  if (!etcd.start()) {
+  if (use_etcd && !etcd.start()) {
     std::cerr << "etcd did not start\n";
     return 1;
   }
+  struct RemoveDir {
+    std::string path;
+    ~RemoveDir() {
+      if (!path.empty()) std::filesystem::remove_all(path);
+    }
+  } private_dir;
+  if (!use_etcd) {
+    std::string tmpl = (std::filesystem::is_directory("/dev/shm") ? "/dev/shm" : "/tmp") +
+                       std::string("/fabric-kv-demo-XXXXXX");
+    if (mkdtemp(tmpl.data()) == nullptr) {
+      std::cerr << "cannot make a registry directory: " << std::strerror(errno) << "\n";
+      return 1;
+    }
+    private_dir.path = a.registry_dir = tmpl;
+  }
+  const std::string etcd_endpoint = use_etcd ? etcd.endpoint() : "";
   // Events from the children, in arrival order.
   std::mutex mu;
   std::condition_variable cv;
@@ -440,11 +479,9 @@ int router(const Args& a) {
     events.emplace_back(who, line);
     cv.notify_all();
   };
-  // Membership as etcd tells it.
+  // Membership as the registry tells it.
   std::map<std::string, Member> members;
-  EtcdOptions eo;
-  eo.endpoint = etcd.endpoint();
-  auto registry = EtcdRegistry::connect(eo);
+  auto registry = open_registry(a, etcd_endpoint);
   if (!registry) return std::cerr << registry.status().to_string() << "\n", 1;
   std::vector<std::string> log;
   const auto t_begin = Clock::now();
@@ -471,8 +508,12 @@ int router(const Args& a) {
                                      role,
                                      "--name",
                                      name,
+                                     "--registry",
+                                     a.registry,
+                                     "--registry-dir",
+                                     a.registry_dir,
                                      "--etcd",
-                                     etcd.endpoint(),
+                                     etcd_endpoint,
                                      "--provider",
                                      a.provider,
                                      "--layers",
@@ -502,7 +543,7 @@ int router(const Args& a) {
   std::deque<RequestId> pending;
   for (int i = 1; i <= a.requests; ++i) pending.push_back(static_cast<RequestId>(i));
   int assigned = 0, finished = 0, lost = 0;
-  bool decoder_joined = false, prefiller_left = false;
+  bool decoder_joined = false, prefiller_left = false, leave_sent = false;
   int64_t first_start = 0, last_ready = 0;
   const auto deadline = Clock::now() + std::chrono::seconds(90);
   std::unique_lock lock(mu);
@@ -524,7 +565,13 @@ int router(const Args& a) {
     }
     if (!prefiller_left && assigned >= a.requests / 2 && a.prefillers > 1) {
       prefiller_left = true;
-      draining.insert("p0");
+      draining.insert("p0");  // no new requests
+    }
+    // It leaves once every request it took is ready at its decoder too: a decoder fails the
+    // requests of a prefiller that left (a crash looks the same), even one whose last writes
+    // landed but were not counted yet.
+    if (prefiller_left && !leave_sent && load["p0"] == 0) {
+      leave_sent = true;
       children["p0"]->send("leave");
     }
     // Assign what the live members can take; the last third waits (30 s at most) for the
@@ -650,7 +697,7 @@ int router(const Args& a) {
              wall_s > 0 ? bytes * 8 / wall_s / 1e9 : 0, wall_s);
   fmt::print("| requests ok / corrupt / lost | {} / {} / {} |\n", ok, corrupt,
              a.requests - ok - corrupt);
-  fmt::print("\nmembership (from the etcd watch):\n");
+  fmt::print("\nmembership (from the {} registry's watch):\n", a.registry);
   for (auto& l : log) fmt::print("  {}\n", l);
   std::map<std::string, int> per_worker;
   for (auto& [id, s] : stats) {
@@ -672,6 +719,10 @@ int main(int argc, char** argv) {
   app.add_option("--role", a.role, "router (default), prefill or decode (internal)");
   app.add_option("--name", a.name, "member name (workers)");
   app.add_option("--etcd", a.etcd, "etcd endpoint (workers)");
+  app.add_option("--registry", a.registry,
+                 "membership: etcd (a private etcd-server) or file (a FileRegistry directory in "
+                 "/dev/shm, no server)");
+  app.add_option("--registry-dir", a.registry_dir, "FileRegistry directory (workers)");
   app.add_option("--provider", a.provider, "tcp or shm");
   app.add_option("--prefillers", a.prefillers, "prefill processes at the start");
   app.add_option("--decoders", a.decoders, "decode processes at the start (one more joins)");

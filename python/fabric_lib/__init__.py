@@ -12,6 +12,9 @@ sender writes into it, and the receiver counts the immediates that arrive::
     engine.paged_write(src_reg, dst_descriptor, page_bytes, src_pages, dst_pages, imm=7).result()
     await engine.write(src_reg, dst_descriptor)       # every submission is also awaitable
 
+fabric_lib also carries fabric::kv (KvLayout, KvDecoder, KvPrefiller: disaggregated KV-cache
+transfer, docs/kv.md) and its membership registries (LocalRegistry, FileRegistry, EtcdRegistry).
+
 Every library status is raised as its own exception class, derived from FabricError.
 """
 
@@ -25,13 +28,23 @@ from ._fabric_lib import (
     Closed,
     Config,
     ErrorCode,
+    EtcdRegistry,
     FabricError,
     FaultConfig,
+    FileRegistry,
     GroupConfig,
     GroupConfigList,
     GroupInfo,
     InternalError,
     InvalidArgument,
+    KvDecodeGroup,
+    KvDecoder,
+    KvLayout,
+    KvOptions,
+    KvPrefiller,
+    LocalRegistry,
+    LocalRegistryState,
+    Member,
     MemoryHandle,
     NotFound,
     OutOfRange,
@@ -39,11 +52,13 @@ from ._fabric_lib import (
     PeerUnreachable,
     ProviderError,
     Registration,
+    Registry,
     RemoteAccess,
     RemoteMemory,
     Routing,
     ScatterTarget,
     Sharding,
+    SliceCopy,
     Timeout,
     TransferEngine,
     Unsupported,
@@ -51,13 +66,21 @@ from ._fabric_lib import (
     Watcher,
     __version__,
     _close_all,
+    _kv_close_all,
     error_class,
+    plan_slices,
+    slices_between,
+    slices_into,
+    sources_of,
+    targets_of,
 )
-from ._futures import Expectation, Transfer
+from ._futures import Expectation, KvRequest, Transfer
 from ._info import Info, info
 
-# No engine thread may outlive the interpreter: close every engine still open at exit.
+# No engine thread may outlive the interpreter: close every engine still open at exit, after
+# the KV objects and registries that use them (atexit runs the last registered first).
 _atexit.register(_close_all)
+_atexit.register(_kv_close_all)
 
 __all__ = [
     "HAS_CUDA",
@@ -67,15 +90,26 @@ __all__ = [
     "Closed",
     "Config",
     "ErrorCode",
+    "EtcdRegistry",
     "Expectation",
     "FabricError",
     "FaultConfig",
+    "FileRegistry",
     "GroupConfig",
     "GroupConfigList",
     "GroupInfo",
     "Info",
     "InternalError",
     "InvalidArgument",
+    "KvDecodeGroup",
+    "KvDecoder",
+    "KvLayout",
+    "KvOptions",
+    "KvPrefiller",
+    "KvRequest",
+    "LocalRegistry",
+    "LocalRegistryState",
+    "Member",
     "MemoryHandle",
     "NotFound",
     "OutOfRange",
@@ -83,11 +117,13 @@ __all__ = [
     "PeerUnreachable",
     "ProviderError",
     "Registration",
+    "Registry",
     "RemoteAccess",
     "RemoteMemory",
     "Routing",
     "ScatterTarget",
     "Sharding",
+    "SliceCopy",
     "Timeout",
     "Transfer",
     "TransferEngine",
@@ -97,4 +133,9 @@ __all__ = [
     "__version__",
     "error_class",
     "info",
+    "plan_slices",
+    "slices_between",
+    "slices_into",
+    "sources_of",
+    "targets_of",
 ]

@@ -1,4 +1,5 @@
-"""Transfer and Expectation: the futures that TransferEngine submissions return.
+"""Transfer, Expectation and KvRequest: the futures that TransferEngine submissions and the KV
+flow (KvDecoder.submit, KvPrefiller.start) return.
 
 Both are concurrent.futures.Future subclasses that `await` also accepts, so plain code calls
 .result(timeout) (the GIL is released while it waits) and asyncio code awaits them. The engine's
@@ -78,3 +79,22 @@ class Expectation(Transfer):
 
     def __repr__(self) -> str:
         return f"<Expectation imm={self.imm} count={self.count} {self._state_text()}>"
+
+
+class KvRequest(Transfer):
+    """A KV-cache request. From KvDecoder.submit: resolves to the list of pages once every page
+    of every layer landed. From KvPrefiller.start: resolves to None once every decode rank got
+    every layer and no write is in flight. Raises the request's error otherwise (Cancelled,
+    PeerUnreachable, Timeout, Closed, ...). cancel() returns False: cancel a request with
+    KvDecoder.cancel(id) or KvPrefiller.cancel(id); this future then raises Cancelled."""
+
+    pages: "list[int]"
+    """The request's pages in this rank's pool (decoder: those reserved by submit)."""
+
+    def __init__(self, request_id: int) -> None:
+        super().__init__()
+        self.id = request_id
+        self.pages = []
+
+    def __repr__(self) -> str:
+        return f"<KvRequest id={self.id} pages={len(self.pages)} {self._state_text()}>"

@@ -13,6 +13,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -52,6 +54,21 @@ class PyRef {
  private:
   py::object obj_;
 };
+
+// True on a thread while it runs a user callback for the module: what waits for that thread
+// (closing an engine, a KV object, a registry) must not run there.
+inline thread_local bool t_in_callback = false;
+
+struct InCallback {
+  bool saved = t_in_callback;
+  InCallback() { t_in_callback = true; }
+  ~InCallback() { t_in_callback = saved; }
+};
+
+// Calls a user callback, reporting (never propagating) what it raises. Holding the GIL.
+void call_user(const PyRef& fn, py::args args = py::args());
+// concurrent.futures.Future.<method>(future, value), reporting what it raises. Holding the GIL.
+void resolve(const PyRef& future, const char* method, py::handle value);
 
 // --- errors (errors.cc) ---------------------------------------------------------------------
 
@@ -124,11 +141,41 @@ Address to_address(py::handle obj, const char* what);
 // A RemoteMemory from a RemoteMemory or bytes-like encoding.
 RemoteMemory to_remote(py::handle obj, const char* what);
 
+// --- the engine (engine.cc), for the KV bindings ---
+
+// The C++ engine of a Python TransferEngine; raises TypeError, or Closed when it is closed.
+TransferEngine& engine_of(py::handle engine);
+// The Registration behind a Python Registration of `engine`; raises TypeError, or
+// InvalidArgument when it was unregistered or belongs to another engine.
+const Registration& registration_of(py::handle registration, py::handle engine);
+
+// Durations: read as a datetime.timedelta or a number of seconds (InvalidArgument naming
+// `what` when negative or not finite; TypeError for anything else).
+template <typename Duration>
+Duration to_duration(py::handle v, const char* what) {
+  double seconds;
+  if (py::isinstance(v, py::module_::import("datetime").attr("timedelta"))) {
+    seconds = py::cast<double>(v.attr("total_seconds")());
+  } else if (PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())) {
+    seconds = py::cast<double>(v);
+  } else {
+    throw py::type_error(std::string(what) + ": expected a datetime.timedelta or seconds");
+  }
+  if (!std::isfinite(seconds) || seconds < 0) {
+    throw StatusError{Status(ErrorCode::kInvalidArgument,
+                             std::string(what) + ": must be a finite, non-negative duration")};
+  }
+  using Seconds = std::chrono::duration<double>;
+  return std::chrono::round<Duration>(Seconds(seconds));
+}
+
 // --- the rest -------------------------------------------------------------------------------
 
 void bind_config(py::module_& m);
 void bind_types(py::module_& m);
 void bind_engine(py::module_& m);
 void bind_info(py::module_& m);
+// fabric::kv: layouts, KvDecoder, KvPrefiller, members and registries (kv.cc).
+void bind_kv(py::module_& m);
 
 }  // namespace fabric::python

@@ -20,15 +20,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// True on a thread while it runs a user callback for the module: close() must not run there.
-thread_local bool t_in_callback = false;
-
-struct InCallback {
-  bool saved = t_in_callback;
-  InCallback() { t_in_callback = true; }
-  ~InCallback() { t_in_callback = saved; }
-};
-
 // fabric_lib._futures.Transfer and .Expectation, imported on first use (the package imports
 // this module first). Leaked: they outlive every engine.
 const py::object& futures_class(const char* name) {
@@ -41,8 +32,9 @@ const py::object& futures_class(const char* name) {
   return *slot;
 }
 
-// Calls a user callback, reporting (never propagating) what it raises.
-void call_user(const PyRef& fn, py::args args = py::args()) {
+}  // namespace
+
+void call_user(const PyRef& fn, py::args args) {
   if (!fn) return;
   py::object f = fn.get();  // alive through the call, even if the callback replaces itself
   try {
@@ -60,6 +52,8 @@ void resolve(const PyRef& future, const char* method, py::handle value) {
     report_callback_error(e, future.get());
   }
 }
+
+namespace {
 
 // The Python side of one submission or expectation.
 struct Completion {
@@ -326,6 +320,33 @@ class PyRegistration {
   uint32_t group_;
   bool registered_ = true;
 };
+
+}  // namespace
+
+TransferEngine& engine_of(py::handle engine) {
+  if (!py::isinstance<PyEngine>(engine)) throw py::type_error("engine: expected a TransferEngine");
+  auto& e = py::cast<PyEngine&>(engine);
+  if (e.closed()) throw StatusError{Status(ErrorCode::kClosed, "the TransferEngine is closed")};
+  return e.engine();
+}
+
+const Registration& registration_of(py::handle registration, py::handle engine) {
+  if (!py::isinstance<PyRegistration>(registration)) {
+    throw py::type_error("memory: expected a Registration");
+  }
+  auto& r = py::cast<PyRegistration&>(registration);
+  if (!r.registered()) {
+    throw StatusError{
+        Status(ErrorCode::kInvalidArgument, "memory: the registration was unregistered")};
+  }
+  if (r.core() != py::cast<PyEngine&>(engine).core()) {
+    throw StatusError{
+        Status(ErrorCode::kInvalidArgument, "memory: the registration belongs to another engine")};
+  }
+  return r.reg();
+}
+
+namespace {
 
 // A submission's source: a Registration (kept alive until completion) or a MemoryHandle.
 struct Source {

@@ -30,25 +30,6 @@ py::bytes to_pybytes(const Bytes& b) {
   return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
 }
 
-// Durations: read as a datetime.timedelta or a number of seconds; returned as timedelta.
-template <typename Duration>
-Duration to_duration(py::handle v, const char* what) {
-  double seconds;
-  if (py::isinstance(v, py::module_::import("datetime").attr("timedelta"))) {
-    seconds = py::cast<double>(v.attr("total_seconds")());
-  } else if (PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())) {
-    seconds = py::cast<double>(v);
-  } else {
-    throw py::type_error(std::string(what) + ": expected a datetime.timedelta or seconds");
-  }
-  if (!std::isfinite(seconds) || seconds < 0) {
-    throw StatusError{Status(ErrorCode::kInvalidArgument,
-                             std::string(what) + ": must be a finite, non-negative duration")};
-  }
-  using Seconds = std::chrono::duration<double>;
-  return std::chrono::round<Duration>(Seconds(seconds));
-}
-
 template <typename Duration, Duration Config::*Field>
 void duration_property(py::class_<Config>& cls, const char* name, const char* doc) {
   cls.def_property(

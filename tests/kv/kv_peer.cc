@@ -8,6 +8,7 @@
 //   pull ID NPAGES ADDR_HEX...         decode: pull request ID from these prefill ranks
 //                                      -> "ready ID ok|corrupt" or "error ID CODE"
 //   etcd ENDPOINT NAME                 join an etcd registry (lease TTL 1 s) as member NAME
+//   file DIRECTORY NAME                join a FileRegistry (lease TTL 1 s) as member NAME
 //   quit
 // Arguments as tests/support/peer_process.h passes them: PROVIDER REORDER(0|1) BUFFER_BYTES.
 #include <iostream>
@@ -45,7 +46,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<KvPrefiller> prefiller;
   std::unique_ptr<KvDecoder> decoder;
   std::vector<std::thread> threads;
-  std::unique_ptr<EtcdRegistry> registry;
+  std::unique_ptr<Registry> registry;
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream in(line);
@@ -125,6 +126,17 @@ int main(int argc, char** argv) {
       m.role = prefiller ? "prefill" : "decode";
       m.address = rank->engine->address().to_hex();
       auto r = EtcdRegistry::connect(o);
+      Status st = r ? (*r)->join(m) : r.status();
+      if (r) registry = std::move(*r);
+      say(st ? "joined" : "error " + st.to_string());
+    } else if (cmd == "file" && rank) {
+      FileOptions o;
+      Member m;
+      in >> o.directory >> m.name;
+      o.lease_ttl = std::chrono::seconds(1);
+      m.role = prefiller ? "prefill" : "decode";
+      m.address = rank->engine->address().to_hex();
+      auto r = FileRegistry::open(o);
       Status st = r ? (*r)->join(m) : r.status();
       if (r) registry = std::move(*r);
       say(st ? "joined" : "error " + st.to_string());

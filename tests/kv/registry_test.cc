@@ -1,9 +1,15 @@
-// Membership: the in-process registry, and etcd (a real etcd-server started by the test on
-// 127.0.0.1): joins and leaves seen by watchers, a crashed member's lease running out, and
-// traffic that keeps flowing, uncorrupted, while prefillers join and leave and etcd restarts.
+// Membership: the in-process registry, the file registry across processes, and etcd (a real
+// etcd-server started by the test on 127.0.0.1): joins and leaves seen by watchers, a crashed
+// member's lease running out, and traffic that keeps flowing, uncorrupted, while prefillers join
+// and leave and etcd restarts.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/stat.h>
+
 #include <condition_variable>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <set>
@@ -89,6 +95,157 @@ TEST(KvRegistry, LocalJoinLeaveWatch) {
   EXPECT_TRUE(a.members()->empty());
 }
 
+// A private directory for one file-registry test (in /dev/shm where it exists).
+class KvFileRegistry : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (std::filesystem::is_directory("/dev/shm") ? "/dev/shm" : "/tmp") +
+                       std::string("/fabric-kv-test-XXXXXX");
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+  FileOptions options(std::chrono::milliseconds ttl = 1000ms) {
+    FileOptions o;
+    o.directory = dir_;
+    o.lease_ttl = ttl;
+    o.poll_interval = 50ms;
+    return o;
+  }
+  std::unique_ptr<FileRegistry> open() {
+    auto r = FileRegistry::open(options());
+    EXPECT_TRUE(r) << r.status().to_string();
+    return r ? std::move(*r) : nullptr;
+  }
+  // A kv peer process (its own engine) that joins the directory as member `name`.
+  void spawn_member(fabric::testing::PeerProcess& child, const std::string& name) {
+    ASSERT_TRUE(child.start({"tcp", "tcp", false}, 0));
+    child.send("prefill 1 0 8");
+    ASSERT_FALSE(child.read_value("address").empty());
+    child.send("file " + dir_ + " " + name);
+    ASSERT_EQ(child.read_line(), "joined");
+  }
+  std::string dir_;
+};
+
+TEST_F(KvFileRegistry, JoinLeaveWatchInOneProcess) {
+  View view;  // outlives the registries whose threads call it
+  auto a = open();
+  auto b = open();
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(b->join(member("d0", "decode")));
+  ASSERT_TRUE(a->watch(view.fn()));
+  EXPECT_EQ(a->watch(view.fn()).code(), ErrorCode::kAlreadyExists);
+  EXPECT_TRUE(view.wait_for("d0", true, 0ms));  // the current members come first
+  ASSERT_TRUE(a->join(member("p0")));
+  EXPECT_TRUE(view.wait_for("p0", true));
+  Member changed = member("p0");
+  changed.data = "layers=94";
+  ASSERT_TRUE(a->join(changed));  // a change is reported as a join
+  ASSERT_TRUE(view.wait_for("p0", true));
+  for (int i = 0; i < 100 && view.members()["p0"].data.empty(); ++i)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(view.members()["p0"], changed);
+  EXPECT_EQ(a->leave("d0").code(), ErrorCode::kNotFound);  // not a's member
+  EXPECT_EQ(a->join(member("bad/name")).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(a->join(member(".hidden")).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(a->join(member(std::string(201, 'x'))).code(), ErrorCode::kInvalidArgument);
+  auto all = b->members();
+  ASSERT_TRUE(all);
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[0], member("d0", "decode"));
+  EXPECT_EQ((*all)[1], changed);
+  ASSERT_TRUE(a->leave("p0"));
+  EXPECT_TRUE(view.wait_for("p0", false));
+  b.reset();  // a registry that goes away takes its members with it
+  EXPECT_TRUE(view.wait_for("d0", false));
+  EXPECT_TRUE(a->members()->empty());
+  // Only temporary files could remain, and none does.
+  EXPECT_TRUE(std::filesystem::is_empty(dir_));
+}
+
+TEST_F(KvFileRegistry, LeaseKeepsAMemberAcrossSeveralTtls) {
+  auto a = FileRegistry::open(options(600ms));
+  ASSERT_TRUE(a);
+  ASSERT_TRUE((*a)->join(member("p0")));
+  const std::string file = dir_ + "/p0";
+  const auto written = std::filesystem::last_write_time(file);
+  // Refreshed every 200 ms, it is still a member 2.5 TTLs later, and its file was touched.
+  std::this_thread::sleep_for(1500ms);
+  auto all = (*a)->members();
+  ASSERT_TRUE(all);
+  ASSERT_EQ(all->size(), 1u);
+  EXPECT_EQ((*all)[0].name, "p0");
+  EXPECT_GT(std::filesystem::last_write_time(file), written);
+}
+
+TEST_F(KvFileRegistry, MembersInOtherProcesses) {
+  View view;  // outlives the registry whose thread calls it
+  auto watcher = open();
+  ASSERT_TRUE(watcher);
+  ASSERT_TRUE(watcher->watch(view.fn()));
+  fabric::testing::PeerProcess quitting, crashing, stopped;
+  spawn_member(quitting, "quitting");
+  spawn_member(crashing, "crashing");
+  spawn_member(stopped, "stopped");
+  ASSERT_TRUE(view.wait_for("quitting", true));
+  ASSERT_TRUE(view.wait_for("crashing", true));
+  ASSERT_TRUE(view.wait_for("stopped", true));
+  EXPECT_EQ(view.members()["crashing"].role, "prefill");
+
+  signal(SIGPIPE, SIG_IGN);  // ~PeerProcess says quit again, to a process that is gone
+  quitting.send("quit");     // leaves on exit
+  EXPECT_TRUE(view.wait_for("quitting", false));
+
+  crashing.kill_now();  // its pid is gone: noticed at the next scan, well within its TTL
+  auto killed = std::chrono::steady_clock::now();
+  ASSERT_TRUE(view.wait_for("crashing", false));
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, 1000ms);
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/crashing"));  // the dead owner's file went
+
+  // A process that stops refreshing (alive, but hung) is gone once its 1 s lease runs out, and
+  // back once it refreshes again.
+  ASSERT_EQ(kill(stopped.pid(), SIGSTOP), 0);
+  auto frozen = std::chrono::steady_clock::now();
+  ASSERT_TRUE(view.wait_for("stopped", false, 5s));
+  EXPECT_GE(std::chrono::steady_clock::now() - frozen, 500ms);
+  ASSERT_EQ(kill(stopped.pid(), SIGCONT), 0);
+  EXPECT_TRUE(view.wait_for("stopped", true, 5s));
+}
+
+TEST_F(KvFileRegistry, BadDirectoryIsAClearError) {
+  FileOptions o = options();
+  o.directory = "";
+  EXPECT_EQ(FileRegistry::open(o).status().code(), ErrorCode::kInvalidArgument);
+  std::string file = dir_ + "/plain";
+  std::ofstream(file) << "x";
+  o.directory = file + "/sub";
+  auto r = FileRegistry::open(o);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find(file), std::string::npos) << r.status().to_string();
+  o.directory = file;
+  EXPECT_EQ(FileRegistry::open(o).status().code(), ErrorCode::kInvalidArgument);
+  o = options();
+  o.lease_ttl = 0ms;
+  EXPECT_EQ(FileRegistry::open(o).status().code(), ErrorCode::kInvalidArgument);
+  // A file in the directory that is not a member is ignored.
+  auto reg = open();
+  ASSERT_TRUE(reg);
+  auto all = reg->members();
+  ASSERT_TRUE(all);
+  EXPECT_TRUE(all->empty());
+  if (geteuid() != 0) {
+    std::string ro = dir_ + "/ro";
+    ASSERT_EQ(mkdir(ro.c_str(), 0500), 0);
+    o.directory = ro;
+    o.lease_ttl = 1000ms;
+    EXPECT_EQ(FileRegistry::open(o).status().code(), ErrorCode::kInvalidArgument);
+  }
+}
+
 class KvEtcd : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -112,11 +269,11 @@ class KvEtcd : public ::testing::Test {
 };
 
 TEST_F(KvEtcd, JoinLeaveWatch) {
+  View view;  // outlives the registries whose threads call it
   auto a = connect();
   auto b = connect();
   ASSERT_TRUE(a && b);
   ASSERT_TRUE(a->join(member("p0")));
-  View view;
   ASSERT_TRUE(b->watch(view.fn()));
   EXPECT_TRUE(view.wait_for("p0", true));
   ASSERT_TRUE(a->join(member("p1")));
@@ -137,9 +294,9 @@ TEST_F(KvEtcd, JoinLeaveWatch) {
 }
 
 TEST_F(KvEtcd, CrashedMemberDisappearsWithItsLease) {
+  View view;  // outlives the registry whose thread calls it
   auto watcher = connect();
   ASSERT_TRUE(watcher);
-  View view;
   ASSERT_TRUE(watcher->watch(view.fn()));
   fabric::testing::PeerProcess child;
   ASSERT_TRUE(child.start({"tcp", "tcp", false}, 0));

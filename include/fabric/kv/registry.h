@@ -1,8 +1,12 @@
 // Membership: who serves prefill and decode, and at which engine address. Members join and
 // leave while traffic flows; watchers learn of both.
 //
-// Two registries:
+// Three registries:
 //   LocalRegistry  in-process, no server: for one process hosting several ranks, and tests.
+//   FileRegistry   the processes of one machine, no server: one file per member in a shared
+//                  directory (/dev/shm by default), kept alive by its owner; a member whose
+//                  owning process died disappears at the next scan, one that stopped
+//                  refreshing (a hung process, another host) when its lease runs out.
 //   EtcdRegistry   etcd v3 (its JSON gateway, over libcurl): each registry holds one lease and
 //                  keeps it alive; members are keys under a prefix attached to that lease, so a
 //                  member whose process dies disappears once the lease TTL runs out. A watch
@@ -76,6 +80,54 @@ class LocalRegistry : public Registry {
  private:
   std::shared_ptr<Shared> shared_;
   uint64_t id_;
+};
+
+struct FileOptions {
+  // The directory shared by the processes (created, with its parents, if missing).
+  std::string directory = "/dev/shm/fabric-kv";
+  // A member whose file was not refreshed for this long is gone (its owner refreshes it every
+  // lease_ttl / 3). Readers use the TTL written in the file by its owner.
+  std::chrono::milliseconds lease_ttl{3000};
+  // The watch re-reads the directory at least this often (inotify wakes it sooner on joins and
+  // leaves); a crashed owner is noticed within this interval.
+  std::chrono::milliseconds poll_interval{100};
+};
+
+// Membership among the processes of one machine through files, with no server.
+//
+// Each member is one file, directory/NAME, holding Member::encode() plus its owner (pid, the
+// process's start time, the host's boot id) and its lease TTL, written to a temporary name and
+// renamed into place, so readers never see half a file. The owner's keep-alive thread touches
+// the file every lease_ttl / 3 (and re-writes it if someone removed it). A reader counts a
+// member as present while its file is fresher than its TTL and, on this host, its owning
+// process is still alive; a file whose owner is verifiably dead is removed by the reader that
+// notices. members() reads the directory; watch() runs a thread woken by inotify and by a
+// poll_interval timer, which reports the difference from its last view as joins and leaves.
+//
+// Threads: join, leave and members do a few file operations on the caller's thread. Watch
+// callbacks run on the registry's watch thread, one at a time, with no lock held.
+class FileRegistry : public Registry {
+ public:
+  // Creates the directory if needed. Errors: kInvalidArgument naming the directory when it is
+  // empty, cannot be created, is not a directory or is not writable; kInvalidArgument for a
+  // zero lease_ttl or poll_interval.
+  static Result<std::unique_ptr<FileRegistry>> open(const FileOptions& options);
+  // Removes this registry's members' files and stops its threads.
+  ~FileRegistry() override;
+  // Errors: kInvalidArgument (a name that is empty, starts with '.', is longer than 200 bytes,
+  // or holds '/' or a newline), kInternal with the system's reason when the file cannot be
+  // written.
+  Status join(const Member& member) override;
+  Status leave(const std::string& name) override;
+  Result<std::vector<Member>> members() override;
+  Status watch(WatchFn fn) override;
+  const std::string& directory() const;
+
+  class Impl;
+
+ private:
+  explicit FileRegistry(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
 };
 
 struct EtcdOptions {
