@@ -25,8 +25,8 @@ void append_split(std::vector<Shard>& out, uint32_t domain, uint64_t offset, uin
 __extension__ typedef unsigned __int128 Wide;  // products of a 64-bit length and a weight
 
 // The weights of the NICs `domains` (positions into `weights`) after the rules of plan.h:
-// unmeasured (0) ones take the largest measured weight, all are raised to the floor; none given
-// or none measured: all 1.
+// unmeasured (0) ones and those near the largest measured weight take it, all are raised to
+// the floor; none given or none measured: all 1.
 std::vector<uint64_t> effective_weights(std::span<const uint64_t> weights,
                                         const std::vector<uint32_t>& domains) {
   std::vector<uint64_t> w(domains.size(), 1);
@@ -36,9 +36,10 @@ std::vector<uint64_t> effective_weights(std::span<const uint64_t> weights,
   }
   if (top == 0) return w;
   const uint64_t floor = std::max<uint64_t>(top / kWeightFloorDivisor, 1);
+  const uint64_t near = top - top / kWeightSnapDivisor;
   for (size_t i = 0; i < domains.size(); ++i) {
     const uint64_t x = domains[i] < weights.size() ? weights[domains[i]] : 0;
-    w[i] = x == 0 ? top : std::max(x, floor);
+    w[i] = x == 0 || x >= near ? top : std::max(x, floor);
   }
   return w;
 }

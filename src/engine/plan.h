@@ -28,9 +28,12 @@ struct Shard {
 
 // Weighted sharding: `weights[i]` is NIC i's share weight (the worker's measured rate, bytes
 // per second). Empty: all equal. A zero weight means "not measured yet" and counts as the
-// largest measured one; every weight is raised to at least 1/kWeightFloorDivisor of the largest
-// (so a slow or recovered NIC keeps getting work, and with it a fresh measurement). When the
-// NICs a plan uses end up with equal weights, the plan is exactly the unweighted one.
+// largest measured one; a weight within 1/kWeightSnapDivisor of the largest counts as the
+// largest (measurements of equal links differ by a few percent, and an uneven split of equal
+// links costs what it shifts); every weight is raised to at least 1/kWeightFloorDivisor of the
+// largest (so a slow or recovered NIC keeps getting work, and with it a fresh measurement).
+// When the NICs a plan uses end up with equal weights, the plan is exactly the unweighted one.
+inline constexpr uint64_t kWeightSnapDivisor = 8;
 inline constexpr uint64_t kWeightFloorDivisor = 16;
 
 // Splits a single write. Sharded: at most routing.shards (0: all) shards on NICs rotation,

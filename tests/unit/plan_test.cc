@@ -241,6 +241,13 @@ TEST(PlanWeighted, EqualOrAbsentWeightsGiveTheUnweightedPlan) {
       }
     }
   }
+  // Weights within 1/8 of the largest count as equal to it (equal links, measured).
+  const std::vector<uint64_t> near{1000, 950, 880, 1000};
+  EXPECT_EQ(plan_single(1 << 20, 4, Routing::sharded(), 1, kParams, near),
+            plan_single(1 << 20, 4, Routing::sharded(), 1, kParams));
+  EXPECT_EQ(split_even(401, 4, 2, near), split_even(401, 4, 2));
+  EXPECT_NE(plan_single(1 << 20, 4, Routing::sharded(), 1, kParams, {{1000, 950, 870, 1000}}),
+            plan_single(1 << 20, 4, Routing::sharded(), 1, kParams));
   // Only the weights of the NICs a plan uses matter: 2-of-4 on NICs 1 and 2, equal there.
   const std::vector<uint64_t> w{9, 4, 4, 1};
   EXPECT_EQ(plan_single(1 << 20, 4, Routing::sharded(2), 1, kParams, w),
