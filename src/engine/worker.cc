@@ -392,9 +392,11 @@ bool Worker::poll(uint32_t index) {
           break;
         }
         op.queue->last_progress = now_;
+        if (c.error == ErrorCode::kOk && op.kind == Op::Kind::kWrite && op.length > 0) {
+          measure(index, op);
+        }
         op.queue->unlink(op);
         if (c.error == ErrorCode::kOk) {
-          if (op.kind == Op::Kind::kWrite && op.length > 0) measure(index, op);
           complete_op(op, Status::ok());
         } else {
           complete_op(
@@ -590,13 +592,14 @@ void Worker::declare_dead(DomainState& d, PeerQueue& q) {
   for (Op* op : unposted) complete_op(*op, error);
 }
 
-// --- failover (docs/failover.md) --------------------------------------------------------------
+// --- weighted sharding (docs/netlab.md, "Unequal links") --------------------------------------
 
 void Worker::measure(uint32_t index, const Op& op) {
   DomainState& d = domains_[index];
-  bool idle = true;  // nothing else posted on this NIC (op is unlinked already)
+  // Idle: op (still linked) is the last write posted on this NIC, towards any peer.
+  bool idle = op.queue->inflight_count <= 1;
   for (auto it = d.queues.begin(); idle && it != d.queues.end(); ++it) {
-    idle = it->second.inflight_count == 0;
+    idle = &it->second == op.queue || it->second.inflight_count == 0;
   }
   if (d.rate.completed(op.length, now_, idle)) {
     nic_rate_[index].store(d.rate.bytes_per_second(), std::memory_order_relaxed);
@@ -608,6 +611,8 @@ std::vector<uint64_t> Worker::nic_rates() const {
   for (size_t i = 0; i < rates.size(); ++i) rates[i] = nic_rate_[i].load(std::memory_order_relaxed);
   return rates;
 }
+
+// --- failover (docs/failover.md) --------------------------------------------------------------
 
 std::vector<bool> Worker::up_nics() const {
   std::vector<bool> up(domains_.size());
