@@ -15,7 +15,8 @@ class RateMeter {
   // A sample closes at least this long after its window opened (or when the NIC goes idle).
   static constexpr std::chrono::milliseconds kPeriod{20};
   // Time constant of the average, in busy time: a sample spanning t weighs 1 - exp(-t / kTau).
-  static constexpr std::chrono::milliseconds kTau{200};
+  // (200 ms and 1 s measured worse on the lab's unequal links at 1 MiB writes: docs/netlab.md.)
+  static constexpr std::chrono::milliseconds kTau{100};
 
   // A write was posted at `now`: opens a window when none is open.
   void posted(Clock::time_point now) {

@@ -1,6 +1,7 @@
 // Sharding plans, including regressions for the reference's multi-NIC defects.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <numeric>
 
 #include "engine/plan.h"
@@ -381,11 +382,12 @@ TEST(RateMeter, MeasuresOnlyWhileWritesArePosted) {
   EXPECT_TRUE(m.completed(1'000'000, t0 + 20ms, true));
   EXPECT_NEAR(static_cast<double>(m.bytes_per_second()), 100e6, 1.0)
       << "2 MB in 20 ms; the first sample is taken";
-  // Ten idle seconds, then 1 MB in 10 ms: the idle time does not count, and the estimate moves
-  // towards the new sample by 1 - exp(-10 ms / 200 ms).
+  // Ten idle seconds, then 1 MB in 20 ms (50 MB/s): the idle time does not count, and the
+  // estimate moves towards the new sample by 1 - exp(-20 ms / kTau).
   m.posted(t0 + 10s);
-  EXPECT_TRUE(m.completed(1'000'000, t0 + 10s + 10ms, true));
-  EXPECT_NEAR(static_cast<double>(m.bytes_per_second()), 100e6, 1e3);
+  EXPECT_TRUE(m.completed(1'000'000, t0 + 10s + 20ms, true));
+  const double alpha = 1 - std::exp(-0.02 / std::chrono::duration<double>(RateMeter::kTau).count());
+  EXPECT_NEAR(static_cast<double>(m.bytes_per_second()), 100e6 - alpha * 50e6, 1e3);
   // A slower link, continuously busy for 2 s: the estimate converges on it.
   m.posted(t0 + 20s);
   for (int i = 1; i <= 100; ++i) m.completed(500'000, t0 + 20s + i * 20ms, i == 100);
