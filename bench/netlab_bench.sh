@@ -2,11 +2,15 @@
 # Multi-NIC aggregation on the network-namespace lab (tools/netlab): fabric-bench in namespace
 # a, its peer in namespace b, over N veth links of a shaped rate each. Prints aggregate Gbps ÷
 # the sum of the links' rates for single writes (1 MiB, 32 MiB) and paged writes (64 KiB
-# pages), for N = 1, 2, 4 equal links, one unequal set (one link at half rate), and one
-# unshaped run that shows the CPU is not what limits the shaped runs. Writes
-# bench/results/netlab.{md,json}. Needs root. Usage (see `make bench-netlab`):
+# pages), for N = 1, 2, 4 equal links and two unequal sets (one link at half rate) with
+# weighted sharding (the default), equal-4 and the unequal sets again with equal shares
+# (FABRIC_WEIGHTED_SHARDING=0), and one unshaped run that shows the CPU is not what limits the
+# shaped runs. Writes bench/results/netlab.{md,json}. Needs root. Usage (see `make
+# bench-netlab`):
 #
 #   bench/netlab_bench.sh [RATE_MBIT] [OUT_DIR]      (defaults: 400, bench/results)
+#
+# NETLAB_ONLY=REGEX runs only the cases whose name matches (e.g. NETLAB_ONLY=unequal).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -29,9 +33,11 @@ work=$(mktemp -d /tmp/bench-netlab.XXXXXX)
 trap '"$netlab" down --name "$lab" || true; rm -rf "$work"' EXIT
 mkdir -p "$out"
 
-# run NAME RATES: RATES comma-separated in Mbit (one per link; "0" for unshaped links).
+# run NAME RATES [WEIGHTED]: RATES comma-separated in Mbit (one per link; "0" for unshaped
+# links); WEIGHTED 1 (default) or 0, Config::weighted_sharding.
 run() {
-  local name=$1 rates=$2
+  local name=$1 rates=$2 weighted=${3:-1}
+  [[ "$name" =~ ${NETLAB_ONLY:-.} ]] || return 0
   local -a r
   IFS=, read -r -a r <<<"$rates"
   local n=${#r[@]} nics="" shaping=()
@@ -43,10 +49,11 @@ run() {
   fi
   "$netlab" down --name "$lab"
   "$netlab" up --name "$lab" --links "$n" --mtu "$mtu" "${shaping[@]}"
-  echo "== $name: $n link(s), ${shaping[*]:-unshaped}"
-  "$netlab" exec --name "$lab" a -- "$bench" "${bench_args[@]}" --nic "$nics" \
+  echo "== $name: $n link(s), ${shaping[*]:-unshaped}, weighted sharding $weighted"
+  "$netlab" exec --name "$lab" a -- env FABRIC_WEIGHTED_SHARDING="$weighted" \
+    "$bench" "${bench_args[@]}" --nic "$nics" \
     --peer-prefix "ip netns exec $lab-b" --json "$work/$name.json" | sed -n '/^single/,$p'
-  echo "$name $rates" >>"$work/runs"
+  echo "$name $rates $weighted" >>"$work/runs"
   "$netlab" down --name "$lab"
 }
 
@@ -56,6 +63,9 @@ run equal-2 "$rate,$rate"
 run equal-4 "$rate,$rate,$rate,$rate"
 run unequal-2 "$rate,$half"
 run unequal-4 "$rate,$rate,$rate,$half"
+run equal-4-even "$rate,$rate,$rate,$rate" 0
+run unequal-2-even "$rate,$half" 0
+run unequal-4-even "$rate,$rate,$rate,$half" 0
 run unshaped-4 "0,0,0,0"
 
 /usr/bin/python3 - "$work" "$out" "$rate" "$mtu" "${bench_args[*]}" <<'EOF'
@@ -67,13 +77,14 @@ def label(r):
         return f"paged {r['page_bytes'] // 1024} KiB x {r['pages']}"
     return f"single {r['bytes'] // (1 << 20)} MiB"
 rows = []
-for name, rates in runs:
+for name, rates, weighted in runs:
     mbit = [int(x) for x in rates.split(",")]
     data = json.load(open(f"{work}/{name}.json"))
     for r in data["results"]:
         total = sum(mbit) / 1000.0
         rows.append({
             "run": name, "links": len(mbit), "rates_mbit": mbit, "row": label(r),
+            "weighted_sharding": weighted == "1",
             "gbps": r["gbps"], "sum_gbps": total if total else None,
             "ratio": r["gbps"] / total if total else None,
             "n_x_slowest": r["gbps"] / (len(mbit) * min(mbit) / 1000.0) if total else None,
@@ -83,12 +94,13 @@ json.dump({"date": date, "rate_mbit": rate, "mtu": int(mtu), "fabric_bench_args"
            "rows": rows}, open(f"{out}/netlab.json", "w"), indent=1)
 lines = [f"Aggregation over the netlab (veth links shaped with htb, MTU {mtu}), {date}.",
          f"fabric-bench {args}, median of the timed passes; every pass verified.", "",
-         "| links | rates (Mbit) | row | Gbps | sum of rates Gbps | ratio | Gbps / (N x slowest) |",
-         "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+         "| links | rates (Mbit) | sharding | row | Gbps | sum of rates Gbps | ratio | Gbps / (N x slowest) |",
+         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
 for r in rows:
     f = lambda v: "-" if v is None else f"{v:.3f}"
     rates = "unshaped" if r["sum_gbps"] is None else "/".join(map(str, r["rates_mbit"]))
-    lines.append(f"| {r['links']} | {rates} | {r['row']} | {r['gbps']:.3f} | {f(r['sum_gbps'])} "
+    mode = "weighted" if r["weighted_sharding"] else "equal"
+    lines.append(f"| {r['links']} | {rates} | {mode} | {r['row']} | {r['gbps']:.3f} | {f(r['sum_gbps'])} "
                  f"| {f(r['ratio'])} | {f(r['n_x_slowest'])} |")
 text = "\n".join(lines) + "\n"
 open(f"{out}/netlab.md", "w").write(text)

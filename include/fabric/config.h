@@ -74,6 +74,12 @@ struct Config {
   uint64_t shard_min_bytes = 256 * 1024;
   // Shard boundaries are aligned to this many bytes (the last shard takes the remainder).
   uint64_t shard_alignment = 8192;
+  // Weighted sharding (docs/netlab.md, "Unequal links"): sharded single writes, byte-sharded
+  // scatter targets and paged writes are split across NICs in proportion to each NIC's
+  // measured write rate (every NIC that is up keeps at least 1/16 of the fastest one's
+  // weight), so that a slower link does not hold the whole group to its pace. Off: equal
+  // shares. The immediates the receiver counts do not depend on it.
+  bool weighted_sharding = true;
   // Most completions read from a CQ in one call.
   uint32_t cq_batch = 32;
   // Most work requests posted per domain in one pass of the worker loop, so that completions
@@ -152,7 +158,8 @@ struct Config {
   VerbsConfig verbs;
 
   // Applies FABRIC_PROVIDER, FABRIC_NICS (comma-separated, group 0), FABRIC_CPU,
-  // FABRIC_SPIN_US, FABRIC_IDLE_SLEEP_US, FABRIC_INFLIGHT_SPIN_US and FABRIC_CALLBACK_SPIN_US.
+  // FABRIC_SPIN_US, FABRIC_IDLE_SLEEP_US, FABRIC_INFLIGHT_SPIN_US, FABRIC_CALLBACK_SPIN_US and
+  // FABRIC_WEIGHTED_SHARDING (0 or 1).
   // Returns an error naming a malformed variable.
   Status apply_env_overrides();
 };

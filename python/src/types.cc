@@ -408,6 +408,8 @@ void bind_config(py::module_& m) {
                      "Single writes and byte-sharded scatter targets below this use one NIC.")
       .def_readwrite("shard_alignment", &Config::shard_alignment,
                      "Shard boundaries are aligned to this many bytes.")
+      .def_readwrite("weighted_sharding", &Config::weighted_sharding,
+                     "Split sharded writes across NICs by each NIC's measured write rate.")
       .def_readwrite("cq_batch", &Config::cq_batch, "Most completions read from a CQ per call.")
       .def_readwrite("post_budget", &Config::post_budget,
                      "Most work requests posted per domain in one pass of the worker loop.")

@@ -73,6 +73,10 @@ Status Config::apply_env_overrides() {
     if (Status s = parse_int("FABRIC_CALLBACK_SPIN_US", v, 0, kMaxIdleMicros, n); !s) return s;
     callback_spin = std::chrono::microseconds(n);
   }
+  if (const char* v = std::getenv("FABRIC_WEIGHTED_SHARDING"); v && *v) {
+    if (Status s = parse_int("FABRIC_WEIGHTED_SHARDING", v, 0, 1, n); !s) return s;
+    weighted_sharding = n != 0;
+  }
   return Status::ok();
 }
 

@@ -97,6 +97,11 @@ class EngineImpl {
   std::unique_ptr<Transfer> new_transfer(Callbacks cb);
   uint32_t next_rotation(uint32_t group) { return rotations_[group].fetch_add(1); }
   engine::ShardParams shard_params(uint32_t group) const;
+  // The shard weights of a group's NICs (their measured rates), empty when
+  // Config::weighted_sharding is off.
+  std::vector<uint64_t> weights(uint32_t group) const {
+    return config_.weighted_sharding ? workers_[group]->nic_rates() : std::vector<uint64_t>{};
+  }
   // Appends the ops writing `shards` of one source range to one destination; with an
   // immediate, it rides on the only shard or follows all of them as a deferred zero-byte write.
   void add_writes(Transfer& t, const LocalRegion& src, uint64_t src_offset, uint32_t dst_index,
@@ -571,7 +576,7 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
                                w.routing.nic, nics));
   }
   auto shards = engine::plan_single_up(w.length, workers_[group]->up_nics(), w.routing,
-                                       next_rotation(group), shard_params(group));
+                                       next_rotation(group), shard_params(group), weights(group));
   auto t = new_transfer(std::move(cb));
   t->src = *src;
   t->dsts.push_back(w.dst);
@@ -626,7 +631,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
   const RemoteMemory& dst = t->dsts.back();
   t->ops.resize(w.src_pages.size());
   for (const engine::Run& run : engine::split_even_up(
-           w.src_pages.size(), workers_[group]->up_nics(), next_rotation(group))) {
+           w.src_pages.size(), workers_[group]->up_nics(), next_rotation(group), weights(group))) {
     const uint32_t rail = engine::remote_rail(run.domain, dst.rails().size());
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t so = 0, d_off = 0;
@@ -716,6 +721,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   const uint32_t rotation = next_rotation(group);
   const engine::ShardParams params = shard_params(group);
   const std::vector<bool> up = workers_[group]->up_nics();
+  const std::vector<uint64_t> rates = weights(group);
   auto t = new_transfer(std::move(cb));
   t->src = *src;
   t->dsts.reserve(sc.targets.size());
@@ -726,8 +732,8 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
     const Routing routing = sc.sharding == Scatter::Sharding::kByBytes
                                 ? Routing::sharded(0)
                                 : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));
-    auto shards =
-        engine::plan_single_up(tg.length, up, routing, rotation + static_cast<uint32_t>(i), params);
+    auto shards = engine::plan_single_up(tg.length, up, routing,
+                                         rotation + static_cast<uint32_t>(i), params, rates);
     add_writes(*t, **src, tg.src_offset, dst_index, tg.dst_offset, shards, sc.imm, group);
   }
   return hand_over(group, std::move(t));

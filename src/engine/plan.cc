@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 
 namespace fabric::engine {
 
@@ -21,10 +22,60 @@ void append_split(std::vector<Shard>& out, uint32_t domain, uint64_t offset, uin
   }
 }
 
+__extension__ typedef unsigned __int128 Wide;  // products of a 64-bit length and a weight
+
+// The weights of the NICs `domains` (positions into `weights`) after the rules of plan.h:
+// unmeasured (0) ones and those near the largest measured weight take it, all are raised to
+// the floor; none given or none measured: all 1.
+std::vector<uint64_t> effective_weights(std::span<const uint64_t> weights,
+                                        const std::vector<uint32_t>& domains) {
+  std::vector<uint64_t> w(domains.size(), 1);
+  uint64_t top = 0;
+  for (uint32_t d : domains) {
+    if (d < weights.size()) top = std::max(top, weights[d]);
+  }
+  if (top == 0) return w;
+  const uint64_t floor = std::max<uint64_t>(top / kWeightFloorDivisor, 1);
+  const uint64_t near = top - top / kWeightSnapDivisor;
+  for (size_t i = 0; i < domains.size(); ++i) {
+    const uint64_t x = domains[i] < weights.size() ? weights[domains[i]] : 0;
+    w[i] = x == 0 || x >= near ? top : std::max(x, floor);
+  }
+  return w;
+}
+
+bool all_equal(const std::vector<uint64_t>& w) {
+  return std::adjacent_find(w.begin(), w.end(), std::not_equal_to<>()) == w.end();
+}
+
+// Splits `total` units in proportion to `w` (largest remainders get the units left over, ties
+// to the earlier position): the parts sum to `total` exactly. Equal weights give total / n
+// each, the first total % n one more.
+std::vector<uint64_t> apportion(uint64_t total, const std::vector<uint64_t>& w) {
+  Wide sum = 0;
+  for (uint64_t x : w) sum += x;
+  std::vector<uint64_t> parts(w.size());
+  std::vector<Wide> rest(w.size());
+  uint64_t given = 0;
+  for (size_t i = 0; i < w.size(); ++i) {
+    const Wide p = static_cast<Wide>(total) * w[i];
+    parts[i] = static_cast<uint64_t>(p / sum);
+    rest[i] = p % sum;
+    given += parts[i];
+  }
+  std::vector<size_t> order(w.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return rest[a] > rest[b]; });
+  for (size_t k = 0; given < total; ++k, ++given) ++parts[order[k]];  // fewer than w.size()
+  return parts;
+}
+
 }  // namespace
 
 std::vector<Shard> plan_single(uint64_t length, uint32_t num_domains, const Routing& routing,
-                               uint32_t rotation, const ShardParams& params) {
+                               uint32_t rotation, const ShardParams& params,
+                               std::span<const uint64_t> weights) {
   std::vector<Shard> out;
   if (routing.kind == Routing::Kind::kPinned) {
     append_split(out, routing.nic, 0, length, params.max_wr_bytes);
@@ -37,6 +88,20 @@ std::vector<Shard> plan_single(uint64_t length, uint32_t num_domains, const Rout
     return out;
   }
   const uint64_t align = std::max<uint64_t>(params.alignment, 1);
+  std::vector<uint32_t> domains(shards);
+  for (uint32_t i = 0; i < shards; ++i) domains[i] = (first + i) % num_domains;
+  if (const std::vector<uint64_t> w = effective_weights(weights, domains); !all_equal(w)) {
+    // Whole alignment units by weight; the bytes below one unit ride on the last shard.
+    const std::vector<uint64_t> units = apportion(length / align, w);
+    uint64_t offset = 0;
+    for (uint32_t i = 0; i < shards; ++i) {
+      const uint64_t n = units[i] * align + (i + 1 == shards ? length % align : 0);
+      if (n == 0) continue;
+      append_split(out, domains[i], offset, n, params.max_wr_bytes);
+      offset += n;
+    }
+    return out;
+  }
   uint64_t size = length / shards + (length % shards != 0);  // ceil, without overflow
   size = (size / align + (size % align != 0)) * align;       // round up to the alignment
   uint32_t index = 0;
@@ -47,13 +112,15 @@ std::vector<Shard> plan_single(uint64_t length, uint32_t num_domains, const Rout
   return out;
 }
 
-std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotation) {
+std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotation,
+                            std::span<const uint64_t> weights) {
   std::vector<Run> out;
-  const size_t base = count / num_domains;
-  const size_t extra = count % num_domains;
+  std::vector<uint32_t> domains(num_domains);
+  for (uint32_t i = 0; i < num_domains; ++i) domains[i] = (rotation + i) % num_domains;
+  const std::vector<uint64_t> sizes = apportion(count, effective_weights(weights, domains));
   size_t begin = 0;
   for (uint32_t i = 0; i < num_domains; ++i) {
-    size_t n = base + (i < extra ? 1 : 0);
+    const size_t n = sizes[i];
     if (n == 0) continue;
     out.push_back({(rotation + i) % num_domains, begin, begin + n});
     begin += n;
@@ -74,6 +141,15 @@ std::vector<uint32_t> up_list(const std::vector<bool>& up) {
   return out;
 }
 
+// The weights of `nics` (real NIC indices), by position; empty when none are given.
+std::vector<uint64_t> up_weights(std::span<const uint64_t> weights,
+                                 const std::vector<uint32_t>& nics) {
+  std::vector<uint64_t> out;
+  if (weights.empty()) return out;
+  for (uint32_t n : nics) out.push_back(n < weights.size() ? weights[n] : 0);
+  return out;
+}
+
 }  // namespace
 
 uint32_t failover_nic(uint32_t nic, const std::vector<bool>& up, uint32_t salt) {
@@ -89,20 +165,23 @@ uint32_t failover_nic(uint32_t nic, const std::vector<bool>& up, uint32_t salt) 
 
 std::vector<Shard> plan_single_up(uint64_t length, const std::vector<bool>& up,
                                   const Routing& routing, uint32_t rotation,
-                                  const ShardParams& params) {
+                                  const ShardParams& params, std::span<const uint64_t> weights) {
   if (routing.kind == Routing::Kind::kPinned) {
     return plan_single(length, static_cast<uint32_t>(up.size()),
                        Routing::pinned(failover_nic(routing.nic, up, rotation)), rotation, params);
   }
   const std::vector<uint32_t> nics = up_list(up);
-  auto shards = plan_single(length, static_cast<uint32_t>(nics.size()), routing, rotation, params);
+  auto shards = plan_single(length, static_cast<uint32_t>(nics.size()), routing, rotation, params,
+                            up_weights(weights, nics));
   for (Shard& s : shards) s.domain = nics[s.domain];
   return shards;
 }
 
-std::vector<Run> split_even_up(size_t count, const std::vector<bool>& up, uint32_t rotation) {
+std::vector<Run> split_even_up(size_t count, const std::vector<bool>& up, uint32_t rotation,
+                               std::span<const uint64_t> weights) {
   const std::vector<uint32_t> nics = up_list(up);
-  auto runs = split_even(count, static_cast<uint32_t>(nics.size()), rotation);
+  auto runs =
+      split_even(count, static_cast<uint32_t>(nics.size()), rotation, up_weights(weights, nics));
   for (Run& r : runs) r.domain = nics[r.domain];
   return runs;
 }

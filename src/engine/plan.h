@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -25,22 +26,37 @@ struct Shard {
   friend bool operator==(const Shard&, const Shard&) = default;
 };
 
-// Splits a single write. Sharded: at most routing.shards (0: all) shards of equal aligned
-// size, the last taking the remainder, on NICs rotation, rotation + 1, ... (mod num_domains).
+// Weighted sharding: `weights[i]` is NIC i's share weight (the worker's measured rate, bytes
+// per second). Empty: all equal. A zero weight means "not measured yet" and counts as the
+// largest measured one; a weight within 1/kWeightSnapDivisor of the largest counts as the
+// largest (measurements of equal links differ by a few percent, and an uneven split of equal
+// links costs what it shifts); every weight is raised to at least 1/kWeightFloorDivisor of the
+// largest (so a slow or recovered NIC keeps getting work, and with it a fresh measurement).
+// When the NICs a plan uses end up with equal weights, the plan is exactly the unweighted one.
+inline constexpr uint64_t kWeightSnapDivisor = 8;
+inline constexpr uint64_t kWeightFloorDivisor = 16;
+
+// Splits a single write. Sharded: at most routing.shards (0: all) shards on NICs rotation,
+// rotation + 1, ... (mod num_domains); with equal weights of equal aligned size, the last taking
+// the remainder; with unequal weights shard i takes about length * w_i / sum(w) (whole
+// alignment units, largest remainders first), the last shard also the bytes below one unit.
 // Pinned: everything on routing.nic. Pieces larger than max_wr_bytes are split further on the
 // same NIC. A zero-length write is one zero-length shard. Covers [0, length) exactly.
 std::vector<Shard> plan_single(uint64_t length, uint32_t num_domains, const Routing& routing,
-                               uint32_t rotation, const ShardParams& params);
+                               uint32_t rotation, const ShardParams& params,
+                               std::span<const uint64_t> weights = {});
 
-// Splits `count` items (pages, targets) into one contiguous run per NIC, sizes differing by at
-// most one; run i goes to NIC (rotation + i) mod num_domains. Empty runs are omitted.
+// Splits `count` items (pages, targets) into one contiguous run per NIC; run i goes to NIC
+// (rotation + i) mod num_domains. Equal weights: sizes differing by at most one, the first runs
+// the larger. Unequal: run i takes about count * w_i / sum(w) items. Empty runs are omitted.
 struct Run {
   uint32_t domain;
   size_t begin;
   size_t end;
   friend bool operator==(const Run&, const Run&) = default;
 };
-std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotation);
+std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotation,
+                            std::span<const uint64_t> weights = {});
 
 // Failover (docs/failover.md): plans over the NICs that are up. `up[i]` says whether NIC i
 // of the group is up; when none is, every NIC counts as up (the transfer then fails by the
@@ -48,11 +64,15 @@ std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotatio
 //
 // plan_single over the up NICs: sharded writes rotate over the up NICs only, k-of-N sharding
 // takes k of them; a write pinned to a NIC that is down goes to failover_nic() instead.
+// `weights` (empty, or one per NIC of the group) weigh the up NICs only: NICs that are down get
+// nothing.
 std::vector<Shard> plan_single_up(uint64_t length, const std::vector<bool>& up,
                                   const Routing& routing, uint32_t rotation,
-                                  const ShardParams& params);
+                                  const ShardParams& params,
+                                  std::span<const uint64_t> weights = {});
 // split_even over the up NICs, runs carrying real NIC indices.
-std::vector<Run> split_even_up(size_t count, const std::vector<bool>& up, uint32_t rotation);
+std::vector<Run> split_even_up(size_t count, const std::vector<bool>& up, uint32_t rotation,
+                               std::span<const uint64_t> weights = {});
 // The NIC that takes over the work of NIC `nic`: `nic` itself when it is up, else the
 // `salt`-th up NIC after it (mod the up count), else `nic` (none is up).
 uint32_t failover_nic(uint32_t nic, const std::vector<bool>& up, uint32_t salt);

@@ -52,6 +52,8 @@ Result<std::unique_ptr<Worker>> Worker::create(
   w->completions_.resize(std::max<uint32_t>(config.cq_batch, 1));
   w->nic_up_ = std::make_unique<std::atomic<bool>[]>(domains.size());
   for (size_t i = 0; i < domains.size(); ++i) w->nic_up_[i].store(true);
+  w->nic_rate_ = std::make_unique<std::atomic<uint64_t>[]>(domains.size());
+  for (size_t i = 0; i < domains.size(); ++i) w->nic_rate_[i].store(0);
   w->event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (w->event_fd_ < 0) {
     return Status(ErrorCode::kInternal, fmt::format("eventfd failed: {}", std::strerror(errno)));
@@ -375,6 +377,7 @@ bool Worker::post_some(DomainState& d) {
       if (r.kind == transport::PostResult::Kind::kPosted) {
         q.link(op);
         ++posted_;
+        if (op.kind == Op::Kind::kWrite && op.length > 0) d.rate.posted(now_);
         --budget;
       } else {
         complete_op(op, r.error);
@@ -410,6 +413,9 @@ bool Worker::poll(uint32_t index) {
           break;
         }
         op.queue->last_progress = now_;
+        if (c.error == ErrorCode::kOk && op.kind == Op::Kind::kWrite && op.length > 0) {
+          measure(index, op);
+        }
         op.queue->unlink(op);
         if (c.error == ErrorCode::kOk) {
           complete_op(op, Status::ok());
@@ -657,6 +663,26 @@ void Worker::declare_dead(DomainState& d, PeerQueue& q) {
     complete_op(*op, error);
   }
   for (Op* op : unposted) complete_op(*op, error);
+}
+
+// --- weighted sharding (docs/netlab.md, "Unequal links") --------------------------------------
+
+void Worker::measure(uint32_t index, const Op& op) {
+  DomainState& d = domains_[index];
+  // Idle: op (still linked) is the last write posted on this NIC, towards any peer.
+  bool idle = op.queue->inflight_count <= 1;
+  for (auto it = d.queues.begin(); idle && it != d.queues.end(); ++it) {
+    idle = &it->second == op.queue || it->second.inflight_count == 0;
+  }
+  if (d.rate.completed(op.length, now_, idle)) {
+    nic_rate_[index].store(d.rate.bytes_per_second(), std::memory_order_relaxed);
+  }
+}
+
+std::vector<uint64_t> Worker::nic_rates() const {
+  std::vector<uint64_t> rates(domains_.size());
+  for (size_t i = 0; i < rates.size(); ++i) rates[i] = nic_rate_[i].load(std::memory_order_relaxed);
+  return rates;
 }
 
 // --- failover (docs/failover.md) --------------------------------------------------------------
@@ -952,6 +978,8 @@ void Worker::probe_done(Transfer& t) {
     return;
   }
   d.down = false;
+  d.rate.reset();  // measured afresh: until then it counts as fast as the fastest
+  nic_rate_[static_cast<uint32_t>(t.probe_nic)].store(0);
   nic_up_[static_cast<uint32_t>(t.probe_nic)].store(true);
   detail::log().warn(
       "group {}: NIC '{}' is back up after {} ms ({} work requests moved off it)", group_,

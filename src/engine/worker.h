@@ -19,6 +19,7 @@
 #include "engine/callback_thread.h"
 #include "engine/imm_counters.h"
 #include "engine/messages.h"
+#include "engine/rate_meter.h"
 #include "engine/transfer_state.h"
 #include "fabric/config.h"
 #include "transport/domain.h"
@@ -94,6 +95,9 @@ class Worker {
   // Failover: which of the group's NICs are up (not marked down). Thread-safe; submitting
   // threads plan new transfers over the NICs that are up.
   std::vector<bool> up_nics() const;
+  // Weighted sharding: each NIC's measured write rate in bytes per second (0: not measured
+  // yet), the weights of plan_single_up / split_even_up. Thread-safe.
+  std::vector<uint64_t> nic_rates() const;
 
   // Hands an accepted transfer to the worker. Thread-safe, non-blocking.
   void submit(std::unique_ptr<Transfer> transfer);
@@ -144,6 +148,7 @@ class Worker {
     Address probe_owner;       // that peer engine
     bool probing = false;      // a probe is in flight
     uint64_t failed_over = 0;  // work requests moved off it, for the log
+    RateMeter rate;            // weighted sharding: its write rate, published in nic_rate_
   };
   // Receive buffers of one NIC: the engine's own pool, posted from the start, and the user's
   // (set_receive_handler). Every NIC has both, since a message may come over any rail. Any
@@ -204,6 +209,7 @@ class Worker {
   bool post_some(DomainState& d);
   transport::PostResult post(DomainState& d, Op& op, transport::PeerHandle peer);
   bool poll(uint32_t domain_index);
+  void measure(uint32_t domain_index, const Op& op);  // a write completed: feed the RateMeter
   void complete_op(Op& op, const Status& status);
   void advance(Transfer& t);
   void finish(Transfer& t);
@@ -264,7 +270,8 @@ class Worker {
   std::shared_ptr<MessageHandler> user_handler_;             // null until set_receive_handler
   std::unique_ptr<SendPool> send_pool_;
   std::vector<CopierEntry> copiers_;
-  std::unique_ptr<std::atomic<bool>[]> nic_up_;  // published to submitting threads
+  std::unique_ptr<std::atomic<bool>[]> nic_up_;        // published to submitting threads
+  std::unique_ptr<std::atomic<uint64_t>[]> nic_rate_;  // RateMeter estimates, likewise
   uint32_t failover_salt_ = 0;
   std::unordered_map<CommitJob*, std::unique_ptr<CommitJob>> commit_jobs_;
   std::vector<Transfer*> awaiting_acks_;  // transfers with Commits not yet acknowledged

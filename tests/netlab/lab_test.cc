@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -122,8 +123,12 @@ std::string nic_list(uint32_t nics) {
   return s;
 }
 
-Config lab_config(uint32_t nics) {
+// Equal shares (Config::weighted_sharding off) unless `weighted`: most tests check the even
+// policy's shares, which rate estimates that differ by a few percent between equal links would
+// blur.
+Config lab_config(uint32_t nics, bool weighted = false) {
   Config c = make_config(Backend{"tcp", "tcp", false});
+  c.weighted_sharding = weighted;
   c.groups[0].nics.clear();
   for (uint32_t i = 0; i < nics; ++i) c.groups[0].nics.push_back("veth" + std::to_string(i));
   return c;
@@ -169,10 +174,10 @@ std::string got(uint32_t imm, uint64_t n) {
 class LabTest : public ::testing::Test {
  protected:
   // This process's engine on the first `nics` links, a source buffer, and one peer.
-  void open(uint32_t nics) {
+  void open(uint32_t nics, bool weighted = false) {
     if (!g_skip.empty()) GTEST_SKIP() << g_skip;
     nics_ = nics;
-    auto e = TransferEngine::create(lab_config(nics));
+    auto e = TransferEngine::create(lab_config(nics, weighted));
     ASSERT_TRUE(e) << e.status().to_string();
     engine_ = std::move(*e);
     ASSERT_EQ(engine_->group_info().nics.size(), nics);
@@ -770,6 +775,68 @@ TEST_F(Failover, AllLinksDownEveryTransferFailsWithinTheBound) {
     served = p.wait(60s).is_ok();
   }
   EXPECT_TRUE(served) << "no write completed after the links came back";
+}
+
+// Weighted sharding (Config::weighted_sharding, docs/netlab.md "Unequal links"): link 1
+// re-shaped to 50 Mbit next to link 0's 1 Gbit. After a few writes have measured the links, the
+// faster link carries most of every sharded and paged write, and the receiver's data and
+// immediate counts are exact (one per single write, one per page, whatever the split).
+class Weighted : public LabTest {
+ protected:
+  void SetUp() override {
+    // FABRIC_WEIGHTED_SHARDING=0 here shows what equal shares do (this test then fails).
+    const char* env = std::getenv("FABRIC_WEIGHTED_SHARDING");
+    open(2, /*weighted=*/env == nullptr || std::string(env) != "0");
+    if (IsSkipped() || HasFatalFailure()) return;
+    set_rate(1, "50mbit");
+  }
+  void TearDown() override {
+    if (reshaped_) set_rate(1, FABRIC_NETLAB_RATE);
+  }
+  void set_rate(uint32_t index, const std::string& rate) {
+    const std::string cmd = std::string(FABRIC_NETLAB_TOOL) + " rate --name " + g_lab + " " +
+                            std::to_string(index) + " " + rate;
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    reshaped_ = rate != FABRIC_NETLAB_RATE;
+  }
+  bool reshaped_ = false;
+};
+
+TEST_F(Weighted, FasterLinkCarriesTheLargerShareWithExactCounts) {
+  const uint64_t length = 2 * kMiB + 12345;  // not a multiple of the alignment
+  // Warm-up: the first writes measure both links.
+  for (uint32_t i = 0; i < 3; ++i) {
+    write_verified(i * 4099, 0, length, 900 + i, Routing::sharded(), "warm-up write");
+  }
+  LinkDelta links;
+  constexpr uint32_t kWrites = 12;
+  for (uint32_t i = 0; i < kWrites; ++i) {
+    write_verified(i * 4099 + 1, i * length, length, 910 + i, Routing::sharded(),
+                   "sharded write " + std::to_string(i));
+  }
+  constexpr uint64_t kPage = 16 * 1024;
+  constexpr uint32_t kPages = 256;
+  const uint64_t paged_dst = 40 * kMiB;
+  std::vector<uint32_t> order(kPages);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937(7));
+  Probe done;
+  ASSERT_TRUE(engine_->submit(PagedWrite{src_->reg.handle, peer_->memory, kPage, order, kPage, 0,
+                                         order, kPage, paged_dst, 950},
+                              done.callbacks()));
+  ASSERT_TRUE(done.wait(60s));
+  EXPECT_EQ(peer_->count(950, kPages), got(950, kPages)) << "one immediate per page";
+  EXPECT_EQ(peer_->checksum(paged_dst, kPages * kPage), src_checksum(0, kPages * kPage));
+  const auto delta = links.get();
+  std::printf("bytes per link: %s\n", show(delta).c_str());
+  const uint64_t payload = kWrites * length + kPages * kPage;
+  EXPECT_GE(delta[0] + delta[1], payload) << show(delta);
+  // Equal shares would put about half on each link; 1 Gbit against 50 Mbit, weighted, puts
+  // 16 parts in 17 (the floor) on link 0. Twice link 1's bytes leaves room for noise.
+  EXPECT_GE(delta[0], 2 * delta[1])
+      << "the faster link did not carry the larger share; " << show(delta);
+  EXPECT_GE(delta[1], payload / 40) << "the floor keeps the slow link in use; " << show(delta);
+  for (uint32_t i = 2; i < kLabLinks; ++i) EXPECT_LT(delta[i], kQuietBytes) << show(delta);
 }
 
 INSTANTIATE_TEST_SUITE_P(Links, NetLab, ::testing::Values(2u, 4u),

@@ -40,7 +40,8 @@ TEST(Config, EnvironmentValuesOutOfRangeAreRejected) {
   for (Row row :
        {Row{"FABRIC_CPU", "-3"}, Row{"FABRIC_CPU", "99999999999"}, Row{"FABRIC_SPIN_US", "-1"},
         Row{"FABRIC_IDLE_SLEEP_US", "-50"}, Row{"FABRIC_IDLE_SLEEP_US", "3600000001"},
-        Row{"FABRIC_NICS", "lo,"}, Row{"FABRIC_NICS", ","}, Row{"FABRIC_SPIN_US", "12us"}}) {
+        Row{"FABRIC_NICS", "lo,"}, Row{"FABRIC_NICS", ","}, Row{"FABRIC_SPIN_US", "12us"},
+        Row{"FABRIC_WEIGHTED_SHARDING", "2"}, Row{"FABRIC_WEIGHTED_SHARDING", "yes"}}) {
     setenv(row.var, row.value, 1);
     Config c;
     Status s = c.apply_env_overrides();
@@ -54,6 +55,18 @@ TEST(Config, EnvironmentValuesOutOfRangeAreRejected) {
   ASSERT_TRUE(c.apply_env_overrides());
   EXPECT_EQ(c.groups[0].cpu, GroupConfig::kCpuNone);
   unsetenv("FABRIC_CPU");
+}
+
+TEST(Config, WeightedShardingFromTheEnvironment) {
+  Config c;
+  EXPECT_TRUE(c.weighted_sharding);
+  setenv("FABRIC_WEIGHTED_SHARDING", "0", 1);
+  ASSERT_TRUE(c.apply_env_overrides());
+  EXPECT_FALSE(c.weighted_sharding);
+  setenv("FABRIC_WEIGHTED_SHARDING", "1", 1);
+  ASSERT_TRUE(c.apply_env_overrides());
+  EXPECT_TRUE(c.weighted_sharding);
+  unsetenv("FABRIC_WEIGHTED_SHARDING");
 }
 
 }  // namespace

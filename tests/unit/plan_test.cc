@@ -1,9 +1,11 @@
 // Sharding plans, including regressions for the reference's multi-NIC defects.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <numeric>
 
 #include "engine/plan.h"
+#include "engine/rate_meter.h"
 
 namespace fabric::engine {
 namespace {
@@ -217,6 +219,181 @@ TEST(PlanUp, FailoverNicSpreadsOverTheSurvivors) {
   EXPECT_EQ(hits[0], 3);
   EXPECT_EQ(hits[2], 3);
   EXPECT_EQ(hits[3], 3);
+}
+
+// --- weighted sharding (Config::weighted_sharding) --------------------------------------------
+
+// Bytes per NIC of a plan.
+std::vector<uint64_t> bytes_per_nic(const std::vector<Shard>& shards, uint32_t nics) {
+  std::vector<uint64_t> out(nics, 0);
+  for (const Shard& s : shards) out[s.domain] += s.length;
+  return out;
+}
+
+TEST(PlanWeighted, EqualOrAbsentWeightsGiveTheUnweightedPlan) {
+  const std::vector<uint64_t> equal(4, 5'000'000), unknown(4, 0);
+  for (uint64_t len : {uint64_t{100}, uint64_t{1} << 20, uint64_t{10000}, uint64_t{3000007},
+                       (uint64_t{9} << 30) + 12345}) {
+    for (uint32_t rotation : {0u, 1u, 6u}) {
+      for (uint32_t k : {0u, 2u, 3u}) {
+        const auto plain = plan_single(len, 4, Routing::sharded(k), rotation, kParams);
+        EXPECT_EQ(plan_single(len, 4, Routing::sharded(k), rotation, kParams, equal), plain);
+        EXPECT_EQ(plan_single(len, 4, Routing::sharded(k), rotation, kParams, unknown), plain);
+      }
+    }
+  }
+  // Weights within 1/8 of the largest count as equal to it (equal links, measured).
+  const std::vector<uint64_t> near{1000, 950, 880, 1000};
+  EXPECT_EQ(plan_single(1 << 20, 4, Routing::sharded(), 1, kParams, near),
+            plan_single(1 << 20, 4, Routing::sharded(), 1, kParams));
+  EXPECT_EQ(split_even(401, 4, 2, near), split_even(401, 4, 2));
+  EXPECT_NE(plan_single(1 << 20, 4, Routing::sharded(), 1, kParams, {{1000, 950, 870, 1000}}),
+            plan_single(1 << 20, 4, Routing::sharded(), 1, kParams));
+  // Only the weights of the NICs a plan uses matter: 2-of-4 on NICs 1 and 2, equal there.
+  const std::vector<uint64_t> w{9, 4, 4, 1};
+  EXPECT_EQ(plan_single(1 << 20, 4, Routing::sharded(2), 1, kParams, w),
+            plan_single(1 << 20, 4, Routing::sharded(2), 1, kParams));
+  for (size_t count : {size_t{1}, size_t{3}, size_t{10}, size_t{401}}) {
+    for (uint32_t rotation : {0u, 3u}) {
+      EXPECT_EQ(split_even(count, 4, rotation, equal), split_even(count, 4, rotation));
+    }
+  }
+}
+
+TEST(PlanWeighted, ShardsFollowTheWeightsAlignedWithAnExactCover) {
+  // NIC 3 at half the rate of the others: 2:2:2:1.
+  const std::vector<uint64_t> w{400, 400, 400, 200};
+  for (uint64_t len :
+       {uint64_t{1} << 20, uint64_t{32} << 20, (uint64_t{32} << 20) + 12345, uint64_t{1000003}}) {
+    for (uint32_t rotation = 0; rotation < 4; ++rotation) {
+      auto s = plan_single(len, 4, Routing::sharded(), rotation, kParams, w);
+      expect_exact_cover(s, len);
+      ASSERT_EQ(s.size(), 4u);
+      for (size_t i = 0; i < s.size(); ++i) {
+        EXPECT_EQ(s[i].domain, (rotation + i) % 4) << "the rotation is kept";
+        EXPECT_EQ(s[i].offset % kParams.alignment, 0u) << "aligned boundaries";
+      }
+      const auto per = bytes_per_nic(s, 4);
+      const double unit = static_cast<double>(len) / 7;
+      for (uint32_t n = 0; n < 4; ++n) {
+        const double want = unit * (n == 3 ? 1 : 2);
+        // Within one alignment unit, plus the sub-unit remainder on the last shard.
+        EXPECT_NEAR(static_cast<double>(per[n]), want, 2.0 * kParams.alignment) << "NIC " << n;
+      }
+    }
+  }
+}
+
+TEST(PlanWeighted, RemainderAndLengthsAbove4GiBKeepEveryByte) {
+  const std::vector<uint64_t> w{3, 1, 7};
+  const uint64_t len = (uint64_t{9} << 30) + 12345;
+  auto s = plan_single(len, 3, Routing::sharded(), 2, kParams, w);
+  expect_exact_cover(s, len);
+  const auto per = bytes_per_nic(s, 3);
+  EXPECT_GT(per[2], uint64_t{4} << 30) << "a shard above 4 GiB keeps its 64-bit length";
+  EXPECT_NEAR(static_cast<double>(per[1]), static_cast<double>(len) / 11, 2.0 * kParams.alignment);
+  // Pieces above the largest work request are still split on their NIC.
+  ShardParams p = kParams;
+  p.max_wr_bytes = uint64_t{1} << 30;
+  auto split = plan_single(len, 3, Routing::sharded(), 2, p, w);
+  expect_exact_cover(split, len);
+  for (const Shard& sh : split) EXPECT_LE(sh.length, p.max_wr_bytes);
+  EXPECT_EQ(bytes_per_nic(split, 3), per);
+  // Less than one alignment unit in all: everything on the last shard's NIC.
+  ShardParams big = kParams;
+  big.min_bytes = 0;
+  big.alignment = 1 << 20;
+  auto tiny = plan_single(5000, 3, Routing::sharded(), 0, big, w);
+  expect_exact_cover(tiny, 5000);
+  ASSERT_EQ(tiny.size(), 1u);
+  EXPECT_EQ(tiny[0].domain, 2u);
+}
+
+TEST(PlanWeighted, UnmeasuredNicsCountAsTheFastestAndAFloorKeepsEveryNicSampled) {
+  // NIC 1 not measured yet (0): weighted like the fastest measured one.
+  auto s = plan_single(1 << 20, 3, Routing::sharded(), 0, kParams, std::vector<uint64_t>{8, 0, 4});
+  expect_exact_cover(s, 1 << 20);
+  auto per = bytes_per_nic(s, 3);
+  EXPECT_NEAR(static_cast<double>(per[0]), static_cast<double>(per[1]), kParams.alignment);
+  EXPECT_NEAR(static_cast<double>(per[2]), (1 << 20) / 5.0, kParams.alignment);
+  // A NIC measured at a thousandth of the others still gets 1/16 of the fastest's weight.
+  s = plan_single(uint64_t{1} << 30, 2, Routing::sharded(), 0, kParams,
+                  std::vector<uint64_t>{1'000'000, 1'000});
+  per = bytes_per_nic(s, 2);
+  EXPECT_NEAR(static_cast<double>(per[1]), (uint64_t{1} << 30) / 17.0, kParams.alignment);
+  auto runs = split_even(170, 2, 0, std::vector<uint64_t>{1'000'000, 1});
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[1], (engine::Run{1, 160, 170}));
+}
+
+TEST(PlanWeighted, PagesSplitByWeightEveryPageOnce) {
+  const std::vector<uint64_t> w{400, 400, 400, 200};
+  for (size_t count : {size_t{1}, size_t{3}, size_t{7}, size_t{100}, size_t{401}}) {
+    for (uint32_t rotation = 0; rotation < 4; ++rotation) {
+      auto runs = split_even(count, 4, rotation, w);
+      size_t next = 0;
+      std::vector<size_t> per(4, 0);
+      for (const engine::Run& r : runs) {
+        EXPECT_EQ(r.begin, next);
+        EXPECT_GT(r.end, r.begin) << "no empty runs";
+        per[r.domain] += r.end - r.begin;
+        next = r.end;
+      }
+      EXPECT_EQ(next, count);
+      for (uint32_t n = 0; n < 4; ++n) {
+        EXPECT_NEAR(static_cast<double>(per[n]), count * (n == 3 ? 1.0 : 2.0) / 7, 1.0);
+      }
+    }
+  }
+  EXPECT_EQ(split_even(100, 4, 0, w),
+            (std::vector<engine::Run>{{0, 0, 29}, {1, 29, 58}, {2, 58, 86}, {3, 86, 100}}));
+}
+
+TEST(PlanWeighted, NicsThatAreDownGetNothingWhateverTheirWeight) {
+  const std::vector<bool> up{true, false, true, true};
+  const std::vector<uint64_t> w{100, 1'000'000, 300, 0};
+  auto s = plan_single_up(1 << 20, up, Routing::sharded(), 0, kParams, w);
+  expect_exact_cover(s, 1 << 20);
+  auto per = bytes_per_nic(s, 4);
+  EXPECT_EQ(per[1], 0u);
+  EXPECT_NEAR(static_cast<double>(per[0] * 3), static_cast<double>(per[2]), 3.0 * kParams.alignment)
+      << "100 : 300";
+  EXPECT_NEAR(static_cast<double>(per[3]), static_cast<double>(per[2]), kParams.alignment)
+      << "unmeasured counts as the fastest that is up";
+  auto runs = split_even_up(70, up, 0, w);
+  size_t pages = 0;
+  for (const engine::Run& r : runs) {
+    EXPECT_NE(r.domain, 1u);
+    pages += r.end - r.begin;
+  }
+  EXPECT_EQ(pages, 70u);
+  // Pinned writes ignore the weights.
+  EXPECT_EQ(plan_single_up(1 << 20, up, Routing::pinned(0), 0, kParams, w),
+            plan_single_up(1 << 20, up, Routing::pinned(0), 0, kParams));
+}
+
+TEST(RateMeter, MeasuresOnlyWhileWritesArePosted) {
+  using namespace std::chrono_literals;
+  RateMeter m;
+  const auto t0 = RateMeter::Clock::time_point{} + 1h;
+  EXPECT_EQ(m.bytes_per_second(), 0u);
+  m.posted(t0);
+  EXPECT_FALSE(m.completed(1'000'000, t0 + 5ms, false)) << "a window spans at least kPeriod";
+  EXPECT_TRUE(m.completed(1'000'000, t0 + 20ms, true));
+  EXPECT_NEAR(static_cast<double>(m.bytes_per_second()), 100e6, 1.0)
+      << "2 MB in 20 ms; the first sample is taken";
+  // Ten idle seconds, then 1 MB in 20 ms (50 MB/s): the idle time does not count, and the
+  // estimate moves towards the new sample by 1 - exp(-20 ms / kTau).
+  m.posted(t0 + 10s);
+  EXPECT_TRUE(m.completed(1'000'000, t0 + 10s + 20ms, true));
+  const double alpha = 1 - std::exp(-0.02 / std::chrono::duration<double>(RateMeter::kTau).count());
+  EXPECT_NEAR(static_cast<double>(m.bytes_per_second()), 100e6 - alpha * 50e6, 1e3);
+  // A slower link, continuously busy for 2 s: the estimate converges on it.
+  m.posted(t0 + 20s);
+  for (int i = 1; i <= 100; ++i) m.completed(500'000, t0 + 20s + i * 20ms, i == 100);
+  EXPECT_NEAR(static_cast<double>(m.bytes_per_second()), 25e6, 0.01 * 25e6);
+  m.reset();
+  EXPECT_EQ(m.bytes_per_second(), 0u);
 }
 
 }  // namespace
