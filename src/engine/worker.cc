@@ -328,6 +328,7 @@ void Worker::enqueue(Op& op) {
   }
   PeerQueue& q = d.queues[*peer];
   q.peer = *peer;
+  q.nic_inflight = &d.inflight;
   if (q.owner.empty() && op.owner != nullptr) q.owner = op.owner->nics()[0].name;
   if (q.ops.empty() && q.inflight_count == 0) q.last_progress = now_;
   q.ops.push_back(&op);
@@ -669,11 +670,8 @@ void Worker::declare_dead(DomainState& d, PeerQueue& q) {
 
 void Worker::measure(uint32_t index, const Op& op) {
   DomainState& d = domains_[index];
-  // Idle: op (still linked) is the last write posted on this NIC, towards any peer.
-  bool idle = op.queue->inflight_count <= 1;
-  for (auto it = d.queues.begin(); idle && it != d.queues.end(); ++it) {
-    idle = &it->second == op.queue || it->second.inflight_count == 0;
-  }
+  // Idle: op (still linked) is the last work request posted on this NIC, towards any peer.
+  const bool idle = d.inflight <= 1;
   if (d.rate.completed(op.length, now_, idle)) {
     nic_rate_[index].store(d.rate.bytes_per_second(), std::memory_order_relaxed);
   }

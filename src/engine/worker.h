@@ -37,6 +37,8 @@ struct PeerQueue {
   std::chrono::steady_clock::time_point last_progress;
   // The peer engine's first NIC name: tells which queues of different NICs lead to one peer.
   Bytes owner;
+  // The count of ops posted on this queue's NIC, towards any peer (DomainState::inflight).
+  size_t* nic_inflight = nullptr;
 
   void link(Op& op) {
     op.queue = this;
@@ -45,6 +47,7 @@ struct PeerQueue {
     if (inflight) inflight->prev = &op;
     inflight = &op;
     ++inflight_count;
+    if (nic_inflight != nullptr) ++*nic_inflight;
   }
   void unlink(Op& op) {
     if (op.prev) op.prev->next = op.next;
@@ -53,6 +56,7 @@ struct PeerQueue {
     op.prev = op.next = nullptr;
     op.queue = nullptr;
     --inflight_count;
+    if (nic_inflight != nullptr) --*nic_inflight;
   }
 };
 
@@ -140,6 +144,7 @@ class Worker {
     std::unique_ptr<transport::MemoryRegistration> scratch;
     std::unordered_map<transport::PeerHandle, PeerQueue> queues;
     std::deque<transport::PeerHandle> ready;  // peers with queued ops, in round-robin order
+    size_t inflight = 0;                      // ops posted, towards any peer
     // Failover (docs/failover.md): marked down by watch_nics, back up by a probe that completes.
     bool down = false;
     std::chrono::steady_clock::time_point down_since;
