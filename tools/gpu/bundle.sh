@@ -15,6 +15,8 @@ strip .gpu/fabric_gpu_tests .gpu/fabric-bench-gpu .gpu/fabric-bench-uvm
 # The KV-cache GPU pipeline (fabric::kv), when built.
 if [ -x build/bin/fabric-kv-gpu ]; then cp build/bin/fabric-kv-gpu .gpu/ && strip .gpu/fabric-kv-gpu; fi
 cp build/lib/libfabriclib.a .gpu/ && strip --strip-debug .gpu/libfabriclib.a
+# fabric::kv for the Python module's KV bindings (the etcd registry needs libcurl.so.4 there).
+for l in libfabrickv.a libfabrickvetcd.a; do cp build/lib/$l .gpu/ && strip --strip-debug .gpu/$l; done
 cp /usr/local/cuda/lib64/libcudart_static.a .gpu/
 for l in libhwloc.so.15 libspdlog.so.1.10 libfmt.so.9; do cp "/lib/x86_64-linux-gnu/$l" .gpu/lib/; done
 cp -r /usr/include/rdma /usr/include/fmt /usr/include/spdlog .gpu/include/
