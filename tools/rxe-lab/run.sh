@@ -167,7 +167,6 @@ export PATH=/bin:/sbin:/usr/bin:/usr/sbin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-mount -t tmpfs tmpfs /tmp
 echo "RXELAB-BOOTED \$(cat /proc/uptime | cut -d' ' -f1)"
 insmod /lib/modules/dummy.ko numdummies=0 || echo "RXELAB-ERROR insmod dummy failed"
 for m in crc32_generic udp_tunnel ip6_udp_tunnel ib_core ib_uverbs rdma_rxe; do
