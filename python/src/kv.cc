@@ -193,6 +193,27 @@ struct Pending {
   }
 };
 
+// Ends request `id` (holding the GIL): forgets it, calls the user's callback `user` with (id,
+// value), then resolves the future: its result is `value` when ok, else `value` is the exception.
+void settle(const std::shared_ptr<Completion>& c, const std::weak_ptr<Pending>& weak, RequestId id,
+            const PyRef& user, py::object value, bool ok) {
+  Pending::forget(weak, id, c);
+  InCallback in;
+  call_user(user, py::make_tuple(id, value));
+  resolve(c->future, ok ? "set_result" : "set_exception", value);
+  c->clear();
+}
+
+// A decoder's or a group's on_error: the user's on_error(id, exception), then the future fails.
+std::function<void(RequestId, const Status&)> error_callback(std::shared_ptr<Completion> c,
+                                                             std::weak_ptr<Pending> weak) {
+  return [c = std::move(c), weak = std::move(weak)](RequestId id, const Status& s) {
+    if (interpreter_finalizing()) return;
+    py::gil_scoped_acquire gil;
+    settle(c, weak, id, c->on_error, make_exception(s), false);
+  };
+}
+
 // What KvDecoder and KvPrefiller share.
 class PyKvBase {
  public:
@@ -253,23 +274,9 @@ class PyKvDecoder : public PyKvBase {
       if (interpreter_finalizing()) return;
       std::vector<uint32_t> copy(pages.begin(), pages.end());
       py::gil_scoped_acquire gil;
-      Pending::forget(weak, id, c);
-      InCallback in;
-      py::list list = py::cast(copy);
-      call_user(c->on_end, py::make_tuple(id, list));
-      resolve(c->future, "set_result", list);
-      c->clear();
+      settle(c, weak, id, c->on_end, py::cast(copy), true);
     };
-    rq.on_error = [c, weak](RequestId id, const Status& s) {
-      if (interpreter_finalizing()) return;
-      py::gil_scoped_acquire gil;
-      Pending::forget(weak, id, c);
-      InCallback in;
-      py::object exc = make_exception(s);
-      call_user(c->on_error, py::make_tuple(id, exc));
-      resolve(c->future, "set_exception", exc);
-      c->clear();
-    };
+    rq.on_error = error_callback(c, weak);
     auto previous = pending_->add(id, c);
     auto got =
         with_object<KvDecoder>(slot_, what_, [&](KvDecoder& d) { return d.submit(std::move(rq)); });
@@ -349,23 +356,9 @@ class PyKvDecodeGroup : public PyKvBase {
     rq.on_ready = [c, weak](RequestId id, const std::vector<std::vector<uint32_t>>& pages) {
       if (interpreter_finalizing()) return;
       py::gil_scoped_acquire gil;
-      Pending::forget(weak, id, c);
-      InCallback in;
-      py::list list = py::cast(pages);
-      call_user(c->on_end, py::make_tuple(id, list));
-      resolve(c->future, "set_result", list);
-      c->clear();
+      settle(c, weak, id, c->on_end, py::cast(pages), true);
     };
-    rq.on_error = [c, weak](RequestId id, const Status& s) {
-      if (interpreter_finalizing()) return;
-      py::gil_scoped_acquire gil;
-      Pending::forget(weak, id, c);
-      InCallback in;
-      py::object exc = make_exception(s);
-      call_user(c->on_error, py::make_tuple(id, exc));
-      resolve(c->future, "set_exception", exc);
-      c->clear();
-    };
+    rq.on_error = error_callback(c, weak);
     auto previous = pending_->add(id, c);
     Status st = with_object<GroupHolder>(
         slot_, what_, [&](GroupHolder& g) { return g.group->submit(std::move(rq)); });
@@ -433,16 +426,7 @@ class PyKvPrefiller : public PyKvBase {
     KvPrefiller::FinishedFn finished_fn = [c, weak](RequestId id, const Status& s) {
       if (interpreter_finalizing()) return;
       py::gil_scoped_acquire gil;
-      Pending::forget(weak, id, c);
-      InCallback in;
-      py::object exc = s ? py::none() : make_exception(s);
-      call_user(c->on_end, py::make_tuple(id, exc));
-      if (s) {
-        resolve(c->future, "set_result", py::none());
-      } else {
-        resolve(c->future, "set_exception", exc);
-      }
-      c->clear();
+      settle(c, weak, id, c->on_end, s ? py::object(py::none()) : make_exception(s), s.is_ok());
     };
     auto previous = pending_->add(id, c);
     Status st = with_object<KvPrefiller>(slot_, what_, [&](KvPrefiller& p) {

@@ -405,10 +405,7 @@ bool Worker::poll(uint32_t index) {
         --posted_;
         if (op.abandoned) {  // given up on or replaced; the provider has let go of it now
           --abandoned_;
-          if (op.send_slot >= 0) {
-            send_pool_->free.push_back(op.send_slot);
-            op.send_slot = -1;
-          }
+          release_send_slot(op);
           Transfer& t = *op.transfer;
           if (--t.abandoned == 0 && t.finished) live_.erase(t.id);
           break;
@@ -512,11 +509,20 @@ void Worker::on_recv(const transport::Completion& c, uint32_t domain) {
   repost(slot);
 }
 
+void Worker::release_send_slot(Op& op) {
+  if (op.send_slot < 0) return;
+  send_pool_->free.push_back(op.send_slot);
+  op.send_slot = -1;
+}
+
+uint32_t Worker::other_up_nic(uint32_t nic) {
+  std::vector<bool> up(domains_.size());
+  for (size_t i = 0; i < up.size(); ++i) up[i] = !domains_[i].down && i != nic;
+  return failover_nic(nic, up, failover_salt_++);
+}
+
 void Worker::complete_op(Op& op, const Status& status) {
-  if (op.send_slot >= 0) {
-    send_pool_->free.push_back(op.send_slot);
-    op.send_slot = -1;
-  }
+  release_send_slot(op);
   Transfer& t = *op.transfer;
   if (op.commit != nullptr) {
     CommitSend& cs = *op.commit;
@@ -527,9 +533,7 @@ void Worker::complete_op(Op& op, const Status& status) {
         if (--t.pending == 0) advance(t);
         return;
       }
-      std::vector<bool> up(domains_.size());
-      for (size_t i = 0; i < up.size(); ++i) up[i] = !domains_[i].down && i != op.domain;
-      const uint32_t to = failover_nic(op.domain, up, failover_salt_++);
+      const uint32_t to = other_up_nic(op.domain);
       if (failover_active() && to != op.domain && !stopping_ && t.error.is_ok() &&
           now_ < t.ack_deadline) {
         detail::log().warn(
@@ -719,9 +723,7 @@ void Worker::repost_copy(Op& op, uint32_t to) {
 }
 
 void Worker::reroute_messages(uint32_t nic, PeerQueue& q) {
-  std::vector<bool> up(domains_.size());
-  for (size_t i = 0; i < up.size(); ++i) up[i] = !domains_[i].down && i != nic;
-  const uint32_t to = failover_nic(nic, up, failover_salt_++);
+  const uint32_t to = other_up_nic(nic);
   if (to == nic) return;
   std::vector<Op*> unposted, posted;
   std::erase_if(q.ops, [&](Op* op) {
@@ -899,10 +901,7 @@ void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
       // not the first one landed. A message: the receiver drops a second copy. The copy
       // completes in the original's place. The connection was dropped: the original's buffer
       // is free again.
-      if (op->send_slot >= 0) {
-        send_pool_->free.push_back(op->send_slot);
-        op->send_slot = -1;
-      }
+      release_send_slot(*op);
       repost_copy(*op, to);
       continue;
     }
@@ -1438,9 +1437,7 @@ void Worker::watch_acks() {
       ++t.pending;  // holds t while copies are queued
       for (CommitSend& cs : t.commits) {
         if (cs.acked || cs.live > 0 || now_ - cs.sent <= config_.nic_timeout) continue;
-        std::vector<bool> up(domains_.size());
-        for (size_t i = 0; i < up.size(); ++i) up[i] = !domains_[i].down && i != cs.domain;
-        resend_commit(cs, failover_nic(cs.domain, up, failover_salt_++));
+        resend_commit(cs, other_up_nic(cs.domain));
         ++resent;
       }
       if (--t.pending == 0) advance(t);

@@ -216,6 +216,10 @@ class Worker {
   bool poll(uint32_t domain_index);
   void measure(uint32_t domain_index, const Op& op);  // a write completed: feed the RateMeter
   void complete_op(Op& op, const Status& status);
+  // Gives a send's registered buffer back to the pool, if it holds one.
+  void release_send_slot(Op& op);
+  // The next NIC that is up other than `nic` (rotating), or `nic` when there is none.
+  uint32_t other_up_nic(uint32_t nic);
   void advance(Transfer& t);
   void finish(Transfer& t);
   void on_recv(const transport::Completion& c, uint32_t domain);
