@@ -2,6 +2,7 @@
 // (a pipe, a socket, etcd, torch.distributed) can carry between processes.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -28,14 +29,40 @@ struct NicAddress {
   friend bool operator==(const NicAddress&, const NicAddress&) = default;
 };
 
-// The address of one device group of an engine: one entry per NIC, in rail order.
-// Cheap to copy (the entries are shared) and comparable.
+// Where an engine runs. Two engines use it to tell whether they share a host (same boot, same
+// network namespace), a process, or a process table (same PID namespace), and a same-host peer
+// uses it to check that the process that published an address is still alive (a PID alone may
+// be reused; PID and start time together are not).
+struct Origin {
+  std::array<std::byte, 16> boot_id{};  // /proc/sys/kernel/random/boot_id
+  uint64_t netns = 0;                   // inode of /proc/self/ns/net
+  uint64_t pidns = 0;                   // inode of /proc/self/ns/pid
+  uint32_t pid = 0;
+  uint64_t start_time = 0;  // the process's start, in clock ticks after boot (/proc/<pid>/stat)
+  uint64_t instance = 0;    // random, one per engine device group
+
+  // This process, with the given instance id. Fields the system does not show stay zero.
+  static Origin of_this_process(uint64_t instance);
+  // Known: made by of_this_process (an address of wire version 1 has no origin).
+  bool known() const { return pid != 0; }
+  bool same_host(const Origin& o) const;     // both known, same boot and network namespace
+  bool same_process(const Origin& o) const;  // same host and PID namespace, same PID and start
+  // Whether the process is still running (not exited, not a zombie, its PID not reused). Only
+  // meaningful for an origin that shares this process's host and PID namespace; true when that
+  // cannot be told.
+  bool process_alive() const;
+  friend bool operator==(const Origin&, const Origin&) = default;
+};
+
+// The address of one device group of an engine: one entry per NIC, in rail order, and where the
+// engine runs. Cheap to copy (the entries are shared) and comparable.
 class Address {
  public:
-  static constexpr uint8_t kVersion = 1;
+  // Version 2 added origin(); version 1 addresses still decode (origin unknown).
+  static constexpr uint8_t kVersion = 2;
 
   Address() = default;
-  Address(std::string provider, std::vector<NicAddress> nics);
+  Address(std::string provider, std::vector<NicAddress> nics, Origin origin = {});
 
   // Decodes bytes made by encode(); names what is wrong on failure (magic, version, length).
   static Result<Address> decode(std::span<const std::byte> bytes);
@@ -48,6 +75,7 @@ class Address {
   const std::string& provider() const;
   const std::vector<NicAddress>& nics() const;
   size_t num_nics() const { return nics().size(); }
+  const Origin& origin() const;
   // A short human-readable form for logs: "tcp;ofi_rxm/2nic/3f9a1c2e" (provider, NIC count,
   // a hash of the encoding).
   std::string short_name() const;

@@ -2,6 +2,8 @@
 //
 //   Address:      u32 magic "FBLA" | u8 version | u8 len + provider | u8 nics (1..64)
 //                 | per NIC: u16 len (1..1024) + name | u64 scratch addr | u64 scratch key
+//                 | (version 2) 16 bytes boot id | u64 netns | u64 pidns | u32 pid
+//                 | u64 start time | u64 instance
 //   RemoteMemory: u32 magic "FBLM" | u8 version | u64 base | u64 length
 //                 | u32 len + Address | u8 rails (= the address's NICs) | per rail: u64 addr, u64
 //                 key
@@ -9,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <tuple>
 
 #include "common/codec.h"
@@ -69,10 +72,17 @@ Result<Bytes> from_hex(std::string_view hex) {
 struct Address::Data {
   std::string provider;
   std::vector<NicAddress> nics;
+  Origin origin;
 };
 
-Address::Address(std::string provider, std::vector<NicAddress> nics)
-    : data_(std::make_shared<const Data>(Data{std::move(provider), std::move(nics)})) {}
+Address::Address(std::string provider, std::vector<NicAddress> nics, Origin origin)
+    : data_(std::make_shared<const Data>(
+          Data{std::move(provider), std::move(nics), std::move(origin)})) {}
+
+const Origin& Address::origin() const {
+  static const Origin kUnknown;
+  return data_ ? data_->origin : kUnknown;
+}
 
 const std::string& Address::provider() const {
   static const std::string kEmpty;
@@ -86,7 +96,7 @@ const std::vector<NicAddress>& Address::nics() const {
 
 bool operator==(const Address& a, const Address& b) {
   if (a.data_ == b.data_) return true;
-  return a.provider() == b.provider() && a.nics() == b.nics();
+  return a.provider() == b.provider() && a.nics() == b.nics() && a.origin() == b.origin();
 }
 
 Bytes Address::encode() const {
@@ -102,6 +112,13 @@ Bytes Address::encode() const {
     w.u64(nic.scratch_addr);
     w.u64(nic.scratch_key);
   }
+  const Origin& o = origin();
+  w.bytes(o.boot_id);
+  w.u64(o.netns);
+  w.u64(o.pidns);
+  w.u32(o.pid);
+  w.u64(o.start_time);
+  w.u64(o.instance);
   return w.take();
 }
 
@@ -122,8 +139,9 @@ Result<Address> Address::decode(std::span<const std::byte> bytes) {
   uint8_t version = 0;
   if (!r.u32(magic) || magic != kAddressMagic) return malformed(kWhat, "bad magic");
   if (!r.u8(version)) return malformed(kWhat, "truncated before version");
-  if (version != kVersion) {
-    return malformed(kWhat, fmt::format("version {} (this build reads {})", version, kVersion));
+  if (version != 1 && version != kVersion) {
+    return malformed(kWhat,
+                     fmt::format("version {} (this build reads 1 to {})", version, kVersion));
   }
   uint8_t provider_len = 0;
   Bytes provider;
@@ -148,11 +166,20 @@ Result<Address> Address::decode(std::span<const std::byte> bytes) {
       return malformed(kWhat, fmt::format("truncated at NIC {}", i));
     }
   }
+  Origin origin;
+  if (version >= 2) {
+    Bytes boot;
+    if (!r.bytes(origin.boot_id.size(), boot) || !r.u64(origin.netns) || !r.u64(origin.pidns) ||
+        !r.u32(origin.pid) || !r.u64(origin.start_time) || !r.u64(origin.instance)) {
+      return malformed(kWhat, "truncated origin");
+    }
+    std::copy(boot.begin(), boot.end(), origin.boot_id.begin());
+  }
   if (r.remaining() != 0) {
     return malformed(kWhat, fmt::format("{} trailing bytes", r.remaining()));
   }
   std::string prov(reinterpret_cast<const char*>(provider.data()), provider.size());
-  return Address(std::move(prov), std::move(nics));
+  return Address(std::move(prov), std::move(nics), origin);
 }
 
 Result<Address> Address::from_hex(std::string_view hex) {

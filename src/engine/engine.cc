@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <deque>
+#include <future>
 #include <mutex>
 #include <random>
 #include <shared_mutex>
@@ -89,7 +90,10 @@ class EngineImpl {
  private:
   explicit EngineImpl(const Config& config) : config_(config) {}
 
-  Status check_open() const;
+  // The shared hold of close_mu_ that calls needing the engine open take; empty (not owning)
+  // once close() has begun, and then the call returns closed().
+  std::shared_lock<std::shared_mutex> enter() const;
+  static Status closed();
   Status check_group(uint32_t group) const;
   Status check_peer(const Address& peer, uint32_t group, std::string_view what) const;
   Status check_remote(const RemoteMemory& dst, uint32_t group, std::string_view what) const;
@@ -131,7 +135,12 @@ class EngineImpl {
   std::vector<Address> addresses_;
   std::unique_ptr<std::atomic<uint32_t>[]> rotations_;
 
-  mutable std::shared_mutex close_mu_;  // submissions hold it shared; close() exclusively
+  // Calls that need the engine open hold close_mu_ shared (enter()); close() exclusively.
+  // close() sets closing_ before it asks for the lock, and enter() does not ask for it once
+  // closing_ is set: threads that keep submitting cannot starve close(), and every call made
+  // after close() began returns kClosed at once.
+  mutable std::shared_mutex close_mu_;
+  std::atomic<bool> closing_{false};
   bool closed_ = false;
 
   mutable std::mutex regions_mu_;
@@ -160,6 +169,15 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
   }
   if (config.staging_chunk_bytes == 0)
     return invalid("config.staging_chunk_bytes must be positive");
+  for (uint32_t g = 0; g < config.groups.size(); ++g) {
+    const int cpu = config.groups[g].cpu;
+    if (cpu < 0 && cpu != GroupConfig::kCpuAuto && cpu != GroupConfig::kCpuNone) {
+      return invalid(fmt::format(
+          "config.groups[{}].cpu is {}: a CPU number (0 or more), GroupConfig::kCpuAuto ({}) or "
+          "GroupConfig::kCpuNone ({})",
+          g, cpu, GroupConfig::kCpuAuto, GroupConfig::kCpuNone));
+    }
+  }
   std::unique_ptr<EngineImpl> e(new EngineImpl(config));
   e->tag_ = std::random_device{}() & 0xffffff;
   e->callbacks_ = std::make_unique<engine::CallbackThread>(config.callback_spin);
@@ -262,7 +280,9 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
       nic_addrs.push_back(
           {(*w)->domain(i).endpoint_name(), (*w)->scratch_addr(i), (*w)->scratch_key(i)});
     }
-    e->addresses_.emplace_back(info.provider, std::move(nic_addrs));
+    e->addresses_.emplace_back(
+        info.provider, std::move(nic_addrs),
+        Origin::of_this_process((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()));
     (*w)->set_address(e->addresses_.back());
     e->infos_.push_back(std::move(info));
     e->workers_.push_back(std::move(*w));
@@ -282,6 +302,7 @@ void EngineImpl::close() {
         "TransferEngine::close() called from a callback; ignored (it would deadlock)");
     return;
   }
+  closing_.store(true);
   {
     std::unique_lock lock(close_mu_);
     if (closed_) return;
@@ -292,9 +313,15 @@ void EngineImpl::close() {
   if (callbacks_) callbacks_->drain_and_stop();
 }
 
-Status EngineImpl::check_open() const {
-  if (closed_) return Status(ErrorCode::kClosed, "the engine is closed");
-  return Status::ok();
+std::shared_lock<std::shared_mutex> EngineImpl::enter() const {
+  if (closing_.load()) return {};
+  std::shared_lock lock(close_mu_);
+  if (closed_) return {};
+  return lock;
+}
+
+Status EngineImpl::closed() {
+  return Status(ErrorCode::kClosed, "the engine is closed");
 }
 
 Status EngineImpl::check_group(uint32_t group) const {
@@ -374,8 +401,8 @@ TransferId EngineImpl::hand_over(uint32_t group, std::unique_ptr<Transfer> t) {
 // --- memory and peers -----------------------------------------------------------------------
 
 Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uint32_t group) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   if (Status s = check_group(group); !s) return s;
   if (ptr == nullptr) return invalid("register_memory: null pointer");
   if (length == 0) return invalid("register_memory: zero length");
@@ -436,14 +463,21 @@ Status EngineImpl::unregister_memory(MemoryHandle handle) {
     region = std::move(it->second);
     regions_.erase(it);
   }
-  // Dropped here; the provider registrations are released on the worker once no transfer
-  // holds the region any more.
+  // A barrier: the provider registrations are closed on the worker once no accepted transfer
+  // holds the region any more (each completes or fails within its own bounds), and only then
+  // does this return. From then on a peer's write to the region's keys is refused by the
+  // provider (kRemoteAccess at the writer) and cannot land in the memory.
+  std::promise<void> released;
+  std::future<void> done = released.get_future();
+  region->on_released = [&released] { released.set_value(); };
+  region.reset();
+  done.wait();
   return Status::ok();
 }
 
 Result<PeerGroup> EngineImpl::add_peer_group(std::vector<Address> peers) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   if (peers.empty()) return invalid("add_peer_group: no peers");
   for (size_t i = 0; i < peers.size(); ++i) {
     if (Status s = check_peer(peers[i], 0, fmt::format("add_peer_group: peer {}", i)); !s) {
@@ -555,8 +589,8 @@ Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const
 // --- submissions ----------------------------------------------------------------------------
 
 Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   auto src = find_region(w.src);
   if (!src) return src.status();
   const uint32_t group = (*src)->group;
@@ -585,8 +619,8 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
 }
 
 Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   auto src = find_region(w.src);
   if (!src) return src.status();
   const uint32_t group = (*src)->group;
@@ -672,8 +706,8 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
 }
 
 Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   auto src = find_region(sc.src);
   if (!src) return src.status();
   const uint32_t group = (*src)->group;
@@ -740,8 +774,8 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
 }
 
 Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   if (Status s = check_group(b.local_group); !s) return s;
   const uint32_t nics = workers_[b.local_group]->num_domains();
   if (b.nic >= nics) {
@@ -767,8 +801,8 @@ Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
 }
 
 Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks cb) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   if (Status s = check_group(w.local_group); !s) return s;
   if (Status s = check_peer(w.peer, w.local_group, "imm write"); !s) return s;
   const uint32_t nics = workers_[w.local_group]->num_domains();
@@ -784,8 +818,8 @@ Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks cb) {
 
 Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const std::byte> message,
                                            Callbacks cb, uint32_t group) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   if (Status s = check_group(group); !s) return s;
   if (Status s = check_peer(peer, group, "send"); !s) return s;
   if (message.size() > config_.max_message_bytes) {
@@ -815,8 +849,8 @@ Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const 
 
 Status EngineImpl::set_receive_handler(std::function<void(std::span<const std::byte>)> on_message,
                                        uint64_t buffer_bytes, uint32_t count, uint32_t group) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   if (Status s = check_group(group); !s) return s;
   if (!on_message) return invalid("set_receive_handler: the handler is empty");
   if (buffer_bytes == 0 || count == 0) {
@@ -829,8 +863,8 @@ Status EngineImpl::set_receive_handler(std::function<void(std::span<const std::b
 // --- immediates -----------------------------------------------------------------------------
 
 Status EngineImpl::expect_imm(uint32_t imm, uint64_t count, std::function<void()> on_reached) {
-  std::shared_lock lock(close_mu_);
-  if (Status s = check_open(); !s) return s;
+  auto lock = enter();
+  if (!lock) return closed();
   std::vector<engine::CallbackThread::Job> due;
   Status s = imms_.expect(imm, count, std::move(on_reached), due);
   callbacks_->push(due);

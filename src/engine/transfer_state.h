@@ -36,6 +36,9 @@ struct LocalRegion {
   Worker* worker = nullptr;
   std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;  // one per NIC, of `host`
   std::unique_ptr<cuda::HostBuffer> mirror;                          // staged only
+  // Set by unregister_memory: runs once the provider registrations are closed (after the last
+  // holder let go), so that unregister returns only when no remote write can land any more.
+  std::function<void()> on_released;
 
   bool staged() const { return mirror != nullptr; }
   ~LocalRegion();

@@ -38,7 +38,11 @@ Status cancelled(std::string_view why) {
 }  // namespace
 
 LocalRegion::~LocalRegion() {
-  if (worker != nullptr && !regs.empty()) worker->release(std::move(regs), std::move(mirror));
+  if (worker != nullptr && !regs.empty()) {
+    worker->release(std::move(regs), std::move(mirror), std::move(on_released));
+  } else if (on_released) {
+    on_released();
+  }
 }
 
 Worker::Worker(uint32_t group, const Config& config, int cpu)
@@ -171,20 +175,25 @@ void Worker::run_on_worker(std::function<void()> fn) {
 }
 
 void Worker::release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs,
-                     std::unique_ptr<cuda::HostBuffer> mirror) {
-  // On the worker itself, both are destroyed right here, registrations first.
+                     std::unique_ptr<cuda::HostBuffer> mirror, std::function<void()> done) {
+  // On the worker itself, all is destroyed right here, registrations first.
   if (std::this_thread::get_id() == thread_.get_id()) {
     regs.clear();
+    mirror.reset();
+    if (done) done();
     return;
   }
   struct Holder {
     std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;
     std::unique_ptr<cuda::HostBuffer> mirror;
+    std::function<void()> done;
   };
-  auto holder = std::make_shared<Holder>(Holder{std::move(regs), std::move(mirror)});
+  auto holder =
+      std::make_shared<Holder>(Holder{std::move(regs), std::move(mirror), std::move(done)});
   run_on_worker([holder] {
     holder->regs.clear();
     holder->mirror.reset();
+    if (holder->done) holder->done();
   });
 }
 

@@ -116,9 +116,9 @@ class Worker {
     return fut.get();
   }
   // Releases provider registrations on the worker thread (or inline when it is not running),
-  // then the staging mirror they registered, if any.
+  // then the staging mirror they registered, if any, then runs `done` (may be null).
   void release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs,
-               std::unique_ptr<cuda::HostBuffer> mirror);
+               std::unique_ptr<cuda::HostBuffer> mirror, std::function<void()> done);
 
   // Worker-thread operations, for call().
   Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> register_on_all(

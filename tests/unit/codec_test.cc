@@ -1,6 +1,10 @@
 // Wire formats: round trips, and every malformed input rejected with a message, never a crash.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "engine/messages.h"
 #include "fabric/address.h"
 
@@ -14,7 +18,7 @@ Address sample_address(size_t nics = 2) {
     for (size_t j = 0; j < name.size(); ++j) name[j] = static_cast<std::byte>(i * 31 + j);
     v.push_back({name, 0x1000 * (i + 1), 0xabc0 + i});
   }
-  return Address("tcp;ofi_rxm", v);
+  return Address("tcp;ofi_rxm", v, Origin::of_this_process(0x1234));
 }
 
 TEST(Codec, HexRoundTripAndErrors) {
@@ -37,6 +41,65 @@ TEST(Codec, AddressRoundTrip) {
   auto via_hex = Address::from_hex(a.to_hex());
   ASSERT_TRUE(via_hex);
   EXPECT_EQ(*via_hex, a);
+}
+
+TEST(Codec, AddressCarriesItsOrigin) {
+  Address a = sample_address(1);
+  ASSERT_TRUE(a.origin().known());
+  auto back = Address::decode(a.encode());
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(back->origin(), a.origin());
+  EXPECT_EQ(back->origin().instance, 0x1234u);
+  EXPECT_TRUE(back->origin().same_process(Origin::of_this_process(7)));
+  // Another instance of the same process differs as an address.
+  Address other("tcp;ofi_rxm", a.nics(), Origin::of_this_process(0x1235));
+  EXPECT_NE(other, a);
+}
+
+TEST(Origin, TellsALiveProcessFromAZombieADeadOneAndAReusedPid) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    Origin mine = Origin::of_this_process(1);
+    ssize_t n = ::write(fds[1], &mine, sizeof mine);
+    ::pause();
+    ::_exit(n == sizeof mine ? 0 : 1);
+  }
+  Origin theirs;
+  ASSERT_EQ(::read(fds[0], &theirs, sizeof theirs), static_cast<ssize_t>(sizeof theirs));
+  ::close(fds[0]);
+  ::close(fds[1]);
+  EXPECT_EQ(theirs.pid, static_cast<uint32_t>(child));
+  EXPECT_NE(theirs.start_time, 0u);
+  EXPECT_TRUE(theirs.same_host(Origin::of_this_process(2)));
+  EXPECT_FALSE(theirs.same_process(Origin::of_this_process(2)));
+  EXPECT_TRUE(theirs.process_alive());
+  Origin reused = theirs;
+  reused.start_time += 1;  // the same PID, started at another time: another process
+  EXPECT_FALSE(reused.process_alive());
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  // Killed but not yet reaped: a zombie, which is not alive either.
+  for (int i = 0; i < 200 && theirs.process_alive(); ++i) ::usleep(5000);
+  EXPECT_FALSE(theirs.process_alive());
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_FALSE(theirs.process_alive());
+  EXPECT_TRUE(Origin::of_this_process(3).process_alive());
+  EXPECT_TRUE(Origin{}.process_alive());  // unknown: cannot be told
+}
+
+TEST(Codec, VersionOneAddressDecodesWithAnUnknownOrigin) {
+  Address a = sample_address(2);
+  Bytes v1 = a.encode();
+  v1[4] = std::byte{1};
+  v1.resize(v1.size() - (16 + 8 + 8 + 4 + 8 + 8));
+  auto back = Address::decode(v1);
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_FALSE(back->origin().known());
+  EXPECT_EQ(back->nics(), a.nics());
+  EXPECT_FALSE(back->origin().same_host(a.origin()));
 }
 
 TEST(Codec, EveryTruncationOfAnAddressIsRejected) {
