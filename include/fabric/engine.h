@@ -6,6 +6,10 @@
 // callback never stalls the fabric. Callbacks may call any engine method except close() and
 // the destructor.
 //
+// Every method may be called from any thread, and from several threads at once (submissions
+// included: each submit call is independent), except close() and the destructor, which must not
+// run from a callback.
+//
 // Blocking. Submissions return at once. Registration, peer-group creation and receive-pool
 // set-up block until the worker has done them (microseconds to milliseconds). wait_imm blocks
 // up to its timeout. close() blocks until every callback has run.
@@ -61,7 +65,8 @@ class TransferEngine {
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;
 
-  // Stops accepting submissions; lets posted work requests finish for up to
+  // Stops accepting submissions (from the moment it is called, every new call that needs the
+  // engine open returns kClosed at once, however many threads keep submitting); lets posted work requests finish for up to
   // Config::close_timeout, then cancels the rest (their on_error gets kCancelled); runs every
   // pending callback; joins the threads. No callback runs after close() returns. Idempotent.
   // Must not be called from a callback.
@@ -86,8 +91,15 @@ class TransferEngine {
   // kNotFound (no such group), kFabric (the provider refused), kClosed.
   Result<Registration> register_memory(void* ptr, uint64_t length, uint32_t group = 0);
 
-  // Forgets a registration. Transfers already accepted that use it still complete; the
-  // provider registration is released after the last of them. Blocking. Errors: kNotFound.
+  // Forgets a registration, as a barrier. New submissions naming the handle fail with
+  // kNotFound at once; transfers already accepted that read from the region still complete
+  // (each within its own bounds: Config::peer_timeout for a dead peer); then the provider
+  // registration is closed on every NIC, and only then does this return. From that moment no
+  // write of a peer can land in the memory or count its immediate: a peer still writing with the
+  // old descriptor gets kRemoteAccess for that write alone (docs/bad-input.md). The memory may
+  // then be freed. Also after close() (it releases the registration). Blocking; must not be
+  // called from a callback while a transfer reading the region waits for its own callback.
+  // Errors: kNotFound (unknown handle, or unregistered already).
   Status unregister_memory(MemoryHandle handle);
 
   // --- peers --------------------------------------------------------------------------------
@@ -130,7 +142,8 @@ class TransferEngine {
   // Runs `on_reached` once, on the callback thread, when `count` arrivals of `imm` not yet
   // claimed by an earlier expectation have been seen (arrivals before this call count). The
   // `count` arrivals are then claimed and the expectation is removed. Errors:
-  // kInvalidArgument (count 0), kAlreadyExists (an expectation for imm is pending).
+  // kInvalidArgument (count 0, or an empty on_reached: wait_imm blocks instead),
+  // kAlreadyExists (an expectation for imm is pending), kClosed.
   Status expect_imm(uint32_t imm, uint64_t count, std::function<void()> on_reached);
   // Withdraws a pending expectation; its callback will not run. Errors: kNotFound.
   Status cancel_expect_imm(uint32_t imm);

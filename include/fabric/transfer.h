@@ -55,7 +55,10 @@ struct SingleWrite {
 // The KV-cache pattern: page i of the transfer copies page_bytes from
 // src_offset + src_pages[i] * src_stride to dst_offset + dst_pages[i] * dst_stride.
 // One work request per page; with an immediate, the receiver counts one arrival per page.
-// Pages are split evenly across the group's NICs in contiguous runs.
+// Pages are split evenly across the group's NICs in contiguous runs. Strides may be smaller
+// than a page (source pages that overlap are read as they are). Destination pages that
+// overlap are accepted, but writes land in no set order: which page's bytes the overlap ends up
+// holding is unspecified, as for any two writes to the same bytes.
 struct PagedWrite {
   MemoryHandle src;
   RemoteMemory dst;

@@ -35,6 +35,11 @@ Status ImmCounters::expect(uint32_t imm, uint64_t count, Callback cb, std::vecto
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("expect_imm({}): count must be at least 1", imm));
   }
+  if (!cb) {
+    return Status(
+        ErrorCode::kInvalidArgument,
+        fmt::format("expect_imm({}): the callback is empty (wait_imm blocks instead)", imm));
+  }
   std::lock_guard lock(mu_);
   Entry& e = entries_[imm];
   if (e.expected != 0) {

@@ -26,6 +26,9 @@ class Worker;
 // Device memory the NICs cannot reach is staged: `host` is then a pinned mirror of the same
 // length (registered in its place), and data moves between `ptr` and `host` by copies on the
 // worker. For host memory, host == ptr.
+// Transfer ids with this bit set are the engine's own (probes, checks, Commits, Acks).
+inline constexpr uint64_t kInternalTransfer = uint64_t{1} << 63;
+
 struct LocalRegion {
   uint64_t id = 0;
   std::byte* ptr = nullptr;
@@ -71,7 +74,13 @@ struct Op {
   bool has_imm = false;
   uint32_t domain = 0;
   uint32_t imm = 0;
-  bool abandoned = false;          // its peer was declared dead while the provider still held it
+  bool abandoned = false;  // its peer was declared dead while the provider still held it
+  // Isolation (docs/hardening.md, "One bad write"): posted alone after a failure that another
+  // work request may have caused; how often; whether it carried an immediate before (a retry
+  // goes without: the first may have been counted).
+  bool lone = false;
+  bool had_imm = false;
+  uint8_t lone_tries = 0;
   int32_t send_slot = -1;          // kSend: the registered send buffer in use while posted
   const Bytes* peer = nullptr;     // the peer NIC's endpoint name (kept alive by the transfer)
   const Bytes* message = nullptr;  // kSend: the bytes to send (kept alive by the transfer)
@@ -141,6 +150,9 @@ struct Transfer {
   std::list<Op> retries;
   // An engine-internal probe of a NIC marked down (its index), else -1.
   int probe_nic = -1;
+  // An engine-internal check of a peer in isolation: its NIC, else -1, and its peer handle.
+  int check_nic = -1;
+  uint64_t check_peer = 0;
   // Keep-alives for what the ops point into.
   std::shared_ptr<LocalRegion> src;
   std::vector<RemoteMemory> dsts;

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <utility>
 
 #include "engine/plan.h"
 #include "topology/topology.h"
@@ -25,7 +26,6 @@ constexpr auto kMaxBlock = std::chrono::milliseconds(100);
 // needs a poll to make progress yet let fi_trywait succeed.
 constexpr auto kMaxInflightBlock = std::chrono::milliseconds(1);
 // Ids of the worker's own transfers (acknowledgments): never equal to an engine transfer id.
-constexpr uint64_t kInternalTransfer = uint64_t{1} << 63;
 
 uint64_t round_up(uint64_t n, uint64_t to) {
   return (n + to - 1) / to * to;
@@ -377,6 +377,17 @@ bool Worker::post_some(DomainState& d) {
     const transport::PeerHandle peer = d.ready.front();
     d.ready.pop_front();
     PeerQueue& q = d.queues[peer];
+    if (q.isolating()) {  // isolation.cc: one work request at a time until it is over
+      post_isolated(d, q);
+      auto it = d.queues.find(peer);  // a failed check may have ended the queue's isolation
+      if (it != d.queues.end() && (it->second.isolating() || !it->second.ops.empty())) {
+        d.ready.push_back(peer);
+      } else if (it != d.queues.end()) {
+        it->second.ready = false;
+      }
+      any = true;
+      continue;
+    }
     while (!q.ops.empty() && budget > 0) {
       Op& op = *q.ops.front();
       auto r = post(d, op, peer);
@@ -423,14 +434,18 @@ bool Worker::poll(uint32_t index) {
         if (c.error == ErrorCode::kOk && op.kind == Op::Kind::kWrite && op.length > 0) {
           measure(index, op);
         }
-        op.queue->unlink(op);
-        if (c.error == ErrorCode::kOk) {
-          complete_op(op, Status::ok());
-        } else {
-          complete_op(
-              op, Status(c.error, fmt::format("{} of {} bytes on NIC '{}' failed: {}",
-                                              op.kind == Op::Kind::kSend ? "send" : "write",
-                                              op.length, d.domain->info().name, c.error_message)));
+        PeerQueue& q = *op.queue;
+        q.unlink(op);
+        Status status;
+        if (c.error != ErrorCode::kOk) {
+          status = Status(c.error, fmt::format("{} of {} bytes on NIC '{}' failed: {}",
+                                               op.kind == Op::Kind::kSend ? "send" : "write",
+                                               op.length, d.domain->info().name, c.error_message));
+        }
+        if (op.lone) {
+          lone_done(d, q, op, status);
+        } else if (status.is_ok() || !isolate(d, q, op, status)) {
+          complete_op(op, status);
         }
         break;
       }
@@ -601,7 +616,8 @@ void Worker::finish(Transfer& t) {
     forget_commits(t);
   }
   if (t.probe_nic >= 0) probe_done(t);
-  if ((t.id & kInternalTransfer) != 0 && t.probe_nic < 0 && !t.error.is_ok()) {
+  if (t.check_nic >= 0) check_done(t);
+  if ((t.id & kInternalTransfer) != 0 && t.probe_nic < 0 && t.check_nic < 0 && !t.error.is_ok()) {
     detail::log().warn("group {}: an engine message could not be delivered: {}", group_,
                        t.error.to_string());
   }
@@ -659,7 +675,9 @@ void Worker::declare_dead(DomainState& d, PeerQueue& q) {
   detail::log().warn("group {}: {}", group_, error.message());
   const transport::PeerHandle peer = q.peer;
   std::vector<Op*> unposted(q.ops.begin(), q.ops.end());
+  unposted.insert(unposted.end(), q.suspects.begin(), q.suspects.end());
   queued_ -= unposted.size();
+  if (q.check != nullptr && !q.check_posted) unposted.push_back(q.check);
   q.ops.clear();
   std::vector<Op*> posted;
   while (q.inflight != nullptr) {
@@ -877,8 +895,14 @@ void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
   DomainState& d = domains_[nic];
   const transport::PeerHandle peer = q.peer;
   std::vector<Op*> unposted(q.ops.begin(), q.ops.end());
+  unposted.insert(unposted.end(), q.suspects.begin(), q.suspects.end());
   queued_ -= unposted.size();
   q.ops.clear();
+  q.suspects.clear();
+  if (q.check != nullptr && !q.check_posted) {
+    Op* check = std::exchange(q.check, nullptr);
+    complete_op(*check, Status(ErrorCode::kPeerUnreachable, "NIC marked down"));
+  }
   std::vector<Op*> posted;
   if (posted_too) {
     while (q.inflight != nullptr) {
@@ -1004,7 +1028,11 @@ void Worker::begin_stop() {
   for (auto& d : domains_) {
     for (auto& [peer, q] : d.queues) {
       unposted.insert(unposted.end(), q.ops.begin(), q.ops.end());
+      unposted.insert(unposted.end(), q.suspects.begin(), q.suspects.end());
+      if (q.check != nullptr && !q.check_posted) unposted.push_back(q.check);
+      q.check = nullptr;
       q.ops.clear();
+      q.suspects.clear();
       q.ready = false;
     }
     d.ready.clear();
@@ -1435,9 +1463,14 @@ void Worker::watch_acks() {
       waiting.push_back(t->id);
     }
   }
-  // A Commit delivered without an Ack for nic_timeout: the Ack (or the Commit) may be stuck on
-  // a dead link, so a copy goes over the next NIC that is up. The owner counts it once.
-  if (failover_active()) {
+  // A Commit delivered without an Ack for a while: the Ack (or the Commit) may be stuck on a
+  // dead link, or lost with a connection the provider dropped after it reported the send
+  // complete, so a copy goes over the next NIC that is up (the same one when it is the only
+  // one). The owner counts it once.
+  const auto resend_after = failover_active()
+                                ? config_.nic_timeout
+                                : std::chrono::milliseconds(config_.peer_timeout / 4);
+  {
     size_t resent = 0;
     for (TransferId id : waiting) {
       auto it = live_.find(id);
@@ -1445,7 +1478,7 @@ void Worker::watch_acks() {
       Transfer& t = *it->second;
       ++t.pending;  // holds t while copies are queued
       for (CommitSend& cs : t.commits) {
-        if (cs.acked || cs.live > 0 || now_ - cs.sent <= config_.nic_timeout) continue;
+        if (cs.acked || cs.live > 0 || now_ - cs.sent <= resend_after) continue;
         resend_commit(cs, other_up_nic(cs.domain));
         ++resent;
       }
@@ -1455,7 +1488,7 @@ void Worker::watch_acks() {
       detail::log().warn(
           "group {}: {} commit message(s) without an acknowledgment for {} ms: sent again over "
           "the next NIC that is up",
-          group_, resent, config_.nic_timeout.count());
+          group_, resent, resend_after.count());
     }
   }
   for (Transfer* t : overdue) {

@@ -39,6 +39,20 @@ struct PeerQueue {
   Bytes owner;
   // The count of ops posted on this queue's NIC, towards any peer (DomainState::inflight).
   size_t* nic_inflight = nullptr;
+  // Isolation (docs/hardening.md, "One bad write"): work requests that failed in a way another
+  // one could have caused (the provider dropped the connection), posted again one at a time.
+  // While any is left, or the peer is being checked, nothing else is posted towards the peer.
+  std::deque<Op*> suspects;
+  Op* check = nullptr;  // the check (a zero-byte write to the peer's scratch buffer), if any
+  bool check_posted = false;
+  bool broken = false;  // the last failure may have broken the connection: reset it first
+  // Failing since (no lone post or check has completed since), and when to post next: the
+  // provider needs a moment to notice a dropped connection and connect afresh.
+  std::chrono::steady_clock::time_point failing_since;
+  std::chrono::steady_clock::time_point not_before;
+  std::chrono::microseconds backoff{0};
+
+  bool isolating() const { return !suspects.empty() || check != nullptr; }
 
   void link(Op& op) {
     op.queue = this;
@@ -264,6 +278,16 @@ class Worker {
   void retarget(Op& op, uint32_t to);
   void probe(uint32_t nic);
   void probe_done(Transfer& t);
+  // Isolation (isolation.cc).
+  bool isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error);
+  void make_ready(DomainState& d, PeerQueue& q);  // listed in d.ready, for post_some
+  void post_isolated(DomainState& d, PeerQueue& q);
+  void lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& status);
+  void check_peer(DomainState& d, PeerQueue& q);  // posts a check after the queue's backoff
+  void answered(PeerQueue& q);                    // the peer completed a lone post or a check
+  void check_done(Transfer& t);
+  // Fails the suspects of a queue (and a lone op waiting for its check) with `error`.
+  void fail_suspects(PeerQueue& q, const Status& error);
   void begin_stop();
   void finish_stop();
   void idle(bool active);

@@ -107,6 +107,11 @@ class Domain {
   // Drops a peer (declared dead): the handle becomes invalid and the next resolve_peer of its
   // name connects afresh.
   virtual void forget_peer(PeerHandle peer) = 0;
+  // Drops the provider's connection state for a live peer (after a failure that broke the
+  // connection), so that the next post towards it connects afresh; the handle stays valid.
+  // Called with nothing posted towards the peer. Transports with no connection state to drop
+  // need not override it.
+  virtual void reset_peer(PeerHandle /*peer*/) {}
 
   // Posting: kPosted (a completion will come for wr_id), kAgain (queue full: nothing posted,
   // retry after polling; not a failure), or kFailed (nothing posted, `error` says why).

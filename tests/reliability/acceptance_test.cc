@@ -43,6 +43,18 @@ Result<Pair> make_pair(const Backend& backend) {
   ASSERT_TRUE(var##_made) << var##_made.status().to_string();                      \
   Pair& var = *var##_made
 
+SingleWrite single(MemoryHandle src, uint64_t src_offset, const RemoteMemory& dst,
+                   uint64_t dst_offset, uint64_t length, std::optional<uint32_t> imm) {
+  SingleWrite w;
+  w.src = src;
+  w.src_offset = src_offset;
+  w.dst = dst;
+  w.dst_offset = dst_offset;
+  w.length = length;
+  w.imm = imm;
+  return w;
+}
+
 bool check_pattern(const std::byte* p, uint64_t n, uint64_t seed) {
   std::vector<std::byte> want(n);
   fill_pattern(want.data(), n, seed);
@@ -68,7 +80,7 @@ TEST_P(Acceptance, WriteAfterUnregisterReturnsNeverLands) {
       ASSERT_TRUE(reg) << reg.status().to_string();
       ASSERT_TRUE(p.b->unregister_memory(reg->handle));
       Probe probe;
-      auto id = p.a->submit(SingleWrite{src->reg.handle, 0, reg->descriptor, 0, size, kImm},
+      auto id = p.a->submit(single(src->reg.handle, 0, reg->descriptor, 0, size, kImm),
                             probe.callbacks());
       ASSERT_TRUE(id) << id.status().to_string();
       Status s = probe.wait(30s);
@@ -83,7 +95,7 @@ TEST_P(Acceptance, WriteAfterUnregisterReturnsNeverLands) {
   // The pair still works.
   auto dst = make_buffer(*p.b, 4096);
   Probe ok;
-  ASSERT_TRUE(p.a->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, 4096, kImm + 1},
+  ASSERT_TRUE(p.a->submit(single(src->reg.handle, 0, dst->reg.descriptor, 0, 4096, kImm + 1),
                           ok.callbacks()));
   EXPECT_TRUE(ok.wait(30s)) << rounds << " stale writes before";
   EXPECT_TRUE(check_pattern(dst->bytes.data(), 4096, 3));
@@ -92,6 +104,12 @@ TEST_P(Acceptance, WriteAfterUnregisterReturnsNeverLands) {
 // A peer streams writes into a region while its owner unregisters it: once unregister_memory()
 // returns, the memory does not change any more, whatever the writer still sends.
 TEST_P(Acceptance, UnregisterUnderAStreamOfWritesIsABarrier) {
+  if (GetParam().provider == "tcp") {
+    GTEST_SKIP() << "libfabric tcp checks a write's key once, when its first bytes arrive: a write "
+                    "already streaming in when the registration closes still finishes into the "
+                    "memory (docs/hardening.md, 'Unregister'); writes that start later are refused "
+                    "(WriteAfterUnregisterReturnsNeverLands)";
+  }
   PAIR_OR_SKIP(p);
   constexpr uint64_t kSize = 64 << 10;
   auto src = make_buffer(*p.a, kSize);
@@ -103,7 +121,7 @@ TEST_P(Acceptance, UnregisterUnderAStreamOfWritesIsABarrier) {
   Tally tally;
   std::thread writer([&] {
     for (int i = 0; i < 20000 && !stop.load(); ++i) {
-      auto id = p.a->submit(SingleWrite{src->reg.handle, 0, reg->descriptor, 0, kSize, 0},
+      auto id = p.a->submit(single(src->reg.handle, 0, reg->descriptor, 0, kSize, std::nullopt),
                             tally.callbacks());
       if (!id) break;
       if (i % 16 == 15) std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -119,7 +137,6 @@ TEST_P(Acceptance, UnregisterUnderAStreamOfWritesIsABarrier) {
   writer.join();
   EXPECT_TRUE(all_poison(memory)) << "memory changed after unregister_memory() returned";
   EXPECT_TRUE(all_poison(snapshot) || check_pattern(snapshot.data(), kSize, 11));
-  ASSERT_TRUE(tally.wait_total(tally.done() + tally.failed(), 1s));
   p.a->close();
   tally.seal();
   EXPECT_EQ(tally.twice(), 0);
@@ -130,49 +147,87 @@ TEST_P(Acceptance, UnregisterUnderAStreamOfWritesIsABarrier) {
   }
 }
 
-// One stale write among many valid ones to the same live peer: the valid ones all complete with
-// their data, and the stale one alone fails, as kRemoteAccess, every time.
-TEST_P(Acceptance, StaleWriteFailsAloneAndSparesTheOthers) {
-  PAIR_OR_SKIP(p);
+// One stale write among many valid ones to the same live peer: it fails alone, as
+// kRemoteAccess, every time; the valid ones complete with their data. Writes carrying a fabric
+// immediate cannot be re-sent safely when the provider drops the connection under them (the
+// first may have been counted), so without Config::reliable_imm they may fail instead, with an
+// error that says so, and are never counted twice; with it, all complete and count exactly.
+void stale_write_among_valid_ones(const Backend& backend, bool reliable_imm) {
+  Config config = make_config(backend);
+  config.reliable_imm = reliable_imm;
+  auto ea = TransferEngine::create(config);
+  if (!ea && ea.status().code() == ErrorCode::kUnsupported) {
+    GTEST_SKIP() << "provider not available: " << ea.status().to_string();
+  }
+  ASSERT_TRUE(ea) << ea.status().to_string();
+  auto eb = TransferEngine::create(config);
+  ASSERT_TRUE(eb) << eb.status().to_string();
+  TransferEngine& a = **ea;
+  TransferEngine& b = **eb;
   constexpr int kValid = 64;
   for (uint64_t size : {uint64_t{16} << 10, uint64_t{64} << 10, uint64_t{512} << 10}) {
-    auto src = make_buffer(*p.a, size);
-    fill_pattern(src->bytes.data(), size, static_cast<uint32_t>(size));
-    auto live = make_buffer(*p.b, size * kValid);
+    auto src = make_buffer(a, size);
+    fill_pattern(src->bytes.data(), size, size);
+    auto live = make_buffer(b, size * kValid);
     std::vector<std::byte> stale_memory(size, kPoison);
-    auto stale = p.b->register_memory(stale_memory.data(), size);
+    auto stale = b.register_memory(stale_memory.data(), size);
     ASSERT_TRUE(stale);
-    ASSERT_TRUE(p.b->unregister_memory(stale->handle));
-    const uint32_t imm = 7100 + static_cast<uint32_t>(size >> 10);
-    Tally valid;
+    ASSERT_TRUE(b.unregister_memory(stale->handle));
+    const uint32_t imm = 7100 + static_cast<uint32_t>(size >> 10) + (reliable_imm ? 1000 : 0);
+    Tally plain, with_imm;
     Probe bad;
     for (int i = 0; i < kValid; ++i) {
-      ASSERT_TRUE(p.a->submit(SingleWrite{src->reg.handle, 0, live->reg.descriptor,
-                                          static_cast<uint64_t>(i) * size, size, imm},
-                              valid.callbacks()));
+      // Even writes carry the immediate, odd ones do not.
+      const bool has_imm = i % 2 == 0;
+      ASSERT_TRUE(
+          a.submit(single(src->reg.handle, 0, live->reg.descriptor, static_cast<uint64_t>(i) * size,
+                          size, has_imm ? std::optional<uint32_t>(imm) : std::nullopt),
+                   has_imm ? with_imm.callbacks() : plain.callbacks()));
       if (i == kValid / 4) {
-        ASSERT_TRUE(p.a->submit(SingleWrite{src->reg.handle, 0, stale->descriptor, 0, size, imm},
-                                bad.callbacks()));
+        ASSERT_TRUE(
+            a.submit(single(src->reg.handle, 0, stale->descriptor, 0, size, imm), bad.callbacks()));
       }
     }
-    ASSERT_TRUE(valid.wait_total(kValid, 60s)) << valid.summary();
+    ASSERT_TRUE(plain.wait_total(kValid / 2, 60s)) << plain.summary();
+    ASSERT_TRUE(with_imm.wait_total(kValid / 2, 60s)) << with_imm.summary();
     Status s = bad.wait(30s);
-    EXPECT_EQ(valid.done(), kValid) << "size " << size << ": " << valid.summary();
     EXPECT_EQ(s.code(), ErrorCode::kRemoteAccess) << "size " << size << ": " << s.to_string();
     EXPECT_TRUE(all_poison(stale_memory));
+    EXPECT_EQ(plain.done(), kValid / 2) << "size " << size << ": " << plain.summary();
+    if (reliable_imm) {
+      EXPECT_EQ(with_imm.done(), kValid / 2) << "size " << size << ": " << with_imm.summary();
+    } else if (with_imm.failed() > 0) {
+      EXPECT_EQ(with_imm.codes()[ErrorCode::kPeerUnreachable], with_imm.failed())
+          << with_imm.summary();
+      EXPECT_NE(with_imm.first_error().message().find("may or may not have been counted"),
+                std::string::npos)
+          << with_imm.first_error().to_string();
+    }
+    // Every valid write's data is in place (those that failed had their data written again).
     for (int i = 0; i < kValid; ++i) {
-      ASSERT_TRUE(check_pattern(live->bytes.data() + static_cast<uint64_t>(i) * size, size,
-                                static_cast<uint32_t>(size)))
+      ASSERT_TRUE(check_pattern(live->bytes.data() + static_cast<uint64_t>(i) * size, size, size))
           << "write " << i << " of size " << size;
     }
-    EXPECT_TRUE(p.b->wait_imm(imm, kValid, 10s));
-    EXPECT_EQ(p.b->imm_count(imm), static_cast<uint64_t>(kValid));
+    // Immediates: every completed one counted, none twice, the stale one never.
+    const auto counted_at_least = static_cast<uint64_t>(with_imm.done());
+    EXPECT_TRUE(b.wait_imm(imm, counted_at_least, 10s));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_GE(b.imm_count(imm), counted_at_least);
+    EXPECT_LE(b.imm_count(imm), static_cast<uint64_t>(kValid / 2));
     // And the next write goes through.
     Probe next;
-    ASSERT_TRUE(p.a->submit(SingleWrite{src->reg.handle, 0, live->reg.descriptor, 0, size, 0},
-                            next.callbacks()));
+    ASSERT_TRUE(
+        a.submit(single(src->reg.handle, 0, live->reg.descriptor, 0, size, imm), next.callbacks()));
     EXPECT_TRUE(next.wait(30s)) << "size " << size;
   }
+}
+
+TEST_P(Acceptance, StaleWriteFailsAloneAndSparesTheOthers) {
+  stale_write_among_valid_ones(GetParam(), false);
+}
+
+TEST_P(Acceptance, StaleWriteFailsAloneAndSparesTheOthersWithReliableImmediates) {
+  stale_write_among_valid_ones(GetParam(), true);
 }
 
 // Four threads submit without pause; close() still returns within its bound, every submission
@@ -189,7 +244,7 @@ TEST_P(Acceptance, CloseIsNotStarvedBySubmittingThreads) {
     threads.emplace_back([&] {
       for (int i = 0; i < 2'000'000; ++i) {
         const bool after = closing.load();
-        auto id = p.a->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, 64, 0},
+        auto id = p.a->submit(single(src->reg.handle, 0, dst->reg.descriptor, 0, 64, std::nullopt),
                               tally.callbacks());
         if (id) {
           if (after) ++accepted_after;

@@ -60,6 +60,9 @@ TEST(ImmCounters, ErrorsNameTheProblem) {
             ErrorCode::kAlreadyExists);
   EXPECT_TRUE(c.cancel(1));
   EXPECT_EQ(c.cancel(1).code(), ErrorCode::kNotFound);
+  Status empty = c.expect(2, 1, nullptr, due);
+  EXPECT_EQ(empty.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(empty.message().find("callback is empty"), std::string::npos);
 }
 
 TEST(ImmCounters, CancelledExpectationNeverFires) {

@@ -26,6 +26,7 @@ class FaultDomain final : public Domain {
     return inner_->resolve_peer(name);
   }
   void forget_peer(PeerHandle peer) override { inner_->forget_peer(peer); }
+  void reset_peer(PeerHandle peer) override { inner_->reset_peer(peer); }
   PostResult post_write(const WriteRequest& req) override;
   PostResult post_send(const SendRequest& req) override { return inner_->post_send(req); }
   PostResult post_recv(const RecvRequest& req) override { return inner_->post_recv(req); }

@@ -96,9 +96,10 @@ void LfDomain::release_context(void* context) {
 PostResult LfDomain::post_write(const WriteRequest& req) {
   void* ctx = context_for(req.wr_id);
   // A zero-byte write still passes a valid buffer and descriptor: EFA requires one.
+  const fi_addr_t peer = fi_address(req.peer);
   ssize_t rc = req.has_imm ? fi_writedata(ep_.get(), req.local, req.length, req.local_desc, req.imm,
-                                          req.peer, req.remote_addr, req.remote_key, ctx)
-                           : fi_write(ep_.get(), req.local, req.length, req.local_desc, req.peer,
+                                          peer, req.remote_addr, req.remote_key, ctx)
+                           : fi_write(ep_.get(), req.local, req.length, req.local_desc, peer,
                                       req.remote_addr, req.remote_key, ctx);
   if (rc == 0) return PostResult::posted();
   release_context(ctx);
@@ -108,7 +109,7 @@ PostResult LfDomain::post_write(const WriteRequest& req) {
 
 PostResult LfDomain::post_send(const SendRequest& req) {
   void* ctx = context_for(req.wr_id);
-  ssize_t rc = fi_send(ep_.get(), req.local, req.length, req.local_desc, req.peer, ctx);
+  ssize_t rc = fi_send(ep_.get(), req.local, req.length, req.local_desc, fi_address(req.peer), ctx);
   if (rc == 0) return PostResult::posted();
   release_context(ctx);
   if (rc == -FI_EAGAIN) return PostResult::again();

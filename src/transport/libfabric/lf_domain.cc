@@ -339,14 +339,36 @@ Result<PeerHandle> LfDomain::resolve_peer(std::span<const std::byte> name) {
                               "vector (is it an address of this provider?)",
                               info_.name, name.size()));
   }
-  peers_.emplace(std::string(key), addr);
-  return static_cast<PeerHandle>(addr);
+  const PeerHandle handle = addrs_.size();
+  addrs_.push_back(addr);
+  peers_.emplace(std::string(key), handle);
+  return handle;
+}
+
+void LfDomain::reset_peer(PeerHandle peer) {
+  for (auto& [name, handle] : peers_) {
+    if (handle != peer) continue;
+    fi_addr_t addr = fi_address(peer);
+    if (int rc = fi_av_remove(av_.get(), &addr, 1, 0); rc != 0) {
+      detail::log().warn("'{}': fi_av_remove to reconnect a peer failed: {}", info_.name,
+                         fi_strerror(-rc));
+      return;
+    }
+    fi_addr_t fresh = FI_ADDR_UNSPEC;
+    if (fi_av_insert(av_.get(), name.data(), 1, &fresh, 0, nullptr) != 1) {
+      detail::log().warn("'{}': re-inserting a peer to reconnect it failed", info_.name);
+      return;  // posts towards it fail, and its transfers with them
+    }
+    addrs_[peer] = fresh;
+    return;
+  }
 }
 
 void LfDomain::forget_peer(PeerHandle peer) {
   for (auto it = peers_.begin(); it != peers_.end(); ++it) {
     if (it->second != peer) continue;
-    fi_addr_t addr = static_cast<fi_addr_t>(peer);
+    fi_addr_t addr = fi_address(peer);
+    addrs_[peer] = FI_ADDR_UNSPEC;
     int rc = fi_av_remove(av_.get(), &addr, 1, 0);
     if (rc != 0) {
       detail::log().warn("'{}': fi_av_remove of a dead peer failed: {}", info_.name,

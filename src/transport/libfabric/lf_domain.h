@@ -53,6 +53,7 @@ class LfDomain final : public Domain {
   Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override;
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
   void forget_peer(PeerHandle peer) override;
+  void reset_peer(PeerHandle peer) override;
 
   PostResult post_write(const WriteRequest& req) override;
   PostResult post_send(const SendRequest& req) override;
@@ -99,6 +100,11 @@ class LfDomain final : public Domain {
     size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
   };
   std::unordered_map<std::string, PeerHandle, NameHash, std::equal_to<>> peers_;
+  // A PeerHandle is an index into addrs_, never reused, so that reset_peer can move a peer to
+  // another address-vector entry under the same handle. A forgotten peer's entry is
+  // FI_ADDR_UNSPEC.
+  std::vector<fi_addr_t> addrs_;
+  fi_addr_t fi_address(PeerHandle peer) const { return addrs_[peer]; }
   std::vector<std::unique_ptr<ContextSlot>> free_contexts_;
   std::vector<fi_cq_data_entry> cq_buf_;
 };

@@ -1,0 +1,224 @@
+// Worker: isolation of one bad work request (docs/hardening.md, "One bad write").
+//
+// A provider may answer one bad write (a stale remote key: the region was unregistered) by
+// dropping the whole connection, so that every other work request in flight towards the same
+// peer fails too (libfabric tcp does). The innocent ones must not fail for it. So a work request
+// that fails with kRemoteAccess or kPeerUnreachable becomes a suspect: once nothing is in flight
+// towards the peer any more, the suspects are posted again one at a time (the provider
+// reconnects on the next post). Alone:
+//   - one that completes was innocent: it completes (data is idempotent; a message's receiver
+//     drops a second copy). A write that carried a fabric immediate is re-posted without it,
+//     since the first may have been counted before the connection dropped; it then fails with an
+//     error that says so (Config::reliable_imm makes immediates exact across such failures);
+//   - one that fails with kRemoteAccess is the bad one: it fails, alone;
+//   - one that fails otherwise may be the bad one or may have met a peer that is gone: a check
+//     (a zero-byte write to the peer's scratch buffer, whose key is known good) tells. If the
+//     check fails, the peer is unreachable and every suspect fails with that. If the check
+//     completes, the suspect is posted alone again, up to kLoneTries times, and then fails as
+//     kRemoteAccess: refused while the peer accepted other writes.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "common/log.h"
+#include "engine/plan.h"
+#include "engine/worker.h"
+
+namespace fabric::engine {
+
+namespace {
+
+constexpr uint8_t kLoneTries = 3;
+constexpr std::chrono::microseconds kFirstBackoff{1000};
+constexpr std::chrono::microseconds kMaxBackoff{100000};
+
+bool suspect_code(ErrorCode code) {
+  return code == ErrorCode::kPeerUnreachable || code == ErrorCode::kRemoteAccess;
+}
+
+}  // namespace
+
+void Worker::answered(PeerQueue& q) {
+  q.failing_since = now_;
+  q.backoff = kFirstBackoff;
+}
+
+void Worker::make_ready(DomainState& d, PeerQueue& q) {
+  if (q.ready) return;
+  q.ready = true;
+  d.ready.push_back(q.peer);
+}
+
+bool Worker::isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error) {
+  const Transfer& t = *op.transfer;
+  if (stopping_ || t.probe_nic >= 0 || t.check_nic >= 0 || !suspect_code(error.code())) {
+    return false;
+  }
+  if (!q.isolating()) {
+    q.failing_since = now_;
+    q.backoff = kFirstBackoff;
+    q.not_before = now_ + q.backoff;
+    detail::log().warn(
+        "group {}: a {} of {} bytes towards a peer on NIC '{}' failed ({}); posting the failed "
+        "work requests towards that peer again one at a time, to find the one at fault",
+        group_, op.kind == Op::Kind::kSend ? "message" : "write", op.length, d.domain->info().name,
+        error.message());
+  }
+  if (op.kind == Op::Kind::kWrite && op.has_imm) {
+    op.had_imm = true;
+    op.has_imm = false;
+  }
+  q.suspects.push_back(&op);
+  ++queued_;
+  q.broken = true;
+  make_ready(d, q);
+  return true;
+}
+
+void Worker::post_isolated(DomainState& d, PeerQueue& q) {
+  if (q.check_posted || q.inflight_count > 0 || now_ < q.not_before) return;
+  if (q.broken) {  // nothing is posted towards the peer now: connect afresh
+    d.domain->reset_peer(q.peer);
+    q.broken = false;
+  }
+  if (q.check != nullptr) {
+    auto r = post(d, *q.check, q.peer);
+    detail::log().debug("isolation: check post: {}", static_cast<int>(r.kind));
+    if (r.kind == transport::PostResult::Kind::kAgain) return;
+    if (r.kind == transport::PostResult::Kind::kPosted) {
+      q.check_posted = true;
+      q.link(*q.check);
+      ++posted_;
+    } else {
+      Op& check = *q.check;
+      complete_op(check, r.error);  // check_done runs: q may be gone from here on
+    }
+    return;
+  }
+  if (q.suspects.empty()) return;
+  Op& op = *q.suspects.front();
+  auto r = post(d, op, q.peer);
+  if (r.kind == transport::PostResult::Kind::kAgain) return;
+  q.suspects.pop_front();
+  --queued_;
+  detail::log().debug("isolation: lone post of {} bytes (try {}): {}", op.length, op.lone_tries + 1,
+                      static_cast<int>(r.kind));
+  if (r.kind == transport::PostResult::Kind::kPosted) {
+    op.lone = true;
+    ++op.lone_tries;
+    q.link(op);
+    ++posted_;
+  } else {
+    complete_op(op, r.error);
+  }
+}
+
+void Worker::lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& status) {
+  detail::log().debug("isolation: lone done: {}", status.to_string());
+  op.lone = false;
+  if (status.is_ok()) {
+    answered(q);
+    if (!op.had_imm) {
+      complete_op(op, status);
+      return;
+    }
+    complete_op(op, Status(ErrorCode::kPeerUnreachable,
+                           fmt::format("the connection to the peer on NIC '{}' dropped with this "
+                                       "write carrying immediate {} in flight (another write's "
+                                       "failure dropped it); its data was written again, but the "
+                                       "immediate may or may not have been counted, so it is not "
+                                       "sent again (Config::reliable_imm avoids this)",
+                                       d.domain->info().name, op.imm)));
+    return;
+  }
+  if (status.code() == ErrorCode::kRemoteAccess || !suspect_code(status.code()) || stopping_) {
+    complete_op(op, status);  // refused alone: this one is at fault
+    return;
+  }
+  // Failed alone, not as a refused key: bad key or unreachable peer? A check tells.
+  q.suspects.push_front(&op);
+  ++queued_;
+  check_peer(d, q);
+}
+
+void Worker::check_peer(DomainState& d, PeerQueue& q) {
+  const uint32_t nic = static_cast<uint32_t>(&d - domains_.data());
+  q.broken = true;
+  q.not_before = now_ + q.backoff;
+  q.backoff = std::min(q.backoff * 2, kMaxBackoff);
+  make_ready(d, q);
+  const Op& suspect = *q.suspects.front();
+  if (suspect.owner == nullptr) {
+    fail_suspects(q, Status(ErrorCode::kPeerUnreachable,
+                            "the connection to the peer dropped and the peer cannot be checked"));
+    return;
+  }
+  auto t = std::make_unique<Transfer>();
+  t->id = kInternalTransfer | next_internal_++;
+  t->check_nic = static_cast<int>(nic);
+  t->check_peer = q.peer;
+  t->peers.push_back(*suspect.owner);
+  const Address& owner = t->peers[0];
+  uint32_t rail = remote_rail(nic, owner.num_nics());
+  for (uint32_t i = 0; i < owner.num_nics(); ++i) {
+    if (owner.nics()[i].name == *suspect.peer) rail = i;
+  }
+  const NicAddress& peer = owner.nics()[rail];
+  Op& op = t->ops.emplace_back();
+  op.transfer = t.get();
+  op.domain = nic;
+  op.owner = &owner;
+  op.peer = &peer.name;
+  op.local = scratch_local(nic);
+  op.local_desc = scratch_desc(nic);
+  op.remote_addr = peer.scratch_addr;
+  op.remote_key = peer.scratch_key;
+  t->pending = 1;
+  q.check = &op;
+  q.check_posted = false;
+  live_.emplace(t->id, std::move(t));
+}
+
+void Worker::check_done(Transfer& t) {
+  detail::log().debug("isolation: check done: {}", t.error.to_string());
+  DomainState& d = domains_[static_cast<uint32_t>(t.check_nic)];
+  auto it = d.queues.find(t.check_peer);
+  if (it == d.queues.end()) return;  // the peer was declared dead meanwhile
+  PeerQueue& q = it->second;
+  q.check = nullptr;
+  q.check_posted = false;
+  if (q.suspects.empty()) return;
+  if (!t.error.is_ok()) {
+    if (now_ - q.failing_since < config_.peer_timeout && !stopping_) {
+      check_peer(d, q);  // again, a little later
+      return;
+    }
+    fail_suspects(q, Status(ErrorCode::kPeerUnreachable,
+                            fmt::format("the connection to the peer on NIC '{}' dropped, and "
+                                        "writes to the peer kept failing for {} ms, checks "
+                                        "included: {}",
+                                        d.domain->info().name, config_.peer_timeout.count(),
+                                        t.error.message())));
+    return;
+  }
+  answered(q);
+  make_ready(d, q);
+  Op& op = *q.suspects.front();
+  if (op.lone_tries < kLoneTries) return;  // posted alone once more
+  q.suspects.pop_front();
+  --queued_;
+  complete_op(op, Status(ErrorCode::kRemoteAccess,
+                         fmt::format("the peer on NIC '{}' refused this write {} times when it "
+                                     "was posted alone, while it accepted a check write (was "
+                                     "the target region unregistered?)",
+                                     d.domain->info().name, op.lone_tries)));
+}
+
+void Worker::fail_suspects(PeerQueue& q, const Status& error) {
+  std::vector<Op*> ops(q.suspects.begin(), q.suspects.end());
+  queued_ -= ops.size();
+  q.suspects.clear();
+  for (Op* op : ops) complete_op(*op, error);
+}
+
+}  // namespace fabric::engine
