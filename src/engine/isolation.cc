@@ -68,6 +68,9 @@ bool Worker::isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error) 
     op.had_imm = true;
     op.has_imm = false;
   }
+  // A message's registered buffer goes back to the pool while it waits (others' messages need
+  // it); posting it again takes a buffer afresh.
+  release_send_slot(op);
   q.suspects.push_back(&op);
   ++queued_;
   q.broken = true;
@@ -83,7 +86,6 @@ void Worker::post_isolated(DomainState& d, PeerQueue& q) {
   }
   if (q.check != nullptr) {
     auto r = post(d, *q.check, q.peer);
-    detail::log().debug("isolation: check post: {}", static_cast<int>(r.kind));
     if (r.kind == transport::PostResult::Kind::kAgain) return;
     if (r.kind == transport::PostResult::Kind::kPosted) {
       q.check_posted = true;
@@ -101,8 +103,6 @@ void Worker::post_isolated(DomainState& d, PeerQueue& q) {
   if (r.kind == transport::PostResult::Kind::kAgain) return;
   q.suspects.pop_front();
   --queued_;
-  detail::log().debug("isolation: lone post of {} bytes (try {}): {}", op.length, op.lone_tries + 1,
-                      static_cast<int>(r.kind));
   if (r.kind == transport::PostResult::Kind::kPosted) {
     op.lone = true;
     ++op.lone_tries;
@@ -114,7 +114,6 @@ void Worker::post_isolated(DomainState& d, PeerQueue& q) {
 }
 
 void Worker::lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& status) {
-  detail::log().debug("isolation: lone done: {}", status.to_string());
   op.lone = false;
   if (status.is_ok()) {
     answered(q);
@@ -136,6 +135,7 @@ void Worker::lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& statu
     return;
   }
   // Failed alone, not as a refused key: bad key or unreachable peer? A check tells.
+  release_send_slot(op);
   q.suspects.push_front(&op);
   ++queued_;
   check_peer(d, q);
@@ -180,7 +180,6 @@ void Worker::check_peer(DomainState& d, PeerQueue& q) {
 }
 
 void Worker::check_done(Transfer& t) {
-  detail::log().debug("isolation: check done: {}", t.error.to_string());
   DomainState& d = domains_[static_cast<uint32_t>(t.check_nic)];
   auto it = d.queues.find(t.check_peer);
   if (it == d.queues.end()) return;  // the peer was declared dead meanwhile
@@ -215,9 +214,12 @@ void Worker::check_done(Transfer& t) {
 }
 
 void Worker::fail_suspects(PeerQueue& q, const Status& error) {
+  // The work queued behind the suspects goes the same way: the peer is unreachable.
   std::vector<Op*> ops(q.suspects.begin(), q.suspects.end());
+  ops.insert(ops.end(), q.ops.begin(), q.ops.end());
   queued_ -= ops.size();
   q.suspects.clear();
+  q.ops.clear();
   for (Op* op : ops) complete_op(*op, error);
 }
 

@@ -653,7 +653,7 @@ void Worker::watch_peers() {
     std::vector<PeerQueue*> dead;
     for (auto& [peer, q] : d.queues) {
       // Busy (work queued or posted) and no completion since peer_timeout: dead.
-      const bool busy = q.inflight_count > 0 || !q.ops.empty();
+      const bool busy = q.inflight_count > 0 || !q.ops.empty() || q.isolating();
       if (!busy || now - q.last_progress <= config_.peer_timeout) continue;
       if (q.inflight_count == 0 && stalled_inflight) {
         q.last_progress = now;
@@ -669,9 +669,11 @@ void Worker::declare_dead(DomainState& d, PeerQueue& q) {
   const Status error(
       ErrorCode::kPeerUnreachable,
       fmt::format("no completion from the peer on NIC '{}' for {} ms with {} work requests "
-                  "posted and {} queued; the peer is considered dead",
+                  "posted and {} queued ({} being retried one at a time{}); the peer is "
+                  "considered dead",
                   d.domain->info().name, config_.peer_timeout.count(), q.inflight_count,
-                  q.ops.size()));
+                  q.ops.size() + q.suspects.size(), q.suspects.size(),
+                  q.check != nullptr ? ", a check pending" : ""));
   detail::log().warn("group {}: {}", group_, error.message());
   const transport::PeerHandle peer = q.peer;
   std::vector<Op*> unposted(q.ops.begin(), q.ops.end());
@@ -1467,9 +1469,8 @@ void Worker::watch_acks() {
   // dead link, or lost with a connection the provider dropped after it reported the send
   // complete, so a copy goes over the next NIC that is up (the same one when it is the only
   // one). The owner counts it once.
-  const auto resend_after = failover_active()
-                                ? config_.nic_timeout
-                                : std::chrono::milliseconds(config_.peer_timeout / 4);
+  const auto resend_after =
+      failover_active() ? config_.nic_timeout : std::chrono::milliseconds(config_.peer_timeout / 4);
   {
     size_t resent = 0;
     for (TransferId id : waiting) {

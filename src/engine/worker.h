@@ -286,7 +286,7 @@ class Worker {
   void check_peer(DomainState& d, PeerQueue& q);  // posts a check after the queue's backoff
   void answered(PeerQueue& q);                    // the peer completed a lone post or a check
   void check_done(Transfer& t);
-  // Fails the suspects of a queue (and a lone op waiting for its check) with `error`.
+  // Fails the suspects of a queue and the work queued behind them with `error`.
   void fail_suspects(PeerQueue& q, const Status& error);
   void begin_stop();
   void finish_stop();

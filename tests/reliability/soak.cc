@@ -14,7 +14,19 @@
 // --seconds, whichever comes first, prints the accounting table, and exits non-zero if
 // anything was lost, duplicated, corrupted or failed unexpectedly.
 //
+// --chaos S adds a phase of S seconds after that: for its first half both receivers unregister
+// their region and register it again every few milliseconds under the traffic (the sender
+// picks up each new descriptor as it appears; writes to the old keys fail with RemoteAccess);
+// then receiver 1 is killed with SIGKILL in the middle of a round, and rounds go on for the
+// second half (transfers to it fail with PeerUnreachable). The accounting stays the same: every
+// transfer reported done has its bytes in place and its immediates counted exactly once (the
+// receivers' memory and counts outlive them, in the shared memory); failures are allowed only
+// with the injected error, RemoteAccess (a stale key), or PeerUnreachable (a dropped connection,
+// a killed peer), and a failed transfer's immediates are never counted more than it carried.
+//
 //   fabric_soak [--provider tcp|shm] [--transfers N] [--seconds S] [--fail-every K] [--seed X]
+//               [--chaos S]
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -44,6 +56,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr int kReceivers = 2;
+constexpr int kVictim = 1;  // the receiver the chaos phase kills
 constexpr uint64_t kReceiverBytes = 32 << 20;
 constexpr uint64_t kSourceBytes = 16 << 20;
 // Every transfer has its own immediate value and message number, never reused in a run, so
@@ -59,6 +72,10 @@ struct Shared {
   std::atomic<uint32_t> failed;  // the receiver could not start (message in `error`)
   char error[512];
   char address[4096];  // hex, NUL-terminated
+  // The region's descriptor (hex), under a sequence lock: odd while the receiver rewrites it.
+  std::atomic<uint32_t> memory_gen;
+  std::atomic<uint32_t> churn;  // chaos: unregister and register again, over and over
+  std::atomic<uint64_t> churned;
   char memory[8192];
   std::atomic<uint64_t> corrupt_messages;
   std::atomic<uint32_t> imms[kMaxTransfers];  // arrivals per immediate (= transfer number)
@@ -130,9 +147,28 @@ int run_receiver(int fd, const std::string& provider, uint64_t seed) {
   });
   if (!s) return fail(s);
   std::snprintf(sh->address, sizeof(sh->address), "%s", engine.address().to_hex().c_str());
-  std::snprintf(sh->memory, sizeof(sh->memory), "%s", reg->descriptor.to_hex().c_str());
+  auto publish = [sh](const RemoteMemory& m) {
+    sh->memory_gen.fetch_add(1);  // odd: being written
+    std::snprintf(sh->memory, sizeof(sh->memory), "%s", m.to_hex().c_str());
+    sh->memory_gen.fetch_add(1);
+  };
+  publish(reg->descriptor);
   sh->ready.store(1);
-  while (sh->stop.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::mt19937_64 rng(seed);
+  MemoryHandle handle = reg->handle;
+  while (sh->stop.load() == 0) {
+    if (sh->churn.load() == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5 + rng() % 25));
+    if (Status u = engine.unregister_memory(handle); !u) return fail(u);
+    auto again = engine.register_memory(sh->buffer, kReceiverBytes);
+    if (!again) return fail(again.status());
+    handle = again->handle;
+    publish(again->descriptor);
+    sh->churned.fetch_add(1);
+  }
   engine.close();
   return 0;
 }
@@ -156,12 +192,17 @@ struct Record {
   uint64_t arrivals[kReceivers];  // immediates it carries to each receiver
   std::vector<Piece> pieces;
   int msg_receiver = -1;
+  bool after_kill = false;  // submitted in the chaos phase's second half (receiver 1 killed)
   enum class State { kPending, kDone, kFailed } state = State::kPending;
   Status error;
 };
 
 struct Totals {
   uint64_t submitted = 0, done = 0, failed_injected = 0, failed_other = 0, rejected = 0;
+  uint64_t failed_stale = 0, failed_unreachable = 0, reregistrations = 0;
+  // Done towards the killed receiver, its count or message never seen: the bytes reached its
+  // receive buffer (the transport's part) but the process died before its handler ran.
+  uint64_t unconfirmed_killed = 0;
   uint64_t bytes_verified = 0, imms_expected = 0, imms_counted = 0, imms_from_failed = 0;
   uint64_t messages_expected = 0, messages_counted = 0;
   uint64_t lost = 0, duplicated = 0, corrupted = 0;
@@ -174,12 +215,13 @@ struct Options {
   double seconds = 60;
   uint64_t fail_every = 997;
   uint64_t seed = 1;
+  double chaos = 0;  // seconds of the chaos phase (unregister churn, then a killed receiver)
 };
 
 class Sender {
  public:
-  Sender(const Options& o, TransferEngine& e, Shared* const* sh)
-      : o_(o), e_(e), sh_(sh), rng_(o.seed) {}
+  Sender(const Options& o, TransferEngine& e, Shared* const* sh, pid_t victim)
+      : o_(o), e_(e), sh_(sh), victim_(victim), rng_(o.seed) {}
 
   bool setup() {
     src_.resize(kSourceBytes);
@@ -193,10 +235,9 @@ class Sender {
     std::vector<Address> members;
     for (int r = 0; r < kReceivers; ++r) {
       auto a = Address::from_hex(sh_[r]->address);
-      auto m = RemoteMemory::from_hex(sh_[r]->memory);
-      if (!a || !m) return complain(a ? m.status() : a.status());
+      if (!a) return complain(a.status());
+      if (!refresh(r)) return false;
       addr_[r] = *a;
-      mem_[r] = *m;
       members.push_back(*a);
       std::memset(sh_[r]->buffer, static_cast<int>(kPoison), kReceiverBytes);
     }
@@ -213,6 +254,7 @@ class Sender {
     while (t_.submitted < limit && Clock::now() < until) {
       round(static_cast<uint32_t>(std::min<uint64_t>(kRound, limit - t_.submitted)));
     }
+    if (o_.chaos > 0) chaos();
     settle();
     seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
     return t_;
@@ -220,6 +262,46 @@ class Sender {
   double seconds() const { return seconds_; }
 
  private:
+  // Picks up receiver r's descriptor when it changed (sequence lock; the receiver rewrites it
+  // after each unregister and register).
+  bool refresh(int r) {
+    const uint32_t gen = sh_[r]->memory_gen.load();
+    if (gen == mem_gen_[r] || gen % 2 == 1) return true;
+    std::string hex(sh_[r]->memory);
+    if (sh_[r]->memory_gen.load() != gen) return true;  // rewritten meanwhile: next time
+    auto m = RemoteMemory::from_hex(hex);
+    if (!m) return complain(m.status());
+    mem_[r] = *m;
+    mem_gen_[r] = gen;
+    return true;
+  }
+
+  // The chaos phase: unregister churn for the first half, then receiver 1 killed mid-round.
+  void chaos() {
+    chaos_ = true;
+    const auto half = std::chrono::duration<double>(o_.chaos / 2);
+    const uint64_t limit = kMaxTransfers - kRound - 1;
+    for (int r = 0; r < kReceivers; ++r) sh_[r]->churn.store(1);
+    for (auto until = Clock::now() + half; Clock::now() < until && next_ < limit;) {
+      round(kRound);
+    }
+    for (int r = 0; r < kReceivers; ++r) {
+      sh_[r]->churn.store(0);
+      t_.reregistrations += sh_[r]->churned.load();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the last churn settles
+    for (int r = 0; r < kReceivers; ++r) refresh(r);
+    killed_ = true;
+    std::thread killer([this] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20 + pick(0, 80)));
+      ::kill(victim_, SIGKILL);
+    });
+    for (auto until = Clock::now() + half; Clock::now() < until && next_ < limit;) {
+      round(kRound);
+    }
+    killer.join();
+  }
+
   bool complain(const Status& s) {
     std::fprintf(stderr, "fabric_soak: %s\n", s.to_string().c_str());
     return false;
@@ -289,7 +371,14 @@ class Sender {
     {
       std::unique_lock l(wait.mu);
       if (!wait.cv.wait_for(l, std::chrono::seconds(120), [&] { return wait.left == 0; })) {
-        std::fprintf(stderr, "fabric_soak: %u transfers never completed\n", wait.left);
+        std::fprintf(stderr, "fabric_soak: %u transfers never completed%s:", wait.left,
+                     chaos_ ? " (chaos phase)" : "");
+        for (const Record& rec : recs) {
+          if (rec.state == Record::State::kPending) {
+            std::fprintf(stderr, " %u (%s)", rec.imm, kKindNames[static_cast<int>(rec.kind)]);
+          }
+        }
+        std::fprintf(stderr, "\n");
         t_.lost += wait.left;
         std::abort();  // the records are referenced by callbacks that may still run
       }
@@ -298,7 +387,13 @@ class Sender {
   }
 
   Status submit(Record& rec, Callbacks cb) {
-    rec.kind = static_cast<Kind>(pick(0, static_cast<int>(Kind::kCount) - 1));
+    if (chaos_) {
+      for (int r = 0; r < kReceivers; ++r) refresh(r);
+    }
+    rec.after_kill = killed_;
+    // The chaos phase sends no messages: on libfabric tcp a message reported sent can still be
+    // lost when the connection drops under it (docs/hardening.md, "What is not done").
+    rec.kind = static_cast<Kind>(pick(0, static_cast<int>(Kind::kCount) - (chaos_ ? 2 : 1)));
     const int r = static_cast<int>(pick(0, kReceivers - 1));
     switch (rec.kind) {
       case Kind::kSingle:
@@ -409,9 +504,12 @@ class Sender {
         ++t_.done;
         for (int r = 0; r < kReceivers; ++r) {
           const uint64_t got = sh_[r]->imms[rec.imm].load();
-          t_.imms_expected += rec.arrivals[r];
+          const bool killed = rec.after_kill && r == kVictim;
+          t_.imms_expected += killed ? got : rec.arrivals[r];
           t_.imms_counted += got;
-          if (got < rec.arrivals[r]) t_.lost += rec.arrivals[r] - got;
+          if (got < rec.arrivals[r]) {
+            (killed ? t_.unconfirmed_killed : t_.lost) += rec.arrivals[r] - got;
+          }
           if (got > rec.arrivals[r]) t_.duplicated += got - rec.arrivals[r];
         }
         for (const Piece& p : rec.pieces) {
@@ -427,9 +525,10 @@ class Sender {
         }
         if (rec.msg_receiver >= 0) {
           const uint64_t got = sh_[rec.msg_receiver]->msgs[rec.imm].load();
-          ++t_.messages_expected;
+          const bool killed = rec.after_kill && rec.msg_receiver == kVictim;
+          if (!killed || got > 0) ++t_.messages_expected;
           t_.messages_counted += got;
-          if (got == 0) ++t_.lost;
+          if (got == 0) ++(killed ? t_.unconfirmed_killed : t_.lost);
           if (got > 1) t_.duplicated += got - 1;
         }
       } else {
@@ -437,6 +536,10 @@ class Sender {
                               rec.error.message().find("injected") != std::string::npos;
         if (injected) {
           ++t_.failed_injected;
+        } else if (chaos_ && rec.error.code() == ErrorCode::kRemoteAccess) {
+          ++t_.failed_stale;  // written with a descriptor its owner had unregistered
+        } else if (chaos_ && rec.error.code() == ErrorCode::kPeerUnreachable) {
+          ++t_.failed_unreachable;  // a dropped connection, or the killed receiver
         } else if (rec.error.code() != ErrorCode::kOk) {
           ++t_.failed_other;
           std::fprintf(stderr, "fabric_soak: transfer %u (%s) failed: %s\n", rec.imm,
@@ -485,6 +588,10 @@ class Sender {
   const Options& o_;
   TransferEngine& e_;
   Shared* const* sh_;
+  pid_t victim_;
+  bool chaos_ = false;
+  bool killed_ = false;
+  uint32_t mem_gen_[kReceivers] = {};
   std::mt19937_64 rng_;
   std::vector<std::byte> src_;
   MemoryHandle src_handle_;
@@ -510,6 +617,12 @@ void print_table(const Options& o, const Totals& t, double seconds) {
   }
   row("completed", t.done);
   row("failed as injected", t.failed_injected);
+  row("chaos: regions unregistered and registered again", t.reregistrations);
+  row("chaos: failed on a stale key (RemoteAccess)", t.failed_stale);
+  row("chaos: failed on a dropped connection or killed peer (PeerUnreachable)",
+      t.failed_unreachable);
+  row("chaos: done towards the killed receiver, not seen by its handler before it died",
+      t.unconfirmed_killed);
   row("failed otherwise", t.failed_other);
   row("rejected at submission", t.rejected);
   row("bytes verified", t.bytes_verified);
@@ -567,6 +680,8 @@ int run_sender(const Options& o, const char* self) {
   }
 
   Config config = soak_config(o.provider, o.seed);
+  // Chaos: a killed receiver's transfers fail within this, and each round waits for them.
+  if (o.chaos > 0) config.peer_timeout = std::chrono::milliseconds(2000);
   const uint64_t every = o.fail_every;
   if (every > 0) config.faults.fail_write = [every](uint64_t seq) { return seq % every == 7; };
   int rc = 0;
@@ -577,17 +692,32 @@ int run_sender(const Options& o, const char* self) {
       stop_receivers();
       return 2;
     }
-    Sender sender(o, **created, sh);
+    Sender sender(o, **created, sh, pids[1]);
     if (!sender.setup()) {
       stop_receivers();
       return 2;
     }
     const Totals t = sender.run();
     print_table(o, t, sender.seconds());
+    int receiver_errors = 0;
+    for (int r = 0; r < kReceivers; ++r) {
+      if (sh[r]->failed.load() != 0) {
+        std::fprintf(stderr, "fabric_soak: receiver %d failed: %s\n", r, sh[r]->error);
+        ++receiver_errors;
+      }
+    }
+    const bool chaos_ran = o.chaos <= 0 || (t.reregistrations > 0 && t.failed_unreachable > 0);
+    if (!chaos_ran) {
+      std::fprintf(stderr,
+                   "fabric_soak: the chaos phase did not bite (%" PRIu64
+                   " re-registrations, %" PRIu64 " transfers failed towards the killed receiver)\n",
+                   t.reregistrations, t.failed_unreachable);
+    }
     const bool clean =
-        t.lost == 0 && t.duplicated == 0 && t.corrupted == 0 && t.failed_other == 0 &&
-        t.rejected == 0 && t.imms_expected == t.imms_counted &&
-        t.messages_expected == t.messages_counted && t.done + t.failed_injected == t.submitted &&
+        chaos_ran && t.lost == 0 && t.duplicated == 0 && t.corrupted == 0 && t.failed_other == 0 &&
+        t.rejected == 0 && receiver_errors == 0 && t.imms_expected == t.imms_counted &&
+        t.messages_expected == t.messages_counted &&
+        t.done + t.failed_injected + t.failed_stale + t.failed_unreachable == t.submitted &&
         (every == 0 || t.submitted < 10 * every || t.failed_injected > 0);
     std::printf("\n%s\n", clean ? "soak: nothing lost, duplicated or corrupted"
                                 : "soak: FAILED (see the table and the messages above)");
@@ -618,10 +748,12 @@ int main(int argc, char** argv) {
       o.fail_every = std::stoull(argv[++i]);
     } else if (a == "--seed" && has_value) {
       o.seed = std::stoull(argv[++i]);
+    } else if (a == "--chaos" && has_value) {
+      o.chaos = std::stod(argv[++i]);
     } else {
       std::fprintf(stderr,
                    "usage: fabric_soak [--provider tcp|shm] [--transfers N (at most %" PRIu64
-                   ")] [--seconds S] [--fail-every K (0: none)] [--seed X]\n",
+                   ")] [--seconds S] [--fail-every K (0: none)] [--seed X] [--chaos S]\n",
                    kMaxTransfers - 1);
       return 2;
     }
