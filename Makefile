@@ -3,9 +3,11 @@
 #   make deps    install the Debian packages the build needs (idempotent, quiet when present)
 #   make build   configure and build; binaries land in build/bin/
 #   make run     loopback demonstration: two processes, verified writes, throughput per op
-#   make test    everything CI runs: format check, unit + conformance tests (with the verbs
-#                backend on Soft-RoCE in a qemu guest: ctest -L rxe), Python tests, ASan+UBSan,
-#                TSan
+#   make test    everything CI runs, stage by stage (TEST_STAGES), printing each stage's time:
+#                format check, the default build and its tests (unit, conformance, reliability,
+#                kv, netlab, the verbs backend on Soft-RoCE in a qemu guest: ctest -L rxe, the
+#                installed copy: -L consumer, the docs: -L docs), Python tests, the fuzz
+#                targets, ASan+UBSan and TSan (each building only what SANITIZER_LABELS need)
 #   make test-python  the fabric_lib Python module's pytest suite (Debian's /usr/bin/python3)
 #   make bench   the full benchmark over tcp and shm, with its baselines (UCX, iperf3, raw
 #                libfabric): tables on stdout, bench/results/<provider>.{json,md,png}
@@ -17,6 +19,9 @@
 #   make soak    the long soak with accounting (docs/hardening.md): >= 10^6 transfers
 #   make demo-kv the disaggregated KV-cache demonstration (examples/disagg_kv): a router,
 #                prefill and decode processes and a private etcd on this machine; a table
+#   make docs-api  the API reference from the public headers (Doxygen): build/docs-api/html
+#   make install PREFIX=DIR  cmake --install of the default build (headers, libraries, the CMake
+#                package fabric, fabric.pc)
 #   make format  apply .clang-format to every source file
 
 SHELL := /bin/bash
@@ -27,7 +32,8 @@ DEB_PACKAGES := cmake ninja-build g++ pkg-config make \
   libfabric-dev libfabric-bin libhwloc-dev hwloc libfmt-dev libspdlog-dev libcli11-dev \
   libgtest-dev googletest clang-format iproute2 libibverbs-dev ibverbs-providers rdma-core \
   pybind11-dev python3-dev python3-pip python3-pytest python3-pytest-timeout python3-numpy \
-  python3-torch etcd-server libcurl4-openssl-dev nlohmann-json3-dev
+  python3-torch etcd-server libcurl4-openssl-dev nlohmann-json3-dev python3-prometheus-client \
+  doxygen
 # Only `make bench` installs these: the baselines fabric-bench compares with (ucx_perftest,
 # iperf3, run in a private network namespace made with unshare and ip) and the plot.
 BENCH_PACKAGES := ucx-utils iperf3 python3-matplotlib iproute2 util-linux
@@ -48,8 +54,20 @@ CTEST_ARGS ?= --output-on-failure --timeout 600
 PYTHON := /usr/bin/python3
 PYTEST_ARGS ?= -q -rs
 
-.PHONY: deps build run test test-default test-python test-asan test-tsan bench bench-deps format \
-  check-format clean bench-netlab test-fuzz fuzz-long fuzz-build soak demo-kv
+# make test's stages, in order; each one's time is printed, and all of them at the end.
+TEST_STAGES := deps check-format build test-default test-python fuzz-build test-fuzz build-asan \
+  test-asan build-tsan test-tsan
+# The sanitizer builds run these labels and build only their tests' targets (gpu and verbs need
+# hardware CI lacks, and sanitizer builds have no CUDA; they run in the default build).
+SANITIZER_LABELS := ^(unit|conformance|reliability|kv|netlab)$$
+SANITIZER_TARGETS := fabric_unit_tests fabric_conformance_tests fabric_test_peer \
+  fabric_reliability_tests fabric_bad_input_tests fabric_soak fabric_kv_tests \
+  fabric_kv_test_peer fabric_netlab_tests
+PREFIX ?= /usr/local
+
+.PHONY: deps build run test test-default test-python test-asan test-tsan build-asan build-tsan \
+  bench bench-deps format check-format clean bench-netlab test-fuzz fuzz-long fuzz-build soak \
+  demo-kv docs-api install
 
 deps:
 	@missing=()
@@ -76,8 +94,27 @@ run: build
 	echo "== loopback demonstration over libfabric shm =="
 	./build/bin/fabric-bench --provider shm --nic shm --quick
 
-test: deps check-format test-default test-python test-fuzz test-asan test-tsan
-	@echo "all test suites passed"
+test:
+	@times=()
+	report() {
+	  echo "== stage times (s, wall clock) =="
+	  for t in "$${times[@]}"; do echo "  $$t"; done
+	}
+	all_start=$$(date +%s)
+	for stage in $(TEST_STAGES); do
+	  echo "== stage $$stage =="
+	  start=$$(date +%s)
+	  if ! $(MAKE) --no-print-directory $$stage; then
+	    times+=("$$(printf '%-13s %6d  FAILED' $$stage $$(( $$(date +%s) - start )))")
+	    report
+	    exit 1
+	  fi
+	  times+=("$$(printf '%-13s %6d' $$stage $$(( $$(date +%s) - start )))")
+	  echo "== stage $$stage: $$(( $$(date +%s) - start )) s"
+	done
+	times+=("$$(printf '%-13s %6d' total $$(( $$(date +%s) - all_start )))")
+	report
+	echo "all test suites passed"
 
 test-default: build
 	@ctest --preset default $(CTEST_ARGS)
@@ -89,17 +126,28 @@ test-python: build
 	fi
 	PYTHONPATH=$(CURDIR)/build/python $(PYTHON) -m pytest $(PYTEST_ARGS) tests/python
 
-test-asan: deps
+build-asan: deps
 	@cmake --preset asan >/dev/null
-	cmake --build --preset asan
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  ctest --preset asan $(CTEST_ARGS)
+	cmake --build --preset asan --target $(SANITIZER_TARGETS)
 
-test-tsan: deps
+test-asan: build-asan
+	@ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ctest --preset asan -L '$(SANITIZER_LABELS)' $(CTEST_ARGS)
+
+build-tsan: deps
 	@cmake --preset tsan >/dev/null
-	cmake --build --preset tsan
-	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/tests/tsan.supp" \
-	  ctest --preset tsan $(CTEST_ARGS)
+	cmake --build --preset tsan --target $(SANITIZER_TARGETS)
+
+test-tsan: build-tsan
+	@TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/tests/tsan.supp" \
+	  ctest --preset tsan -L '$(SANITIZER_LABELS)' $(CTEST_ARGS)
+
+docs-api: deps
+	@mkdir -p build
+	tests/docs/run_doxygen.sh $(CURDIR) $(CURDIR)/build/docs-api
+
+install: build
+	@cmake --install build --prefix $(PREFIX)
 
 # The fuzz build configures only when clang with libFuzzer is present (installed here when
 # missing); elsewhere it is skipped with its reason.

@@ -32,10 +32,10 @@
 #include <fstream>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "baselines.h"
+#include "fabric/discovery.h"
 #include "fabric/fabric.h"
 #include "harness.h"
 #include "ops.h"
@@ -102,8 +102,7 @@ Result<Config> engine_config(const Options& o) {
   if (o.nics_given) {
     c.groups[0].nics = o.nics;
   } else if (std::getenv("FABRIC_NICS") == nullptr) {
-    if (c.provider == "tcp") c.groups[0].nics = {"lo"};
-    if (c.provider == "shm") c.groups[0].nics = {"shm"};
+    c.groups[0].nics = fabric::default_nics(c.provider);
   }
   if (o.nic_copies > 1 && !c.groups[0].nics.empty()) {
     const std::string first = c.groups[0].nics[0];
@@ -448,7 +447,18 @@ int run_client(const Options& o, const std::string& command) {
   run.nics = fmt::format("{}", fmt::join(info.nics, ","));
   run.command = command;
   run.date = now_text();
-  run.cpus = std::thread::hardware_concurrency();
+  // The machine as fabric-info describes it (fabric/discovery.h), and where our NICs sit.
+  const fabric::MachineInfo machine = fabric::discover();
+  run.cpus = static_cast<unsigned>(machine.allowed_cpus.size());
+  run.machine_json = fabric::to_json(machine);
+  for (const std::string& nic : info.nics) {
+    for (const fabric::NicInfo& n : machine.nics) {
+      if (n.name != nic) continue;
+      run.notes.push_back(fmt::format("NIC {}: PCI {}, NUMA node {}", nic,
+                                      n.pci.empty() ? "-" : n.pci,
+                                      n.numa_node < 0 ? "-" : std::to_string(n.numa_node)));
+    }
+  }
   run.budget = budget;
   run.iters = iters;
   run.warmup = warmup;
@@ -601,10 +611,18 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "seed of the data pattern and the page choice")
       ->capture_default_str();
   app.add_flag("--server", o.server, "internal: run as a peer of a client")->group("");
+  bool machine_only = false;
+  app.add_flag("--machine", machine_only,
+               "print the machine as the results' \"machine\" key records it (fabric-info "
+               "--json --no-engine) and exit");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;  // --help is not an error
+  }
+  if (machine_only) {
+    std::printf("%s\n", fabric::to_json(fabric::discover()).c_str());
+    return 0;
   }
   o.provider_given = app.count("--provider") > 0;
   o.nics_given = app.count("--nic") > 0;

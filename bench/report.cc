@@ -1,10 +1,11 @@
 #include "report.h"
-#include "common/json.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
+#include <nlohmann/json.hpp>
+#include <string_view>
 
 namespace fabric::bench {
 
@@ -73,7 +74,11 @@ std::string verified(const RowReport& r) {
   return r.error.empty() ? "yes" : "FAILED";
 }
 
-using fabric::detail::json_string;
+// `s` as a JSON string literal, quotes included.
+std::string json_string(std::string_view s) {
+  return nlohmann::json(std::string(s))
+      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
 
 std::string json_num(double v) {
   if (std::isnan(v) || std::isinf(v)) return "null";
@@ -292,6 +297,7 @@ std::string render_json(const RunInfo& info, const std::vector<RowReport>& rows)
   out += fmt::format("  \"nics\": {},\n", json_string(info.nics));
   out += fmt::format("  \"date\": {},\n", json_string(info.date));
   out += fmt::format("  \"command\": {},\n", json_string(info.command));
+  if (!info.machine_json.empty()) out += fmt::format("  \"machine\": {},\n", info.machine_json);
   out += fmt::format(
       "  \"settings\": {{\"window\": {}, \"pass_bytes\": {}, \"iters\": {}, \"warmup\": {}, "
       "\"quick\": {}}},\n",

@@ -48,7 +48,8 @@ struct RunInfo {
   std::string nics;
   std::string command;
   std::string date;
-  unsigned cpus = 0;
+  unsigned cpus = 0;         // the CPUs this process may run on
+  std::string machine_json;  // fabric::to_json(fabric::discover())
   Budget budget;
   uint32_t iters = 0;
   uint32_t warmup = 0;

@@ -28,6 +28,7 @@
 
 #include "fabric/address.h"
 #include "fabric/config.h"
+#include "fabric/stats.h"
 #include "fabric/status.h"
 #include "fabric/transfer.h"
 
@@ -156,6 +157,13 @@ class TransferEngine {
   bool wait_imm(uint32_t imm, uint64_t total, std::chrono::milliseconds timeout) const;
   // Forgets the tally and any expectation of imm.
   void reset_imm(uint32_t imm);
+
+  // --- statistics ---------------------------------------------------------------------------
+
+  // What the engine has done since it was created, per device group (fabric/stats.h): relaxed
+  // counters, so a snapshot taken while transfers run may be mid-way between two of them.
+  // Non-blocking.
+  EngineStats stats() const;
 
  private:
   explicit TransferEngine(std::unique_ptr<EngineImpl> impl);

@@ -541,6 +541,16 @@ void bind_engine(py::module_& m) {
             return e.engine().group_info(group);
           },
           py::arg("group") = 0, "What device group `group` turned out to be. Raises NotFound.")
+      .def(
+          "nics_up", [](const PyEngine& e, uint32_t group) { return e.engine().nics_up(group); },
+          py::arg("group") = 0,
+          "For each NIC of device group `group`, in rail order, whether it is up (failover, "
+          "docs/failover.md); empty for a group that does not exist. Non-blocking.")
+      .def(
+          "stats", [](const PyEngine& e) { return e.engine().stats(); },
+          "What the engine has done since it started (an EngineStats): transfers, bytes and "
+          "messages per device group, immediates counted. Lock-free; fabric_lib.metrics "
+          "exports it to Prometheus.")
       .def_property_readonly(
           "address", [](const PyEngine& e) { return e.engine().address(0); },
           "The Address of device group 0 (bytes(engine.address) to send it). Non-blocking.")

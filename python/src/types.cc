@@ -282,6 +282,45 @@ void bind_types(py::module_& m) {
           },
           "ScatterTarget(<length> bytes, src_offset=..., dst_offset=...).");
 
+  py::class_<GroupStats>(m, "GroupStats",
+                         "What one device group has done since the engine started "
+                         "(TransferEngine.stats()).")
+      .def_readonly("transfers_submitted", &GroupStats::transfers_submitted,
+                    "One-sided transfers accepted (single, paged, scatter, barrier, imm-only).")
+      .def_readonly("transfers_completed", &GroupStats::transfers_completed, "Of those, completed.")
+      .def_readonly("transfers_failed", &GroupStats::transfers_failed, "Of those, failed.")
+      .def_readonly("bytes_submitted", &GroupStats::bytes_submitted,
+                    "Payload bytes of the accepted transfers.")
+      .def_readonly("messages_sent", &GroupStats::messages_sent, "Messages accepted by send().")
+      .def_readonly("messages_completed", &GroupStats::messages_completed, "Of those, delivered.")
+      .def_readonly("messages_failed", &GroupStats::messages_failed, "Of those, failed.")
+      .def_readonly("messages_received", &GroupStats::messages_received,
+                    "Messages handed to the group's receive handler (or recv()).")
+      .def(
+          "__repr__",
+          [](const GroupStats& g) {
+            return "GroupStats(transfers_submitted=" + std::to_string(g.transfers_submitted) +
+                   ", transfers_completed=" + std::to_string(g.transfers_completed) +
+                   ", transfers_failed=" + std::to_string(g.transfers_failed) +
+                   ", bytes_submitted=" + std::to_string(g.bytes_submitted) +
+                   ", messages_sent=" + std::to_string(g.messages_sent) +
+                   ", messages_received=" + std::to_string(g.messages_received) + ")";
+          },
+          "GroupStats(transfers_submitted=..., ...).");
+  py::class_<EngineStats>(m, "EngineStats",
+                          "What an engine has done since it started: per device group, and the "
+                          "immediates it counted.")
+      .def_readonly("groups", &EngineStats::groups, "A GroupStats per device group.")
+      .def_readonly("immediates_received", &EngineStats::immediates_received,
+                    "Immediates counted (every group and NIC; one per arrival).")
+      .def(
+          "__repr__",
+          [](const EngineStats& s) {
+            return "EngineStats(groups=" + std::to_string(s.groups.size()) +
+                   ", immediates_received=" + std::to_string(s.immediates_received) + ")";
+          },
+          "EngineStats(groups=..., immediates_received=...).");
+
   py::class_<GroupInfo>(m, "GroupInfo", "What a device group turned out to be, once opened.")
       .def_readonly("provider", &GroupInfo::provider, "The provider, e.g. 'tcp;ofi_rxm'.")
       .def_readonly("nics", &GroupInfo::nics, "Domain names, in rail order.")

@@ -18,6 +18,7 @@
 #include "engine/imm_counters.h"
 #include "engine/messages.h"
 #include "engine/plan.h"
+#include "engine/stats_counters.h"
 #include "engine/transfer_state.h"
 #include "engine/worker.h"
 #include "topology/topology.h"
@@ -86,6 +87,7 @@ class EngineImpl {
     return imms_.wait(imm, total, timeout);
   }
   void reset_imm(uint32_t imm) { imms_.reset(imm); }
+  EngineStats stats() const { return stats_.snapshot(imms_.total()); }
 
  private:
   explicit EngineImpl(const Config& config) : config_(config) {}
@@ -150,6 +152,9 @@ class EngineImpl {
   std::atomic<uint64_t> next_region_{1};
   std::atomic<uint64_t> next_transfer_{1};
   std::atomic<uint64_t> next_peer_group_{1};
+
+  // TransferEngine::stats(): counted in hand_over() and set_receive_handler().
+  engine::StatsCounters stats_{config_.groups.size()};
 };
 
 // --- creation and close ---------------------------------------------------------------------
@@ -387,6 +392,7 @@ engine::ShardParams EngineImpl::shard_params(uint32_t group) const {
 }
 
 TransferId EngineImpl::hand_over(uint32_t group, std::unique_ptr<Transfer> t) {
+  stats_.submitted(group, *t);
   TransferId id = t->id;
   for (const RemoteMemory& dst : t->dsts) {
     if (dst.staged_region() != 0) {
@@ -856,6 +862,7 @@ Status EngineImpl::set_receive_handler(std::function<void(std::span<const std::b
   if (buffer_bytes == 0 || count == 0) {
     return invalid("set_receive_handler: buffer_bytes and count must be at least 1");
   }
+  on_message = stats_.receiving(group, std::move(on_message));
   engine::Worker* w = workers_[group].get();
   return w->call([&] { return w->start_receives(std::move(on_message), buffer_bytes, count); });
 }
@@ -958,6 +965,9 @@ bool TransferEngine::wait_imm(uint32_t imm, uint64_t total,
 }
 void TransferEngine::reset_imm(uint32_t imm) {
   impl_->reset_imm(imm);
+}
+EngineStats TransferEngine::stats() const {
+  return impl_->stats();
 }
 
 }  // namespace fabric

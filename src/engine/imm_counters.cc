@@ -16,6 +16,7 @@ void ImmCounters::check(Entry& e, std::vector<Callback>& due) {
 void ImmCounters::arrive(std::span<const uint32_t> imms, std::vector<Callback>& due,
                          std::vector<uint32_t>& unexpected) {
   if (imms.empty()) return;
+  total_.fetch_add(imms.size(), std::memory_order_relaxed);
   bool notify = false;
   {
     std::lock_guard lock(mu_);

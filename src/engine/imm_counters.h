@@ -2,6 +2,7 @@
 // reached, and waits. Thread-safe: workers record arrivals, users expect and wait.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -33,6 +34,8 @@ class ImmCounters {
   void reset(uint32_t imm);
   // Drops every pending expectation (engine close); returns how many there were.
   size_t clear_expectations();
+  // Every arrival recorded since the engine started (reset_imm does not take any back).
+  uint64_t total() const { return total_.load(std::memory_order_relaxed); }
 
  private:
   struct Entry {
@@ -48,6 +51,7 @@ class ImmCounters {
   mutable std::condition_variable cv_;
   mutable int waiters_ = 0;
   std::unordered_map<uint32_t, Entry> entries_;
+  std::atomic<uint64_t> total_{0};
 };
 
 }  // namespace fabric::engine

@@ -1,6 +1,7 @@
 // Topology: which CPUs sit next to which NIC, and pinning threads to them (hwloc).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -15,8 +16,19 @@ struct NicPlacement {
   std::vector<int> cpus;  // CPUs local to the NIC; empty when unknown
 };
 
+struct GpuPlacement {
+  std::string pci;                     // PCI bus id
+  uint16_t vendor_id = 0;              // PCI vendor id
+  int numa_node = -1;                  // -1: unknown (or single-node machine)
+  std::vector<int> cpus;               // CPUs local to the GPU
+  std::vector<std::string> near_nics;  // behind the same PCI switch, else on the same NUMA node
+  std::string nearness;                // "pci-switch", "numa-node", or "" when near_nics is empty
+};
+
 // The NICs hwloc sees (network and OpenFabrics OS devices) with their locality.
 std::vector<NicPlacement> list_nics();
+// The GPUs hwloc sees (PCI display and 3D controllers) and the NICs near each.
+std::vector<GpuPlacement> list_gpus();
 // The placement of one NIC by interface or device name; numa_node -1 when unknown.
 NicPlacement find_nic(const std::string& name);
 // The CPUs this process may run on.

@@ -371,7 +371,8 @@ def test_fault_injection_fails_chosen_writes(provider):
 def test_info_mirrors_fabric_info():
     report = fabric_lib.info()
     assert isinstance(report, dict)
-    assert set(report) == {"libfabric", "auto_provider", "providers", "nics", "allowed_cpus", "engine"}
+    assert set(report) == {"libfabric", "auto_provider", "providers", "verbs_built", "verbs", "nics",
+                           "gpus", "paths", "allowed_cpus", "cuda_built", "cuda_device", "engine"}
     assert [p["name"] for p in report["providers"]] == ["tcp", "shm", "efa", "verbs"]
     tcp = report["providers"][0]
     assert tcp["present"] and any(d["nic"] == "lo" for d in tcp["domains"])

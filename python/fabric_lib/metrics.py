@@ -1,0 +1,148 @@
+"""Prometheus metrics of fabric_lib engines, through prometheus_client (Debian's
+python3-prometheus-client), the way LLM servers export theirs: nothing is registered until
+asked, and each scrape reads TransferEngine.stats() of every engine registered, so counting
+costs nothing between scrapes.
+
+    from prometheus_client import start_http_server
+    from fabric_lib import metrics
+
+    metrics.register(engine, name="prefill0")   # once per engine; REGISTRY by default
+    start_http_server(9400)                     # the application's own endpoint
+
+Metric names and labels (docs/metrics.md lists them with their meaning):
+
+    fabric_transfers_submitted_total{engine,group}   one-sided transfers accepted
+    fabric_transfers_completed_total{engine,group}   ... that completed
+    fabric_transfers_failed_total{engine,group}      ... that failed
+    fabric_bytes_submitted_total{engine,group}       payload bytes of accepted transfers
+    fabric_messages_sent_total{engine,group}         messages accepted by send()
+    fabric_messages_completed_total{engine,group}    ... that were delivered
+    fabric_messages_failed_total{engine,group}       ... that failed
+    fabric_messages_received_total{engine,group}     messages received
+    fabric_immediates_received_total{engine}         immediates counted
+    fabric_nic_up{engine,group,nic}                  1 while the NIC is up, 0 once marked down
+
+Labels stay bounded: `engine` is the name given to register() (one per engine), `group` a
+device group index, `nic` one of a group's NICs; no label is made from peers, immediates or
+transfer ids, whose number grows with traffic.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterator, Optional
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ._fabric_lib import TransferEngine
+
+__all__ = ["EngineCollector", "GROUP_COUNTERS", "register", "unregister"]
+
+# (metric name without _total, GroupStats field, help): one counter per field, per group.
+GROUP_COUNTERS = [
+    ("fabric_transfers_submitted", "transfers_submitted",
+     "One-sided transfers (single, paged, scatter, barrier, imm-only) accepted by the engine."),
+    ("fabric_transfers_completed", "transfers_completed", "Accepted transfers that completed."),
+    ("fabric_transfers_failed", "transfers_failed", "Accepted transfers that failed."),
+    ("fabric_bytes_submitted", "bytes_submitted", "Payload bytes of the accepted transfers."),
+    ("fabric_messages_sent", "messages_sent", "Messages accepted by send()."),
+    ("fabric_messages_completed", "messages_completed", "Sent messages that were delivered."),
+    ("fabric_messages_failed", "messages_failed", "Sent messages that failed."),
+    ("fabric_messages_received", "messages_received", "Messages received."),
+]
+
+
+class EngineCollector(Collector):
+    """A prometheus_client collector reading the stats of the engines added to it. Engines are
+    held weakly: one that is garbage-collected, or closed, drops out of the next scrape."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: dict[str, weakref.ref[TransferEngine]] = {}
+
+    def add(self, engine: TransferEngine, name: str) -> None:
+        """Exports `engine` with the label engine=`name`; ValueError if the name is taken by a
+        live engine."""
+        with self._lock:
+            old = self._engines.get(name)
+            if old is not None and old() is not None and old() is not engine:
+                raise ValueError(f"fabric_lib.metrics: engine name {name!r} is already exported")
+            self._engines[name] = weakref.ref(engine)
+
+    def remove(self, engine: TransferEngine) -> bool:
+        """Stops exporting `engine`; whether it was exported."""
+        with self._lock:
+            names = [n for n, ref in self._engines.items() if ref() is engine]
+            for n in names:
+                del self._engines[n]
+            return bool(names)
+
+    def names(self) -> list[str]:
+        """The names of the live engines exported."""
+        with self._lock:
+            return [n for n, ref in self._engines.items() if ref() is not None]
+
+    def collect(self) -> Iterator[Any]:
+        counters = {
+            field: CounterMetricFamily(name, doc, labels=["engine", "group"])
+            for name, field, doc in GROUP_COUNTERS
+        }
+        imms = CounterMetricFamily(
+            "fabric_immediates_received", "Immediates counted by the engine (one per arrival).",
+            labels=["engine"])
+        nic_up = GaugeMetricFamily(
+            "fabric_nic_up", "1 while the NIC is up, 0 while it is marked down (failover).",
+            labels=["engine", "group", "nic"])
+        with self._lock:
+            live = [(n, ref()) for n, ref in self._engines.items()]
+            for n, e in live:
+                if e is None:
+                    del self._engines[n]
+        for name, engine in live:
+            if engine is None or engine.closed:
+                continue
+            stats = engine.stats()
+            for g, gs in enumerate(stats.groups):
+                for _, field, _ in GROUP_COUNTERS:
+                    counters[field].add_metric([name, str(g)], getattr(gs, field))
+                nics = engine.group_info(g).nics
+                for nic, up in zip(nics, engine.nics_up(g)):
+                    nic_up.add_metric([name, str(g), nic], 1.0 if up else 0.0)
+            imms.add_metric([name], stats.immediates_received)
+        yield from counters.values()
+        yield imms
+        yield nic_up
+
+
+_collectors: dict[int, EngineCollector] = {}
+_collectors_lock = threading.Lock()
+
+
+def register(
+    engine: TransferEngine,
+    name: Optional[str] = None,
+    registry: Optional[CollectorRegistry] = None,
+) -> EngineCollector:
+    """Exports `engine`'s stats to `registry` (prometheus_client's REGISTRY by default) under
+    the label engine=`name` (default "engine<N>", N counting engines registered there). The
+    registry's collector is created and registered on the first call; returns it."""
+    registry = REGISTRY if registry is None else registry
+    with _collectors_lock:
+        collector = _collectors.get(id(registry))
+        if collector is None:
+            collector = EngineCollector()
+            registry.register(collector)
+            _collectors[id(registry)] = collector
+    collector.add(engine, name if name is not None else f"engine{len(collector.names())}")
+    return collector
+
+
+def unregister(engine: TransferEngine, registry: Optional[CollectorRegistry] = None) -> bool:
+    """Stops exporting `engine` to `registry`; whether it was exported there."""
+    registry = REGISTRY if registry is None else registry
+    with _collectors_lock:
+        collector = _collectors.get(id(registry))
+    return collector is not None and collector.remove(engine)

@@ -1,0 +1,22 @@
+# Writes the first ```cpp block after README.md's "## The API in one screen" heading to OUT.
+#   cmake -DREADME=README.md -DOUT=readme_example.cc -P extract_example.cmake
+# (String searches, not lists: the code's semicolons would split list elements.)
+file(READ ${README} text)
+string(FIND "${text}" "\n## The API in one screen" at)
+if(at GREATER_EQUAL 0)
+  string(SUBSTRING "${text}" ${at} -1 text)
+  string(FIND "${text}" "\n```cpp\n" begin)
+endif()
+if(at LESS 0 OR begin LESS 0)
+  message(FATAL_ERROR "README.md has no ```cpp block under '## The API in one screen'")
+endif()
+math(EXPR begin "${begin} + 8")
+string(SUBSTRING "${text}" ${begin} -1 text)
+string(FIND "${text}" "\n```" end)
+if(end LESS 0)
+  message(FATAL_ERROR "README.md: the one-screen example's ```cpp block does not end")
+endif()
+string(SUBSTRING "${text}" 0 ${end} code)
+file(WRITE ${OUT}.tmp
+  "// Extracted from README.md (\"The API in one screen\") by extract_example.cmake.\n${code}\n")
+file(COPY_FILE ${OUT}.tmp ${OUT} ONLY_IF_DIFFERENT)

@@ -1,0 +1,124 @@
+"""Engine statistics (TransferEngine.stats()) and their Prometheus export (fabric_lib.metrics):
+an HTTP endpoint served by prometheus_client is scraped before and after traffic, and the text
+is parsed with prometheus_client's own parser."""
+
+import http.server
+import threading
+import urllib.request
+
+import pytest
+
+import fabric_lib
+from conftest import TIMEOUT, open_engine_or_skip
+
+prometheus_client = pytest.importorskip(
+    "prometheus_client", reason="python3-prometheus-client is not installed (make deps)")
+from fabric_lib import metrics  # noqa: E402
+from prometheus_client.exposition import MetricsHandler  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+WRITES = 20
+SIZE = 64 * 1024
+IMM = 0x5EED
+
+
+@pytest.fixture(scope="module")
+def pair(provider):
+    with open_engine_or_skip(provider) as a, open_engine_or_skip(provider) as b:
+        yield a, b
+
+
+@pytest.fixture
+def endpoint():
+    """A private registry served over HTTP on a free port, as an application would serve it."""
+    registry = prometheus_client.CollectorRegistry()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), MetricsHandler.factory(registry))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield registry, f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def scrape(url):
+    """{(metric sample name, labels as a sorted tuple): value}."""
+    with urllib.request.urlopen(url, timeout=TIMEOUT) as response:
+        text = response.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def sample(samples, name, **labels):
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_stats_count_writes_messages_and_immediates(pair):
+    a, b = pair
+    before_a, before_b = a.stats(), b.stats()
+    assert len(before_a.groups) == 1 and isinstance(before_a.groups[0], fabric_lib.GroupStats)
+    src = a.register(bytearray(SIZE))
+    dst = b.register(bytearray(SIZE))
+    for _ in range(3):
+        a.write(src, dst.descriptor, imm=IMM + 1).result(TIMEOUT)
+    assert b.wait_imm(IMM + 1, 3, TIMEOUT)
+    with pytest.raises(fabric_lib.OutOfRange):  # rejected: counts nothing
+        a.write(src, dst.descriptor, length=SIZE + 1)
+    after_a, after_b = a.stats(), b.stats()
+    g0, g1 = before_a.groups[0], after_a.groups[0]
+    assert g1.transfers_submitted - g0.transfers_submitted == 3
+    assert g1.transfers_completed - g0.transfers_completed == 3
+    assert g1.transfers_failed == g0.transfers_failed
+    assert g1.bytes_submitted - g0.bytes_submitted == 3 * SIZE
+    assert after_b.immediates_received - before_b.immediates_received == 3
+
+
+def test_scrape_shows_counters_moving_under_traffic(pair, endpoint):
+    a, b = pair
+    registry, url = endpoint
+    metrics.register(a, name="sender", registry=registry)
+    metrics.register(b, name="receiver", registry=registry)
+    with pytest.raises(ValueError):
+        metrics.register(b, name="sender", registry=registry)  # a name names one engine
+    src = a.register(bytearray(SIZE))
+    dst = b.register(bytearray(SIZE))
+    b.set_receive_handler(None)
+    first = scrape(url)
+    for name in ("sender", "receiver"):
+        for metric, _, _ in metrics.GROUP_COUNTERS:
+            assert (metric + "_total", (("engine", name), ("group", "0"))) in first
+    assert sample(first, "fabric_nic_up", engine="sender", group="0",
+                  nic=a.group_info().nics[0]) == 1.0
+
+    transfers = [a.write(src, dst.descriptor, imm=IMM) for _ in range(WRITES)]
+    for t in transfers:
+        t.result(TIMEOUT)
+    assert b.wait_imm(IMM, WRITES, TIMEOUT)
+    a.send(b.address, b"hello").result(TIMEOUT)
+    assert b.recv(TIMEOUT) == b"hello"
+
+    second = scrape(url)
+
+    def moved(name, engine):
+        return (sample(second, name, engine=engine, group="0") -
+                sample(first, name, engine=engine, group="0"))
+
+    assert moved("fabric_transfers_submitted_total", "sender") == WRITES
+    assert moved("fabric_transfers_completed_total", "sender") == WRITES
+    assert moved("fabric_transfers_failed_total", "sender") == 0
+    assert moved("fabric_bytes_submitted_total", "sender") == WRITES * SIZE
+    assert moved("fabric_messages_sent_total", "sender") == 1
+    assert moved("fabric_messages_completed_total", "sender") == 1
+    assert moved("fabric_messages_received_total", "receiver") == 1
+    assert moved("fabric_transfers_submitted_total", "receiver") == 0
+    imms = (sample(second, "fabric_immediates_received_total", engine="receiver") -
+            sample(first, "fabric_immediates_received_total", engine="receiver"))
+    assert imms == WRITES
+
+    assert metrics.unregister(a, registry=registry)
+    third = scrape(url)
+    assert not any(dict(labels).get("engine") == "sender" for _, labels in third)
