@@ -15,7 +15,7 @@ namespace fabric::transport {
 // The Config::provider value that selects the verbs backend.
 inline constexpr const char* kVerbsProvider = "verbs";
 // The Config::provider value that selects the same-host transport of src/transport/shm/.
-inline constexpr const char* kShmFabricProvider = "fabric_shm";
+inline constexpr const char* kShmFabricProvider = "shm";
 // The Config::provider value that selects libfabric's shm provider.
 inline constexpr const char* kOfiShmProvider = "ofi_shm";
 
