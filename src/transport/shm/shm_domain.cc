@@ -6,9 +6,11 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -79,6 +81,17 @@ bool read_process(uint32_t pid, uint64_t src, void* dst, uint64_t length) {
   return true;
 }
 
+// The doorbell of the endpoint whose region is `name` ("/fabric-shm..."): a datagram socket in
+// the abstract namespace (it vanishes with its process; nothing to clean up).
+socklen_t doorbell_address(const std::string& name, sockaddr_un& out) {
+  out = {};
+  out.sun_family = AF_UNIX;
+  const std::string abstract = "fabric-shm-doorbell" + name;
+  const size_t n = std::min(abstract.size(), sizeof(out.sun_path) - 1);
+  std::memcpy(out.sun_path + 1, abstract.data(), n);
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
+}
+
 std::string why_refused(ErrorCode code) {
   switch (code) {
     case ErrorCode::kRemoteAccess:
@@ -144,6 +157,8 @@ struct ShmDomain::Remote {
   uint32_t pid = 0;
   uint64_t start_time = 0;
   int pidfd = -1;
+  sockaddr_un doorbell{};
+  socklen_t doorbell_len = 0;  // 0: the peer has no doorbell (it naps instead)
   bool dead = false;
   std::string why;
   std::deque<TxItem> tx;
@@ -221,6 +236,19 @@ Result<std::unique_ptr<ShmDomain>> ShmDomain::open(const std::string& nic, uint6
   d->header_->ring_bytes = ring_bytes;
   d->header_->owner_pid = d->pid_;
   d->header_->owner_start = d->start_time_;
+  const int sock = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (sock >= 0) {
+    sockaddr_un addr{};
+    const socklen_t len = doorbell_address(path, addr);
+    if (::bind(sock, reinterpret_cast<const sockaddr*>(&addr), len) == 0) {
+      d->doorbell_ = sock;
+      d->header_->doorbell = 1;
+    } else {
+      detail::log().debug("shm endpoint '{}': no doorbell ({}); the worker naps instead", path,
+                          std::strerror(errno));
+      ::close(sock);
+    }
+  }
   store(d->header_->magic, shm::kMagic);  // last: the header is complete
   for (uint32_t i = 0; i < shm::kSlots; ++i) {
     auto in = std::make_unique<Inbound>();
@@ -243,6 +271,7 @@ ShmDomain::~ShmDomain() {
   close();
   remotes_.clear();
   if (base_ != nullptr) ::munmap(base_, size_);
+  if (doorbell_ >= 0) ::close(doorbell_);
 }
 
 void ShmDomain::close() {
@@ -364,6 +393,7 @@ Result<ShmDomain::Remote*> ShmDomain::connect(const std::string& name) {
                   fmt::format("shm peer '{}': all {} of its slots are held by live senders", name,
                               shm::kSlots));
   }
+  if (r->header->doorbell != 0) r->doorbell_len = doorbell_address(name, r->doorbell);
   r->slot = shm::slot_at(r->base, ring, static_cast<uint32_t>(slot));
   r->word = uint64_t{pid_} << 32 | token;
   r->writer = shm::RingWriter(r->slot, ring);
@@ -566,12 +596,65 @@ bool ShmDomain::push_item(Remote& r, TxItem& item) {
 }
 
 void ShmDomain::pump(Remote& r) {
+  bool pushed = false;
   while (!r.tx.empty() && !r.dead) {
     TxItem& item = r.tx.front();
-    if (!push_item(r, item)) return;
+    const uint64_t before = item.offset;
+    if (!push_item(r, item)) {
+      pushed |= item.offset != before;  // some chunks of it went
+      break;
+    }
+    pushed = true;
     if (item.is_op()) --r.ops_queued;
     r.tx.pop_front();
   }
+  if (pushed) ring(r);
+}
+
+void ShmDomain::ring(Remote& r) {
+  if (r.doorbell_len == 0 || doorbell_ < 0) return;
+  // Orders the records' publication before the look at `sleeping`; the owner orders its store
+  // to `sleeping` before its look at the rings (ready_to_wait): one of the two sees the other.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (load(r.header->sleeping, std::memory_order_relaxed) == 0) return;
+  const char byte = 1;
+  // A full socket buffer already holds wake-ups; a gone peer is found by the watch.
+  (void)::sendto(doorbell_, &byte, 1, MSG_DONTWAIT, reinterpret_cast<const sockaddr*>(&r.doorbell),
+                 r.doorbell_len);
+}
+
+bool ShmDomain::work_pending() const {
+  if (!ready_.empty()) return true;
+  for (const auto& [h, r] : remotes_) {
+    if (!r->dead && !r->tx.empty()) return true;
+  }
+  const uint64_t active = load(header_->active_mask);
+  for (uint32_t i = 0; i < shm::kSlots; ++i) {
+    if ((active >> i & 1) == 0) continue;
+    const shm::SlotHeader* s = shm::slot_at(base_, ring_bytes_, i);
+    if (load(s->tail) != load(s->head)) return true;
+    // A claim not looked at yet: its CMA check is due.
+    const uint64_t word = load(s->owner);
+    if (word != 0 && shm::owner_token(word) != inbound_[i]->token &&
+        load(s->ready) == shm::owner_token(word)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool ShmDomain::ready_to_wait() {
+  if (doorbell_ < 0 || closed_) return true;
+  char buf[64];
+  while (::recv(doorbell_, buf, sizeof(buf), MSG_DONTWAIT) > 0) {
+  }
+  store(header_->sleeping, uint32_t{1}, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (work_pending()) {
+    store(header_->sleeping, uint32_t{0}, std::memory_order_relaxed);
+    return false;
+  }
+  return true;
 }
 
 void ShmDomain::acknowledge(Inbound& in, uint64_t seq, ErrorCode code) {
@@ -734,6 +817,9 @@ void ShmDomain::consume(uint32_t slot, Inbound& in, uint64_t& budget) {
 
 size_t ShmDomain::poll(std::span<Completion> out) {
   if (!closed_) {
+    if (load(header_->sleeping, std::memory_order_relaxed) != 0) {
+      store(header_->sleeping, uint32_t{0}, std::memory_order_relaxed);
+    }
     now_ = std::chrono::steady_clock::now();
     uint64_t budget = kPollBudgetBytes;
     const uint64_t active = load(header_->active_mask);

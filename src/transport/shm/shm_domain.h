@@ -46,8 +46,10 @@ class ShmDomain final : public Domain {
   PostResult post_send(const SendRequest& req) override;
   PostResult post_recv(const RecvRequest& req) override;
   size_t poll(std::span<Completion> out) override;
-  int wait_fd() const override { return -1; }
-  bool ready_to_wait() override { return true; }
+  // A datagram socket in the abstract namespace (no file): senders that published records
+  // while this endpoint was about to block send it a byte. -1 where it could not be bound.
+  int wait_fd() const override { return doorbell_; }
+  bool ready_to_wait() override;
   void close() override;
 
   // What came in so far: writes copied from the writer's memory (process_vm_readv) and write
@@ -87,6 +89,8 @@ class ShmDomain final : public Domain {
   void on_ack(const shm::Record& rec);
   void acknowledge(Inbound& in, uint64_t seq, ErrorCode code);
   void release(Remote& r);
+  void ring(Remote& r);
+  bool work_pending() const;
   ErrorCode check_access(uint64_t addr, uint64_t length, uint64_t key) const;
   PostResult post(PeerHandle peer, uint64_t wr_id, TxItem item);
 
@@ -97,6 +101,7 @@ class ShmDomain final : public Domain {
   void* base_ = nullptr;
   uint64_t size_ = 0;
   shm::RegionHeader* header_ = nullptr;
+  int doorbell_ = -1;
   bool closed_ = false;
   bool unlinked_ = false;
   uint32_t pid_ = 0;

@@ -45,8 +45,11 @@ struct alignas(64) RegionHeader {
   uint64_t owner_pid;    // the process that made the region
   uint64_t owner_start;  // its start time (clock ticks after boot, /proc/<pid>/stat field 22)
   uint32_t closed;       // set by the owner on close(): senders fail what is outstanding
-  uint32_t reserved;
+  uint32_t doorbell;     // 1: the owner waits on a datagram socket named "\0" + region name
   uint64_t active_mask;  // bit i: slot i was claimed at least once (the consumer scans these)
+  // Set by the owner before it blocks (after checking its rings), cleared when it polls: a
+  // sender that published records and then sees it set sends the owner a datagram.
+  alignas(64) uint32_t sleeping;
 };
 
 // Slot claim word: 0 free, else owner pid << 32 | a random non-zero token of that claim.
