@@ -617,6 +617,9 @@ void ShmDomain::ring(Remote& r) {
   // to `sleeping` before its look at the rings (ready_to_wait): one of the two sees the other.
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (load(r.header->sleeping, std::memory_order_relaxed) == 0) return;
+  // One wake-up per sleep: the sender that clears the flag sends it.
+  uint32_t expected = 1;
+  if (!shm::compare_exchange(r.header->sleeping, expected, uint32_t{0})) return;
   const char byte = 1;
   // A full socket buffer already holds wake-ups; a gone peer is found by the watch.
   (void)::sendto(doorbell_, &byte, 1, MSG_DONTWAIT, reinterpret_cast<const sockaddr*>(&r.doorbell),

@@ -48,7 +48,8 @@ struct alignas(64) RegionHeader {
   uint32_t doorbell;     // 1: the owner waits on a datagram socket named "\0" + region name
   uint64_t active_mask;  // bit i: slot i was claimed at least once (the consumer scans these)
   // Set by the owner before it blocks (after checking its rings), cleared when it polls: a
-  // sender that published records and then sees it set sends the owner a datagram.
+  // sender that published records and then clears it (compare-and-swap) sends the owner a
+  // datagram, so one sleep costs one wake-up.
   alignas(64) uint32_t sleeping;
 };
 
