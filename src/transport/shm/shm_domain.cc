@@ -34,6 +34,9 @@ namespace {
 constexpr size_t kMaxOpsQueued = 1024;           // per peer, waiting for ring room; beyond: kAgain
 constexpr uint64_t kPollBudgetBytes = 16 << 20;  // bytes copied in per poll(), at least one op
 constexpr uint64_t kMaxMessage = 64 << 20;
+// Smaller writes travel through the ring even where process_vm_readv works: two memcpys of
+// a few KiB cost less than the system call.
+constexpr uint64_t kCmaMinBytes = 16 << 10;
 constexpr auto kWatchEvery = std::chrono::microseconds(200);
 constexpr uint64_t kHeaderPage = 4096;
 
@@ -568,7 +571,7 @@ bool ShmDomain::push_item(Remote& r, TxItem& item) {
   if (!item.started) {
     item.started = true;
     const uint64_t cma = load(r.slot->cma);
-    item.cma = item.kind == RecordKind::kWrite && item.length > 0 &&
+    item.cma = item.kind == RecordKind::kWrite && item.length >= kCmaMinBytes &&
                (cma >> 32) == shm::owner_token(r.word) && (cma & 0xffffffff) == shm::kCmaYes;
   }
   if (item.cma) {
