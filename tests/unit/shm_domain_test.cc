@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
 #include <memory>
 #include <vector>
 
@@ -195,8 +196,17 @@ TEST(ShmDomain, BackPressureThenAClosedPeerFailsEverythingPromptly) {
   r = p.a->post_write(write(999999, src, peer, **reg, 0, 30));
   EXPECT_EQ(r.kind, PostResult::Kind::kFailed);
   EXPECT_EQ(r.error.code(), ErrorCode::kPeerUnreachable);
+  // Once b is gone nothing in this process maps its region: a let go of it when it found b
+  // closed (before any forget_peer).
+  const std::string name = p.b->region_name();
+  const Bytes endpoint = p.b->endpoint_name();
+  p.b.reset();
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    EXPECT_EQ(line.find(name), std::string::npos) << "still mapped: " << line;
+  }
   p.a->forget_peer(peer);
-  auto again = p.a->resolve_peer(p.b->endpoint_name());
+  auto again = p.a->resolve_peer(endpoint);
   ASSERT_FALSE(again);
   EXPECT_EQ(again.status().code(), ErrorCode::kPeerUnreachable);
   EXPECT_EQ(dst, std::vector<std::byte>(64));

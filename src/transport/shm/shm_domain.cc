@@ -38,6 +38,7 @@ constexpr uint64_t kMaxMessage = 64 << 20;
 // a few KiB cost less than the system call.
 constexpr uint64_t kCmaMinBytes = 16 << 10;
 constexpr auto kWatchEvery = std::chrono::microseconds(200);
+constexpr auto kIdleWatchEvery = std::chrono::milliseconds(50);
 constexpr uint64_t kHeaderPage = 4096;
 
 std::atomic<uint32_t> g_next_index{0};
@@ -432,8 +433,7 @@ void ShmDomain::release(Remote& r) {
 void ShmDomain::forget_peer(PeerHandle peer) {
   Remote* r = find_remote(peer);
   if (r == nullptr) return;
-  fail_remote(*r, "the peer was dropped");
-  release(*r);
+  fail_remote(*r, "the peer was dropped");  // also lets go of its slot and mapping
   if (auto it = by_name_.find(r->name); it != by_name_.end() && it->second == peer) {
     by_name_.erase(it);
   }
@@ -459,6 +459,16 @@ void ShmDomain::fail_remote(Remote& r, const std::string& why) {
   r.tx.clear();
   r.ops_queued = 0;
   r.outstanding = 0;
+  // Nothing is sent there again: let go of the slot and of the mapping (which would otherwise
+  // keep a dead peer's pages alive). The entry stays, so that posts to it fail at once.
+  release(r);
+  r.slot = nullptr;
+  r.header = nullptr;
+  r.writer = shm::RingWriter();
+  if (r.base != MAP_FAILED) ::munmap(r.base, r.size);
+  r.base = MAP_FAILED;
+  if (r.pidfd >= 0) ::close(r.pidfd);
+  r.pidfd = -1;
 }
 
 bool ShmDomain::remote_gone(Remote& r, std::string& why) {
@@ -790,7 +800,8 @@ void ShmDomain::consume(uint32_t slot, Inbound& in, uint64_t& budget) {
       detail::log().warn("shm endpoint '{}': slot {} holds malformed records; dropped", name_,
                          slot);
       in.reader.drop();
-      in.in_write = false;
+      if (in.in_message && in.has_recv) recvs_.push_front(in.recv);
+      in.in_write = in.in_message = in.has_recv = false;
       return;
     }
     if (rec.token != in.token) {
@@ -835,9 +846,11 @@ size_t ShmDomain::poll(std::span<Completion> out) {
     for (auto& [h, r] : remotes_) {
       if (r->dead) continue;
       if (!r->tx.empty()) pump(*r);
-      if (r->outstanding == 0 && r->tx.empty()) continue;
+      // Peers with work outstanding are watched closely; the others (say, writers this
+      // endpoint only acknowledges) now and then, so that a dead one's mapping goes.
+      const bool busy = r->outstanding > 0 || !r->tx.empty();
       if (now_ < r->next_watch) continue;
-      r->next_watch = now_ + kWatchEvery;
+      r->next_watch = now_ + (busy ? kWatchEvery : kIdleWatchEvery);
       std::string why;
       if (remote_gone(*r, why)) fail_remote(*r, why);
     }
