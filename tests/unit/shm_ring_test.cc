@@ -58,7 +58,9 @@ void expect_next(RingReader& reader, uint64_t seq, uint64_t n) {
   ASSERT_EQ(r.seq, seq);
   ASSERT_EQ(r.length, n);
   const auto want = payload(seq, n);
-  ASSERT_EQ(std::memcmp(data, want.data(), n), 0) << "message " << seq;
+  if (n > 0) {
+    ASSERT_EQ(std::memcmp(data, want.data(), n), 0) << "message " << seq;
+  }
   reader.pop(r);
 }
 
@@ -137,7 +139,8 @@ TEST(ShmRing, ManyMessagesBetweenTwoThreads) {
     }
     ASSERT_EQ(next, RingReader::Next::kRecord);
     const auto want = payload(seq, seq % 200);
-    if (r.seq != seq || r.length != seq % 200 || std::memcmp(data, want.data(), r.length) != 0) {
+    if (r.seq != seq || r.length != seq % 200 ||
+        (r.length > 0 && std::memcmp(data, want.data(), r.length) != 0)) {
       ++bad;
     }
     reader.pop(r);
