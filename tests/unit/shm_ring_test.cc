@@ -199,6 +199,10 @@ TEST(ShmSlots, ClaimTakesFreeSlotsThenReclaimsOnlyDeadOwners) {
   const uint32_t gone = dead_pid();
   store(region.slot(17)->owner, uint64_t{gone} << 32 | 555);
   store(region.slot(17)->owner_start, uint64_t{12345});
+  // ... unless that owner is in another PID namespace, where the pid names another process.
+  store(region.slot(17)->owner_pidns, this_pid_namespace() + 1);
+  EXPECT_EQ(claim_slot(region.base, kRing, 1, 1, 9, "/other", &probe), -1);
+  store(region.slot(17)->owner_pidns, this_pid_namespace());
   EXPECT_EQ(claim_slot(region.base, kRing, 1, 1, 9, "/other", &probe), 17);
   EXPECT_EQ(load(region.slot(17)->owner), uint64_t{1} << 32 | 9);
   EXPECT_STREQ(region.slot(17)->sender, "/other");

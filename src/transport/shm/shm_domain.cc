@@ -161,6 +161,7 @@ struct ShmDomain::Remote {
   uint32_t pid = 0;
   uint64_t start_time = 0;
   int pidfd = -1;
+  bool same_pidns = true;
   sockaddr_un doorbell{};
   socklen_t doorbell_len = 0;  // 0: the peer has no doorbell (it naps instead)
   bool dead = false;
@@ -240,6 +241,7 @@ Result<std::unique_ptr<ShmDomain>> ShmDomain::open(const std::string& nic, uint6
   d->header_->ring_bytes = ring_bytes;
   d->header_->owner_pid = d->pid_;
   d->header_->owner_start = d->start_time_;
+  d->header_->owner_pidns = shm::this_pid_namespace();
   const int sock = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (sock >= 0) {
     sockaddr_un addr{};
@@ -314,7 +316,10 @@ int ShmDomain::remove_dead_regions() {
       Origin o;
       o.pid = static_cast<uint32_t>(h->owner_pid);
       o.start_time = h->owner_start;
-      if (o.pid == pid && !o.process_alive()) dead.push_back(name);
+      // Only regions of this PID namespace: elsewhere the pid names another process.
+      if (o.pid == pid && h->owner_pidns == shm::this_pid_namespace() && !o.process_alive()) {
+        dead.push_back(name);
+      }
     }
     ::munmap(p, kHeaderPage);
   }
@@ -380,13 +385,18 @@ Result<ShmDomain::Remote*> ShmDomain::connect(const std::string& name) {
   if (load(r->header->closed) != 0) return unreachable("the peer closed its endpoint");
   r->pid = static_cast<uint32_t>(r->header->owner_pid);
   r->start_time = r->header->owner_start;
-  r->pidfd = pidfd_open(r->pid);
-  Origin owner;
-  owner.pid = r->pid;
-  owner.start_time = r->start_time;
-  // After pidfd_open: the descriptor is known to name the region's owner, not a later
-  // process that got its PID.
-  if (!owner.process_alive()) return unreachable("the peer process is gone");
+  // In another PID namespace the pid means nothing here: only the closed flag and the slot
+  // tell that peer's end (docs/shm.md, limits).
+  r->same_pidns = r->header->owner_pidns == shm::this_pid_namespace();
+  if (r->same_pidns) {
+    r->pidfd = pidfd_open(r->pid);
+    Origin owner;
+    owner.pid = r->pid;
+    owner.start_time = r->start_time;
+    // After pidfd_open: the descriptor is known to name the region's owner, not a later
+    // process that got its PID.
+    if (!owner.process_alive()) return unreachable("the peer process is gone");
+  }
   const uint32_t token = random_token();
   // The slot names this endpoint as its sender: where the peer sends acknowledgements.
   const std::string self = "/" + name_;
@@ -488,6 +498,7 @@ bool ShmDomain::remote_gone(Remote& r, std::string& why) {
     }
     return false;
   }
+  if (!r.same_pidns) return false;
   Origin o;
   o.pid = r.pid;
   o.start_time = r.start_time;

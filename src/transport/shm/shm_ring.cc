@@ -1,5 +1,7 @@
 #include "transport/shm/shm_ring.h"
 
+#include <sys/stat.h>
+
 #include "fabric/address.h"
 
 namespace fabric::transport::shm {
@@ -32,6 +34,7 @@ namespace {
 void take(SlotHeader* s, uint64_t word, uint64_t start_time, const char* sender,
           const uint64_t* probe) {
   store(s->owner_start, start_time);
+  store(s->owner_pidns, this_pid_namespace());
   store(s->cma, uint64_t{0});
   s->probe_addr = reinterpret_cast<uint64_t>(probe);
   s->probe_value = *probe;
@@ -41,6 +44,14 @@ void take(SlotHeader* s, uint64_t word, uint64_t start_time, const char* sender,
 }
 
 }  // namespace
+
+uint64_t this_pid_namespace() {
+  static const uint64_t ns = [] {
+    struct stat st {};
+    return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+  }();
+  return ns;
+}
 
 int claim_slot(void* region, uint64_t ring_bytes, uint32_t pid, uint64_t start_time, uint32_t token,
                const char* sender, const uint64_t* probe) {
@@ -58,6 +69,8 @@ int claim_slot(void* region, uint64_t ring_bytes, uint32_t pid, uint64_t start_t
         o.pid = owner_pid(seen);
         o.start_time = load(s->owner_start);
         if (o.pid == pid && o.start_time == start_time) continue;  // ours (another claim)
+        const uint64_t ns = load(s->owner_pidns);
+        if (ns != 0 && ns != this_pid_namespace()) continue;  // its pid means nothing here
         if (o.process_alive()) continue;
       }
       if (!compare_exchange(s->owner, seen, word)) continue;

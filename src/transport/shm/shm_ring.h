@@ -44,6 +44,7 @@ struct alignas(64) RegionHeader {
   uint64_t ring_bytes;   // per slot, a power of two
   uint64_t owner_pid;    // the process that made the region
   uint64_t owner_start;  // its start time (clock ticks after boot, /proc/<pid>/stat field 22)
+  uint64_t owner_pidns;  // inode of its PID namespace: pids are only compared within one
   uint32_t closed;       // set by the owner on close(): senders fail what is outstanding
   uint32_t doorbell;     // 1: the owner waits on a datagram socket named "\0" + region name
   uint64_t active_mask;  // bit i: slot i was claimed at least once (the consumer scans these)
@@ -67,6 +68,7 @@ enum : uint32_t { kCmaUnknown = 0, kCmaYes = 1, kCmaNo = 2 };
 struct alignas(64) SlotHeader {
   uint64_t owner;        // claim word, above
   uint64_t owner_start;  // the claimer's start time, written after the claim
+  uint64_t owner_pidns;  // the claimer's PID namespace (inode), written after the claim
   uint32_t ready;        // token of the claim whose fields below are written
   uint32_t reserved;
   uint64_t cma;         // the consumer's kCma* finding, tagged: token << 32 | finding
@@ -107,10 +109,14 @@ uint64_t region_bytes(uint64_t ring_bytes);
 SlotHeader* slot_at(void* region, uint64_t ring_bytes, uint32_t i);
 std::byte* ring_of(SlotHeader* slot);
 
+// The inode of this process's PID namespace (/proc/self/ns/pid), 0 where unknown. A pid (and
+// so a liveness check) means something only within one namespace.
+uint64_t this_pid_namespace();
+
 // Claims a slot of a mapped region for a sender (pid, start time, a random non-zero token):
 // a free slot first, else one whose owner process is dead (reclaimed). Writes the claim's
 // fields (sender name, CMA probe) and publishes it. Returns the slot index, or -1 when every
-// slot has a live owner.
+// slot has a live owner. Owners in another PID namespace are never taken for dead.
 int claim_slot(void* region, uint64_t ring_bytes, uint32_t pid, uint64_t start_time, uint32_t token,
                const char* sender, const uint64_t* probe);
 // Lets go of a claim (nothing happens when the slot no longer holds it).
