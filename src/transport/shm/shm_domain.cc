@@ -637,10 +637,10 @@ void ShmDomain::pump(Remote& r) {
 
 void ShmDomain::ring(Remote& r) {
   if (r.doorbell_len == 0 || doorbell_ < 0) return;
-  // Orders the records' publication before the look at `sleeping`; the owner orders its store
-  // to `sleeping` before its look at the rings (ready_to_wait): one of the two sees the other.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (load(r.header->sleeping, std::memory_order_relaxed) == 0) return;
+  // The records were published with a seq_cst store of `tail` (RingWriter::push); this load
+  // is seq_cst too, as are the owner's store to `sleeping` and its loads of the rings
+  // (ready_to_wait): in their single total order one of the two sees the other's store.
+  if (load(r.header->sleeping, std::memory_order_seq_cst) == 0) return;
   // One wake-up per sleep: the sender that clears the flag sends it.
   uint32_t expected = 1;
   if (!shm::compare_exchange(r.header->sleeping, expected, uint32_t{0})) return;
@@ -659,7 +659,7 @@ bool ShmDomain::work_pending() const {
   for (uint32_t i = 0; i < shm::kSlots; ++i) {
     if ((active >> i & 1) == 0) continue;
     const shm::SlotHeader* s = shm::slot_at(base_, ring_bytes_, i);
-    if (load(s->tail) != load(s->head)) return true;
+    if (load(s->tail, std::memory_order_seq_cst) != load(s->head)) return true;
     // A claim not looked at yet: its CMA check is due.
     const uint64_t word = load(s->owner);
     if (word != 0 && shm::owner_token(word) != inbound_[i]->token &&
@@ -675,8 +675,7 @@ bool ShmDomain::ready_to_wait() {
   char buf[64];
   while (::recv(doorbell_, buf, sizeof(buf), MSG_DONTWAIT) > 0) {
   }
-  store(header_->sleeping, uint32_t{1}, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  store(header_->sleeping, uint32_t{1}, std::memory_order_seq_cst);  // see ring()
   if (work_pending()) {
     store(header_->sleeping, uint32_t{0}, std::memory_order_relaxed);
     return false;

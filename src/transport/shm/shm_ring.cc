@@ -110,7 +110,9 @@ bool RingWriter::push(Record r, const void* payload, uint64_t n) {
   std::memcpy(ring_ + pos, &r, sizeof(r));
   if (n > 0) std::memcpy(ring_ + pos + sizeof(r), payload, n);
   tail_ += need;
-  store(slot_->tail, tail_);
+  // seq_cst, not just release: the doorbell (ShmDomain::ring) needs it ordered before the
+  // sender's look at the owner's `sleeping` word.
+  store(slot_->tail, tail_, std::memory_order_seq_cst);
   return true;
 }
 
