@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <random>
 
 #include "common/log.h"
@@ -96,6 +97,53 @@ socklen_t doorbell_address(const std::string& name, sockaddr_un& out) {
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
 }
 
+}  // namespace
+
+// One mapping of a region per process, shared by every endpoint of the process that uses it:
+// the atomics of a ring are then touched at one address in this process (ThreadSanitizer
+// tracks synchronisation by address and would miss it across two mappings of one file), and
+// the pages are mapped once.
+struct ShmMapping {
+  std::string name;
+  void* base = MAP_FAILED;
+  uint64_t size = 0;
+  ~ShmMapping();
+};
+
+namespace {
+
+struct MappingTable {
+  std::mutex mu;
+  std::unordered_map<std::string, std::weak_ptr<ShmMapping>> by_name;
+};
+
+// Never destroyed: mappings may outlive static destruction order.
+MappingTable& mappings() {
+  static auto* table = new MappingTable();
+  return *table;
+}
+
+std::shared_ptr<ShmMapping> find_mapping(const std::string& name) {
+  MappingTable& t = mappings();
+  std::lock_guard lock(t.mu);
+  auto it = t.by_name.find(name);
+  return it == t.by_name.end() ? nullptr : it->second.lock();
+}
+
+// Maps `fd` (the region `name`) and shares the mapping; nullptr when it cannot be mapped.
+std::shared_ptr<ShmMapping> map_region(const std::string& name, int fd, uint64_t size) {
+  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return nullptr;
+  auto m = std::make_shared<ShmMapping>();
+  m->name = name;
+  m->base = base;
+  m->size = size;
+  MappingTable& t = mappings();
+  std::lock_guard lock(t.mu);
+  t.by_name[name] = m;
+  return m;
+}
+
 std::string why_refused(ErrorCode code) {
   switch (code) {
     case ErrorCode::kRemoteAccess:
@@ -109,6 +157,15 @@ std::string why_refused(ErrorCode code) {
 }
 
 }  // namespace
+
+ShmMapping::~ShmMapping() {
+  if (base != MAP_FAILED) ::munmap(base, size);
+  MappingTable& t = mappings();
+  std::lock_guard lock(t.mu);
+  if (auto it = t.by_name.find(name); it != t.by_name.end() && it->second.expired()) {
+    t.by_name.erase(it);
+  }
+}
 
 struct ShmDomain::Registry {
   struct Range {
@@ -152,8 +209,7 @@ struct ShmDomain::TxItem {
 struct ShmDomain::Remote {
   PeerHandle handle = 0;
   std::string name;
-  void* base = MAP_FAILED;
-  uint64_t size = 0;
+  std::shared_ptr<ShmMapping> mapping;
   shm::RegionHeader* header = nullptr;
   shm::SlotHeader* slot = nullptr;
   uint64_t word = 0;  // our claim on `slot`
@@ -173,7 +229,6 @@ struct ShmDomain::Remote {
 
   ~Remote() {
     if (pidfd >= 0) ::close(pidfd);
-    if (base != MAP_FAILED) ::munmap(base, size);
   }
 };
 
@@ -226,14 +281,15 @@ Result<std::unique_ptr<ShmDomain>> ShmDomain::open(const std::string& nic, uint6
     return Status(ErrorCode::kFabric, fmt::format("sizing '{}' to {} bytes failed: {}", path,
                                                   d->size_, std::strerror(err)));
   }
-  void* base = ::mmap(nullptr, d->size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  d->mapping_ = map_region(path, fd, d->size_);
   const int err = errno;
   ::close(fd);
-  if (base == MAP_FAILED) {
+  if (d->mapping_ == nullptr) {
     ::shm_unlink(path.c_str());
     return Status(ErrorCode::kFabric,
                   fmt::format("mapping '{}' failed: {}", path, std::strerror(err)));
   }
+  void* base = d->mapping_->base;
   d->base_ = base;
   d->header_ = static_cast<shm::RegionHeader*>(base);
   d->header_->version = shm::kVersion;
@@ -276,7 +332,7 @@ Result<std::unique_ptr<ShmDomain>> ShmDomain::open(const std::string& nic, uint6
 ShmDomain::~ShmDomain() {
   close();
   remotes_.clear();
-  if (base_ != nullptr) ::munmap(base_, size_);
+  mapping_.reset();  // unmapped once no other endpoint of this process maps it
   if (doorbell_ >= 0) ::close(doorbell_);
 }
 
@@ -362,24 +418,28 @@ Result<ShmDomain::Remote*> ShmDomain::connect(const std::string& name) {
   auto unreachable = [&](const std::string& why) {
     return Status(ErrorCode::kPeerUnreachable, fmt::format("shm peer '{}': {}", name, why));
   };
-  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) {
-    return unreachable(errno == ENOENT ? "no such endpoint (the peer closed or exited)"
-                                       : fmt::format("shm_open failed: {}", std::strerror(errno)));
-  }
-  struct stat st {};
   auto r = std::make_unique<Remote>();
-  if (::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= kHeaderPage) {
-    r->size = static_cast<uint64_t>(st.st_size);
-    r->base = ::mmap(nullptr, r->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  r->mapping = find_mapping(name);  // an endpoint of this process, or a peer mapped already
+  if (r->mapping == nullptr) {
+    const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) {
+      return unreachable(errno == ENOENT
+                             ? "no such endpoint (the peer closed or exited)"
+                             : fmt::format("shm_open failed: {}", std::strerror(errno)));
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= kHeaderPage) {
+      r->mapping = map_region(name, fd, static_cast<uint64_t>(st.st_size));
+    }
+    ::close(fd);
+    if (r->mapping == nullptr) return unreachable("its region cannot be mapped");
   }
-  ::close(fd);
-  if (r->base == MAP_FAILED) return unreachable("its region cannot be mapped");
-  r->header = static_cast<shm::RegionHeader*>(r->base);
+  void* const base = r->mapping->base;
+  r->header = static_cast<shm::RegionHeader*>(base);
   const uint64_t ring = r->header->ring_bytes;
   if (load(r->header->magic) != shm::kMagic || r->header->version != shm::kVersion ||
       r->header->slots != shm::kSlots || ring < 4096 || (ring & (ring - 1)) != 0 ||
-      shm::region_bytes(ring) > r->size) {
+      shm::region_bytes(ring) > r->mapping->size) {
     return unreachable("its region is not a fabric shm region of this version");
   }
   if (load(r->header->closed) != 0) return unreachable("the peer closed its endpoint");
@@ -401,14 +461,14 @@ Result<ShmDomain::Remote*> ShmDomain::connect(const std::string& name) {
   // The slot names this endpoint as its sender: where the peer sends acknowledgements.
   const std::string self = "/" + name_;
   const int slot =
-      shm::claim_slot(r->base, ring, pid_, start_time_, token, self.c_str(), &probe_value_);
+      shm::claim_slot(base, ring, pid_, start_time_, token, self.c_str(), &probe_value_);
   if (slot < 0) {
     return Status(ErrorCode::kFabric,
                   fmt::format("shm peer '{}': all {} of its slots are held by live senders", name,
                               shm::kSlots));
   }
   if (r->header->doorbell != 0) r->doorbell_len = doorbell_address(name, r->doorbell);
-  r->slot = shm::slot_at(r->base, ring, static_cast<uint32_t>(slot));
+  r->slot = shm::slot_at(base, ring, static_cast<uint32_t>(slot));
   r->word = uint64_t{pid_} << 32 | token;
   r->writer = shm::RingWriter(r->slot, ring);
   r->name = name;
@@ -475,8 +535,7 @@ void ShmDomain::fail_remote(Remote& r, const std::string& why) {
   r.slot = nullptr;
   r.header = nullptr;
   r.writer = shm::RingWriter();
-  if (r.base != MAP_FAILED) ::munmap(r.base, r.size);
-  r.base = MAP_FAILED;
+  r.mapping.reset();
   if (r.pidfd >= 0) ::close(r.pidfd);
   r.pidfd = -1;
 }

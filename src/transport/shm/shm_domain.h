@@ -20,6 +20,9 @@
 
 namespace fabric::transport {
 
+// One process-wide mapping of a region (shm_domain.cc).
+struct ShmMapping;
+
 // DomainInfo::provider of this transport (and so the provider its addresses carry).
 inline constexpr const char* kShmProviderInfo = "shm (fabric)";
 
@@ -98,6 +101,7 @@ class ShmDomain final : public Domain {
   std::string name_;  // region name, no leading '/'
   Bytes name_bytes_;  // endpoint name: "/" + name_
   uint64_t ring_bytes_ = 0;
+  std::shared_ptr<ShmMapping> mapping_;  // our region (shared with this process's peers)
   void* base_ = nullptr;
   uint64_t size_ = 0;
   shm::RegionHeader* header_ = nullptr;
