@@ -34,6 +34,7 @@ namespace {
 
 constexpr size_t kMaxOpsQueued = 1024;           // per peer, waiting for ring room; beyond: kAgain
 constexpr uint64_t kPollBudgetBytes = 16 << 20;  // bytes copied in per poll(), at least one op
+constexpr uint64_t kMaxBytesOutstanding = 64 << 20;  // per peer, posted and not acknowledged
 constexpr uint64_t kMaxMessage = 64 << 20;
 // Smaller writes travel through the ring even where process_vm_readv works: two memcpys of
 // a few KiB cost less than the system call.
@@ -225,6 +226,7 @@ struct ShmDomain::Remote {
   std::deque<TxItem> tx;
   size_t ops_queued = 0;   // operations in tx
   size_t outstanding = 0;  // operations posted and not yet acknowledged or failed
+  uint64_t outstanding_bytes = 0;
   std::chrono::steady_clock::time_point next_watch{};
 
   ~Remote() {
@@ -529,6 +531,7 @@ void ShmDomain::fail_remote(Remote& r, const std::string& why) {
   r.tx.clear();
   r.ops_queued = 0;
   r.outstanding = 0;
+  r.outstanding_bytes = 0;
   // Nothing is sent there again: let go of the slot and of the mapping (which would otherwise
   // keep a dead peer's pages alive). The entry stays, so that posts to it fail at once.
   release(r);
@@ -580,10 +583,16 @@ PostResult ShmDomain::post(PeerHandle peer, uint64_t wr_id, TxItem item) {
     return PostResult::failed(
         Status(ErrorCode::kPeerUnreachable, fmt::format("shm peer '{}': {}", r->name, r->why)));
   }
-  if (r->ops_queued >= kMaxOpsQueued) return PostResult::again();
+  // Bounded in operations and in bytes: what is posted to a peer drains in bounded time (a
+  // closing engine waits for it, Config::close_timeout).
+  if (r->ops_queued >= kMaxOpsQueued ||
+      (r->outstanding > 0 && r->outstanding_bytes + item.length > kMaxBytesOutstanding)) {
+    return PostResult::again();
+  }
   if (r->outstanding == 0) r->next_watch = std::chrono::steady_clock::now() + kWatchEvery;
-  pending_[item.seq] = {peer, wr_id};
+  pending_[item.seq] = {peer, wr_id, item.length};
   ++r->outstanding;
+  r->outstanding_bytes += item.length;
   ++r->ops_queued;
   r->tx.push_back(item);
   pump(*r);
@@ -758,7 +767,10 @@ void ShmDomain::on_ack(const Record& rec) {
   if (it == pending_.end()) return;  // failed or dropped already
   const Pending p = it->second;
   pending_.erase(it);
-  if (Remote* r = find_remote(p.peer); r != nullptr && r->outstanding > 0) --r->outstanding;
+  if (Remote* r = find_remote(p.peer); r != nullptr && r->outstanding > 0) {
+    --r->outstanding;
+    r->outstanding_bytes -= std::min(r->outstanding_bytes, p.bytes);
+  }
   const auto code = static_cast<ErrorCode>(rec.status);
   Completion c{Completion::Kind::kLocal, p.wr_id, 0, 0, code, {}};
   if (code != ErrorCode::kOk) c.error_message = why_refused(code);
@@ -873,14 +885,16 @@ void ShmDomain::consume(uint32_t slot, Inbound& in, uint64_t& budget) {
       in.in_write = in.in_message = in.has_recv = false;
       return;
     }
+    const uint64_t now_word = load(s->owner);
+    if (rec.token != shm::owner_token(now_word)) {
+      // An earlier claim's: its sender let go of the slot (closed, or dropped this peer) or
+      // died; what it left is not executed.
+      in.reader.pop(rec);
+      continue;
+    }
     if (rec.token != in.token) {
-      const uint64_t now_word = load(s->owner);
-      if (shm::owner_token(now_word) == rec.token && load(s->ready) == rec.token) {
-        start_claim(slot, in, now_word);
-      } else {
-        in.reader.pop(rec);  // an earlier claim's
-        continue;
-      }
+      if (load(s->ready) != rec.token) return;  // the claim's fields are not written yet
+      start_claim(slot, in, now_word);
     }
     switch (rec.kind) {
       case RecordKind::kWrite:

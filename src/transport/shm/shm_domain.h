@@ -76,6 +76,7 @@ class ShmDomain final : public Domain {
   struct Pending {
     PeerHandle peer;
     uint64_t wr_id;
+    uint64_t bytes;
   };
 
   ShmDomain() = default;
