@@ -1064,6 +1064,7 @@ void Worker::finish_stop() {
   }
   live_.clear();
   if (!jobs_.empty()) services_.callbacks->push(jobs_);
+  for (auto& d : domains_) d.domain->close();  // peers see this endpoint gone now (shm)
 }
 
 void Worker::idle(bool active) {

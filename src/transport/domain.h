@@ -128,6 +128,11 @@ class Domain {
   // again first.
   virtual int wait_fd() const = 0;
   virtual bool ready_to_wait() = 0;
+
+  // Stops serving peers (the engine closed): a backend whose peers could otherwise keep
+  // writing into this process until its destruction tells them now. Called once, on the
+  // domain's thread, after the last poll; the object is destroyed later. Default: nothing.
+  virtual void close() {}
 };
 
 }  // namespace fabric::transport

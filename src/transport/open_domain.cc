@@ -1,6 +1,7 @@
 #include "transport/open_domain.h"
 
 #include "transport/libfabric/lf_domain.h"
+#include "transport/shm/shm_domain.h"
 #ifdef FABRIC_WITH_VERBS
 #include "transport/verbs/verbs_domain.h"
 #endif
@@ -29,7 +30,15 @@ Result<std::unique_ptr<Domain>> open_domain(const Config& config, const std::str
                   "was configured)");
 #endif
   }
-  auto d = LfDomain::open(config.provider, nic, gpu_direct);
+  if (config.provider == kShmFabricProvider) {
+    auto d = ShmDomain::open(nic);
+    if (!d) return d.status();
+    return std::unique_ptr<Domain>(std::move(*d));
+  }
+  // libfabric's shm provider stays reachable under its own name (the raw baseline's).
+  const std::string provider =
+      config.provider == kOfiShmProvider ? std::string("shm") : config.provider;
+  auto d = LfDomain::open(provider, nic, gpu_direct);
   if (!d) return d.status();
   return std::unique_ptr<Domain>(std::move(*d));
 }

@@ -1,5 +1,7 @@
 // Opens one NIC with the backend Config::provider names: "verbs" is the verbs backend (RC queue
-// pairs, src/transport/verbs/), anything else a libfabric provider (src/transport/libfabric/).
+// pairs, src/transport/verbs/), kShmFabricProvider the same-host transport (src/transport/shm/,
+// docs/shm.md), "ofi_shm" libfabric's shm provider, anything else a libfabric provider
+// (src/transport/libfabric/).
 #pragma once
 
 #include <memory>
@@ -12,6 +14,10 @@ namespace fabric::transport {
 
 // The Config::provider value that selects the verbs backend.
 inline constexpr const char* kVerbsProvider = "verbs";
+// The Config::provider value that selects the same-host transport of src/transport/shm/.
+inline constexpr const char* kShmFabricProvider = "shm";
+// The Config::provider value that selects libfabric's shm provider.
+inline constexpr const char* kOfiShmProvider = "ofi_shm";
 
 // Whether this build has the verbs backend (libibverbs found at configure time).
 bool verbs_built();

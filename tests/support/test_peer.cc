@@ -71,8 +71,9 @@ int main(int argc, char** argv) {
 
   // After this thread touched `buf`, a round trip through the worker's inbox: the worker then
   // happens-after those accesses, so TSan sees the order in which later remote writes (copied
-  // into `buf` by the provider on the worker) follow them. The real order runs through the
-  // other process and the network, which TSan cannot see.
+  // into `buf` by the provider on the worker) follow them; before this thread reads `buf`, one
+  // the other way. The real order runs through the other process and the network, which TSan
+  // cannot see.
   std::byte sync_byte{};
   auto sync_with_worker = [&] {
     auto r = engine.register_memory(&sync_byte, 1);
@@ -102,6 +103,9 @@ int main(int argc, char** argv) {
         std::cout << "error range" << std::endl;
         continue;
       }
+      // Before the read as well: a transport whose worker copies the bytes in itself (shm)
+      // wrote them on the worker thread.
+      sync_with_worker();
       const uint64_t sum = fabric::testing::fnv1a(buf.data() + off, len);
       sync_with_worker();
       std::cout << "checksum " << sum << std::endl;

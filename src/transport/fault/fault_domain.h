@@ -33,6 +33,7 @@ class FaultDomain final : public Domain {
   size_t poll(std::span<Completion> out) override;
   int wait_fd() const override { return inner_->wait_fd(); }
   bool ready_to_wait() override { return held_.empty() && inner_->ready_to_wait(); }
+  void close() override { inner_->close(); }
 
   // Work requests failed on purpose so far.
   uint64_t injected_failures() const { return injected_; }

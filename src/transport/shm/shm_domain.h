@@ -1,0 +1,132 @@
+// The same-host transport (Config::provider "shm"; docs/shm.md): processes of one host, through
+// shared-memory rings that no process ever locks, robust to a peer's death by construction.
+//
+// Writes are receiver-driven: the writer posts a command; the receiver's worker checks the key
+// against its live registrations, copies the bytes (process_vm_readv from the writer, or
+// chunks carried in the ring), only then counts the immediate, and acknowledges. A write's
+// completion therefore means the bytes are in the receiver's memory.
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/domain.h"
+#include "transport/shm/shm_ring.h"
+
+namespace fabric::transport {
+
+// One process-wide mapping of a region (shm_domain.cc).
+struct ShmMapping;
+
+// DomainInfo::provider of this transport (and so the provider its addresses carry).
+inline constexpr const char* kShmProviderInfo = "shm (fabric)";
+
+class ShmDomain final : public Domain {
+ public:
+  // The region's name prefix in /dev/shm (the full name adds pid, a random instance, an index).
+  static constexpr const char* kNamePrefix = "fabric-shm.";
+  // nic: "shm" or empty (the transport has one NIC per host; each open makes a new endpoint).
+  // ring_bytes: per inbound slot, a power of two (tests use small rings).
+  static Result<std::unique_ptr<ShmDomain>> open(const std::string& nic,
+                                                 uint64_t ring_bytes = kDefaultRingBytes);
+  ~ShmDomain() override;
+
+  static constexpr uint64_t kDefaultRingBytes = 512 << 10;
+
+  const DomainInfo& info() const override { return info_; }
+  const Bytes& endpoint_name() const override { return name_bytes_; }
+
+  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override;
+  Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
+  void forget_peer(PeerHandle peer) override;
+
+  PostResult post_write(const WriteRequest& req) override;
+  PostResult post_send(const SendRequest& req) override;
+  PostResult post_recv(const RecvRequest& req) override;
+  size_t poll(std::span<Completion> out) override;
+  // A datagram socket in the abstract namespace (no file): senders that published records
+  // while this endpoint was about to block send it a byte. -1 where it could not be bound.
+  int wait_fd() const override { return doorbell_; }
+  bool ready_to_wait() override;
+  void close() override;
+
+  // What came in so far: writes copied from the writer's memory (process_vm_readv) and write
+  // bytes that came through the ring instead.
+  struct Stats {
+    uint64_t cma_writes = 0;
+    uint64_t ring_write_bytes = 0;
+  };
+  const Stats& stats() const { return stats_; }
+  // The region's name (without the leading '/').
+  const std::string& region_name() const { return name_; }
+  // Removes regions in /dev/shm that processes now dead left behind (SIGKILL skips close());
+  // returns how many. Run by open().
+  static int remove_dead_regions();
+
+ private:
+  struct Registry;
+  struct Remote;
+  struct Inbound;
+  struct TxItem;
+  struct Pending {
+    PeerHandle peer;
+    uint64_t wr_id;
+    uint64_t bytes;
+  };
+
+  ShmDomain() = default;
+  Result<Remote*> connect(const std::string& name);
+  Remote* find_remote(PeerHandle peer);
+  void fail_remote(Remote& r, const std::string& why);
+  bool remote_gone(Remote& r, std::string& why);
+  void pump(Remote& r);
+  bool push_item(Remote& r, TxItem& item);
+  void consume(uint32_t slot, Inbound& in, uint64_t& budget);
+  void start_claim(uint32_t slot, Inbound& in, uint64_t word);
+  void on_write(Inbound& in, const shm::Record& rec, const std::byte* payload);
+  void on_send(Inbound& in, const shm::Record& rec, const std::byte* payload);
+  void on_ack(const shm::Record& rec);
+  void acknowledge(Inbound& in, uint64_t seq, ErrorCode code);
+  void release(Remote& r);
+  void ring(Remote& r);
+  bool work_pending() const;
+  ErrorCode check_access(uint64_t addr, uint64_t length, uint64_t key) const;
+  PostResult post(PeerHandle peer, uint64_t wr_id, TxItem item);
+
+  DomainInfo info_;
+  std::string name_;  // region name, no leading '/'
+  Bytes name_bytes_;  // endpoint name: "/" + name_
+  uint64_t ring_bytes_ = 0;
+  std::shared_ptr<ShmMapping> mapping_;  // our region (shared with this process's peers)
+  void* base_ = nullptr;
+  uint64_t size_ = 0;
+  shm::RegionHeader* header_ = nullptr;
+  int doorbell_ = -1;
+  bool closed_ = false;
+  bool unlinked_ = false;
+  uint32_t pid_ = 0;
+  uint64_t start_time_ = 0;
+  uint64_t probe_value_ = 0;  // read by peers through process_vm_readv to test CMA
+
+  std::shared_ptr<Registry> registry_;
+  uint64_t next_key_ = 0;
+  uint64_t next_seq_ = 1;
+  PeerHandle next_handle_ = 1;
+
+  std::map<PeerHandle, std::unique_ptr<Remote>> remotes_;
+  std::unordered_map<std::string, PeerHandle> by_name_;
+  std::unordered_map<uint64_t, Pending> pending_;  // by sequence number
+  std::vector<std::unique_ptr<Inbound>> inbound_;  // one per slot of our region
+  std::deque<RecvRequest> recvs_;                  // posted receives, in order
+  std::deque<Bytes> unexpected_;                   // messages that came before a receive
+  std::deque<Completion> ready_;                   // completions poll() has yet to hand out
+  std::chrono::steady_clock::time_point now_{};
+  Stats stats_;
+};
+
+}  // namespace fabric::transport
