@@ -67,10 +67,10 @@ class TransferEngine {
   TransferEngine& operator=(const TransferEngine&) = delete;
 
   // Stops accepting submissions (from the moment it is called, every new call that needs the
-  // engine open returns kClosed at once, however many threads keep submitting); lets posted work requests finish for up to
-  // Config::close_timeout, then cancels the rest (their on_error gets kCancelled); runs every
-  // pending callback; joins the threads. No callback runs after close() returns. Idempotent.
-  // Must not be called from a callback.
+  // engine open returns kClosed at once, however many threads keep submitting); lets posted work
+  // requests finish for up to Config::close_timeout, then cancels the rest (their on_error gets
+  // kCancelled); runs every pending callback; joins the threads. No callback runs after close()
+  // returns. Idempotent. Must not be called from a callback.
   void close();
 
   size_t num_groups() const;

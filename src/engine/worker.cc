@@ -742,7 +742,7 @@ void Worker::repost_copy(Op& op, uint32_t to) {
   ++abandoned_;
   Op& copy = t.retries.emplace_back(op);
   copy.abandoned = false;
-  copy.lone = false;  // a fresh post on another NIC, not an isolation retry
+  copy.lone = false;    // a fresh post on another NIC, not an isolation retry
   copy.send_slot = -1;  // the original keeps its buffer until the provider lets go of it
   copy.queue = nullptr;
   copy.prev = copy.next = nullptr;
