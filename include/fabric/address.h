@@ -38,7 +38,7 @@ struct Origin {
   uint64_t netns = 0;                   // inode of /proc/self/ns/net
   uint64_t pidns = 0;                   // inode of /proc/self/ns/pid
   uint32_t pid = 0;
-  uint64_t start_time = 0;  // the process's start, in clock ticks after boot (/proc/<pid>/stat)
+  uint64_t start_time = 0;  // the process's start, in clock ticks after boot (/proc/PID/stat)
   uint64_t instance = 0;    // random, one per engine device group
 
   // This process, with the given instance id. Fields the system does not show stay zero.
