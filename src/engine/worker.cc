@@ -74,20 +74,11 @@ Result<std::unique_ptr<Worker>> Worker::create(
     w->domains_.push_back(std::move(d));
   }
   // Registered send buffers, on every NIC: a message goes over the first NIC that is up.
-  auto pool = std::make_unique<SendPool>();
-  pool->slot_bytes = round_up(config.max_message_bytes + kMessageHeaderBytes, kBufferAlignment);
-  const uint64_t total = pool->slot_bytes * std::max<uint32_t>(config.send_buffers, 1);
-  pool->storage.reset(static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, total)));
-  for (auto& d : w->domains_) {
-    auto reg = d.domain->register_memory(pool->storage.get(), total);
-    if (!reg) return reg.status();
-    pool->regs.push_back(std::move(*reg));
-  }
-  for (int32_t i = static_cast<int32_t>(std::max<uint32_t>(config.send_buffers, 1)) - 1; i >= 0;
-       --i) {
-    pool->free.push_back(i);
-  }
-  w->send_pool_ = std::move(pool);
+  w->send_pool_ = std::make_unique<SendPool>();
+  w->send_pool_->slot_bytes =
+      round_up(config.max_message_bytes + kMessageHeaderBytes, kBufferAlignment);
+  w->send_pool_->per_chunk = std::max<uint32_t>(config.send_buffers, 1);
+  if (Status s = w->add_send_chunk(); !s) return s;
   // The engine's own receive buffers on every NIC, posted before anything can be sent here.
   for (uint32_t i = 0; i < w->domains_.size(); ++i) {
     auto control = w->make_pool(i, config.max_message_bytes + kMessageHeaderBytes,
@@ -356,15 +347,24 @@ transport::PostResult Worker::post(DomainState& d, Op& op, transport::PeerHandle
   }
   // A send takes a registered buffer for as long as it is posted.
   if (op.send_slot < 0) {
-    if (send_pool_->free.empty()) return transport::PostResult::again();
-    op.send_slot = send_pool_->free.back();
-    send_pool_->free.pop_back();
-    std::byte* buf =
-        send_pool_->storage.get() + static_cast<uint64_t>(op.send_slot) * send_pool_->slot_bytes;
+    SendPool& pool = *send_pool_;
+    if (pool.free.empty()) {
+      // Slots held by sends abandoned on a dead NIC may never come back soon: grow (bounded).
+      if (abandoned_ == 0 || pool.chunks.size() >= kMaxSendChunks) {
+        return transport::PostResult::again();
+      }
+      if (Status s = add_send_chunk(); !s) {
+        detail::log().warn("group {}: could not add send buffers: {}", group_, s.to_string());
+        return transport::PostResult::again();
+      }
+    }
+    op.send_slot = pool.free.back();
+    pool.free.pop_back();
+    std::byte* buf = pool.at(op.send_slot);
     std::memcpy(buf, op.message->data(), op.message->size());
     op.local = buf;
   }
-  op.local_desc = send_pool_->regs[op.domain]->local_desc();  // the op may have moved NICs
+  op.local_desc = send_pool_->desc(op.send_slot, op.domain);  // the op may have moved NICs
   return d.domain->post_send(
       {reinterpret_cast<uint64_t>(&op), op.local, op.length, op.local_desc, peer});
 }
@@ -531,6 +531,24 @@ void Worker::on_recv(const transport::Completion& c, uint32_t domain) {
                          static_cast<unsigned>(kind));
   }
   repost(slot);
+}
+
+Status Worker::add_send_chunk() {
+  SendPool& pool = *send_pool_;
+  SendPool::Chunk chunk;
+  const uint64_t total = pool.slot_bytes * pool.per_chunk;
+  chunk.storage.reset(static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, total)));
+  for (auto& d : domains_) {
+    auto reg = d.domain->register_memory(chunk.storage.get(), total);
+    if (!reg) return reg.status();
+    chunk.regs.push_back(std::move(*reg));
+  }
+  const auto first = static_cast<int32_t>(pool.chunks.size() * pool.per_chunk);
+  pool.chunks.push_back(std::move(chunk));
+  for (int32_t i = static_cast<int32_t>(pool.per_chunk) - 1; i >= 0; --i) {
+    pool.free.push_back(first + i);
+  }
+  return Status::ok();
 }
 
 void Worker::release_send_slot(Op& op) {
@@ -753,8 +771,21 @@ void Worker::repost_copy(Op& op, uint32_t to) {
 }
 
 void Worker::reroute_messages(uint32_t nic, PeerQueue& q) {
-  const uint32_t to = other_up_nic(nic);
-  if (to == nic) return;
+  // Only to a NIC whose own work towards the same peer is not stalled too: messages moved onto
+  // a queue that is as late as this one would be moved back at the next look (a busy or slow
+  // machine stalls every NIC at once; then it is peer_timeout's call).
+  std::vector<bool> up(domains_.size());
+  for (size_t i = 0; i < up.size(); ++i) {
+    up[i] = !domains_[i].down && i != nic;
+    for (auto& [p2, q2] : domains_[i].queues) {
+      if (up[i] && q2.owner == q.owner && (q2.inflight_count > 0 || !q2.ops.empty()) &&
+          now_ - q2.last_progress > config_.nic_timeout) {
+        up[i] = false;
+      }
+    }
+  }
+  const uint32_t to = failover_nic(nic, up, failover_salt_++);
+  if (to == nic || !up[to]) return;
   std::vector<Op*> unposted, posted;
   std::erase_if(q.ops, [&](Op* op) {
     const bool move = op->kind == Op::Kind::kSend && movable(*op);

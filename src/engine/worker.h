@@ -212,12 +212,27 @@ class Worker {
     std::unique_ptr<cuda::Copier> copier;
     bool commits;  // tokens are CommitJobs (device-bound copies), else Gates
   };
+  // Registered send buffers, in chunks of `per_chunk` slots. A send abandoned on a NIC that
+  // died keeps its slot until that NIC's provider lets go of it, which may take minutes: the
+  // pool then grows by a chunk (at most kMaxSendChunks) so its copy on a live NIC can go out.
   struct SendPool {
-    Buffer storage;
-    std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;  // one per NIC
+    struct Chunk {
+      Buffer storage;
+      std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;  // one per NIC
+    };
+    std::vector<Chunk> chunks;
     std::vector<int32_t> free;
     uint64_t slot_bytes = 0;
+    uint32_t per_chunk = 0;
+    std::byte* at(int32_t slot) const {
+      return chunks[slot / per_chunk].storage.get() + (slot % per_chunk) * slot_bytes;
+    }
+    void* desc(int32_t slot, uint32_t nic) const {
+      return chunks[slot / per_chunk].regs[nic]->local_desc();
+    }
   };
+  static constexpr size_t kMaxSendChunks = 8;
+  Status add_send_chunk();
 
   Worker(uint32_t group, const Config& config, int cpu);
   void run_on_worker(std::function<void()> fn);

@@ -292,8 +292,9 @@ class Sender {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the last churn settles
     for (int r = 0; r < kReceivers; ++r) refresh(r);
     killed_ = true;
-    std::thread killer([this] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20 + pick(0, 80)));
+    const auto delay = std::chrono::milliseconds(20 + pick(0, 80));  // rng_ is this thread's
+    std::thread killer([this, delay] {
+      std::this_thread::sleep_for(delay);
       ::kill(victim_, SIGKILL);
     });
     for (auto until = Clock::now() + half; Clock::now() < until && next_ < limit;) {
