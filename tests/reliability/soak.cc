@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -112,7 +113,10 @@ std::vector<std::byte> make_message(uint64_t seq, size_t n) {
   return m;
 }
 
-int run_receiver(int fd, const std::string& provider, uint64_t seed) {
+int run_receiver(int fd, const std::string& provider, uint64_t seed, pid_t sender) {
+  // A sender that dies without stopping its receivers (a crash, a sanitizer report) takes
+  // them with it: they hold its output open, and ctest would wait for them until its timeout.
+  if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != sender) return 3;
   Shared* sh = map_shared(fd);
   if (sh == nullptr) return 3;
   auto fail = [&](const Status& s) {
@@ -650,10 +654,11 @@ int run_sender(const Options& o, const char* self) {
       return 2;
     }
     std::string fd_arg = std::to_string(fd), seed = std::to_string(o.seed * 10 + r + 1);
-    std::string provider = o.provider;
+    std::string provider = o.provider, parent = std::to_string(getpid());
     char receiver_flag[] = "--receiver";
-    char* argv[] = {const_cast<char*>(self), receiver_flag, fd_arg.data(),
-                    provider.data(),         seed.data(),   nullptr};
+    char* argv[] = {
+        const_cast<char*>(self), receiver_flag, fd_arg.data(), provider.data(), seed.data(),
+        parent.data(),           nullptr};
     if (posix_spawn(&pids[r], self, nullptr, nullptr, argv, environ) != 0) {
       std::perror("fabric_soak: spawn");
       return 2;
@@ -732,8 +737,9 @@ int run_sender(const Options& o, const char* self) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 5 && std::string(argv[1]) == "--receiver") {
-    return run_receiver(std::stoi(argv[2]), argv[3], std::stoull(argv[4]));
+  if (argc == 6 && std::string(argv[1]) == "--receiver") {
+    return run_receiver(std::stoi(argv[2]), argv[3], std::stoull(argv[4]),
+                        static_cast<pid_t>(std::stol(argv[5])));
   }
   Options o;
   for (int i = 1; i < argc; ++i) {
