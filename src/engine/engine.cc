@@ -148,7 +148,8 @@ class EngineImpl {
   mutable std::mutex regions_mu_;
   std::unordered_map<uint64_t, std::shared_ptr<LocalRegion>> regions_;
   mutable std::mutex groups_mu_;
-  std::unordered_map<uint64_t, std::vector<Address>> peer_groups_;
+  // Shared, so a scatter or barrier takes a reference, not a copy of every member.
+  std::unordered_map<uint64_t, std::shared_ptr<const std::vector<Address>>> peer_groups_;
   std::atomic<uint64_t> next_region_{1};
   std::atomic<uint64_t> next_transfer_{1};
   std::atomic<uint64_t> next_peer_group_{1};
@@ -497,7 +498,7 @@ Result<PeerGroup> EngineImpl::add_peer_group(std::vector<Address> peers) {
   }
   PeerGroup g{next_peer_group_.fetch_add(1)};
   std::lock_guard gl(groups_mu_);
-  peer_groups_.emplace(g.id, std::move(peers));
+  peer_groups_.emplace(g.id, std::make_shared<const std::vector<Address>>(std::move(peers)));
   return g;
 }
 
@@ -618,9 +619,9 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
   auto shards = engine::plan_single_up(w.length, workers_[group]->up_nics(), w.routing,
                                        next_rotation(group), shard_params(group), weights(group));
   auto t = new_transfer(std::move(cb));
-  t->src = *src;
+  t->src = std::move(*src);
   t->dsts.push_back(w.dst);
-  add_writes(*t, **src, w.src_offset, 0, w.dst_offset, shards, w.imm, group);
+  add_writes(*t, *t->src, w.src_offset, 0, w.dst_offset, shards, w.imm, group);
   return hand_over(group, std::move(t));
 }
 
@@ -666,7 +667,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
                                w.page_bytes, region);
   };
   auto t = new_transfer(std::move(cb));
-  t->src = *src;
+  t->src = std::move(*src);
   t->dsts.push_back(w.dst);
   const RemoteMemory& dst = t->dsts.back();
   t->ops.resize(w.src_pages.size());
@@ -676,7 +677,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t so = 0, d_off = 0;
       if (Status s =
-              page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset, (*src)->length, so);
+              page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset, t->src->length, so);
           !s) {
         return s;
       }
@@ -691,9 +692,9 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
       op.peer = &dst.owner().nics()[rail].name;
       op.owner = &dst.owner();
       op.dst_mem = &dst;
-      op.local = (*src)->host + so;
+      op.local = t->src->host + so;
       op.length = w.page_bytes;
-      op.local_desc = (*src)->regs[run.domain]->local_desc();
+      op.local_desc = t->src->regs[run.domain]->local_desc();
       op.remote_addr = dst.rails()[rail].addr + d_off;
       op.remote_key = dst.rails()[rail].key;
       if (dst.staged_region() != 0) {  // the owner counts one arrival per page after its copy
@@ -718,7 +719,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   if (!src) return src.status();
   const uint32_t group = (*src)->group;
   if (sc.targets.empty()) return invalid("scatter: no targets");
-  std::vector<Address> members;
+  std::shared_ptr<const std::vector<Address>> group_members;
   {
     std::lock_guard gl(groups_mu_);
     auto it = peer_groups_.find(sc.group.id);
@@ -726,8 +727,9 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
       return Status(ErrorCode::kNotFound,
                     fmt::format("scatter: peer group {} does not exist", sc.group.id));
     }
-    members = it->second;
+    group_members = it->second;
   }
+  const std::vector<Address>& members = *group_members;
   auto in_range = [](uint64_t offset, uint64_t length, uint64_t region) {
     return offset <= region && length <= region - offset;
   };
@@ -763,8 +765,9 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   const std::vector<bool> up = workers_[group]->up_nics();
   const std::vector<uint64_t> rates = weights(group);
   auto t = new_transfer(std::move(cb));
-  t->src = *src;
+  t->src = std::move(*src);
   t->dsts.reserve(sc.targets.size());
+  t->ops.reserve(sc.targets.size());  // one op per target when pinned; more when sharded
   for (size_t i = 0; i < sc.targets.size(); ++i) {
     const ScatterTarget& tg = sc.targets[i];
     t->dsts.push_back(tg.dst);
@@ -774,7 +777,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
                                 : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));
     auto shards = engine::plan_single_up(tg.length, up, routing,
                                          rotation + static_cast<uint32_t>(i), params, rates);
-    add_writes(*t, **src, tg.src_offset, dst_index, tg.dst_offset, shards, sc.imm, group);
+    add_writes(*t, *t->src, tg.src_offset, dst_index, tg.dst_offset, shards, sc.imm, group);
   }
   return hand_over(group, std::move(t));
 }
@@ -795,12 +798,13 @@ Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
       return Status(ErrorCode::kNotFound,
                     fmt::format("barrier: peer group {} does not exist", b.group.id));
     }
-    t->peers = it->second;
+    t->peers = *it->second;
   }
+  // A barrier on a NIC that is down goes over a surviving one.
+  const uint32_t nic = engine::failover_nic(b.nic, workers_[b.local_group]->up_nics(), 0);
+  t->ops.reserve(t->peers.size());
   for (const Address& peer : t->peers) {
     if (Status s = check_peer(peer, b.local_group, "barrier"); !s) return s;
-    // A barrier on a NIC that is down goes over a surviving one.
-    const uint32_t nic = engine::failover_nic(b.nic, workers_[b.local_group]->up_nics(), 0);
     t->ops.push_back(zero_byte_imm(*t, b.local_group, nic, peer, b.imm));
   }
   return hand_over(b.local_group, std::move(t));

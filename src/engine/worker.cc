@@ -140,7 +140,8 @@ void Worker::submit(std::unique_ptr<Transfer> transfer) {
     inbox_transfers_.push_back(std::move(transfer));
     inbox_nonempty_.store(true);
   }
-  if (sleeping_.load()) {
+  // One wake-up per sleep: the submitter that clears the flag writes, the others need not.
+  if (sleeping_.load() && sleeping_.exchange(false)) {
     uint64_t one = 1;
     [[maybe_unused]] ssize_t n = ::write(event_fd_, &one, sizeof(one));
   }
@@ -159,7 +160,8 @@ void Worker::run_on_worker(std::function<void()> fn) {
     fn();  // not running: nothing else touches the domains
     return;
   }
-  if (sleeping_.load()) {
+  // One wake-up per sleep: the submitter that clears the flag writes, the others need not.
+  if (sleeping_.load() && sleeping_.exchange(false)) {
     uint64_t one = 1;
     [[maybe_unused]] ssize_t n = ::write(event_fd_, &one, sizeof(one));
   }
@@ -266,6 +268,9 @@ void Worker::run() {
     now_ = std::chrono::steady_clock::now();  // one clock read per pass
     bool active = drain_inbox();
     if (!stopping_ && stop_requested_.load()) begin_stop();
+    // Post before polling: a fresh submission reaches the wire without waiting for a pass of
+    // polls (each of which runs the provider's progress), and polls then see it sooner.
+    for (auto& d : domains_) active |= post_some(d);
     for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
     if (!copiers_.empty()) active |= poll_copies();
     for (auto& d : domains_) active |= post_some(d);
@@ -281,16 +286,16 @@ void Worker::run() {
 
 bool Worker::drain_inbox() {
   if (!inbox_nonempty_.load()) return false;
-  std::vector<std::unique_ptr<Transfer>> transfers;
-  std::vector<std::function<void()>> commands;
   {
     std::lock_guard lock(inbox_mu_);
-    transfers.swap(inbox_transfers_);
-    commands.swap(inbox_commands_);
+    drained_transfers_.swap(inbox_transfers_);
+    drained_commands_.swap(inbox_commands_);
     inbox_nonempty_.store(false);
   }
-  for (auto& c : commands) c();
-  for (auto& t : transfers) start_transfer(std::move(t));
+  for (auto& c : drained_commands_) c();
+  for (auto& t : drained_transfers_) start_transfer(std::move(t));
+  drained_commands_.clear();  // keeps their capacity for the next swap
+  drained_transfers_.clear();
   return true;
 }
 
@@ -1144,8 +1149,10 @@ void Worker::idle(bool active) {
     ::ppoll(fds, nfds, &ts, nullptr);
   }
   sleeping_.store(false);
-  uint64_t drained = 0;
-  [[maybe_unused]] ssize_t n = ::read(event_fd_, &drained, sizeof(drained));
+  if (fds[0].revents & POLLIN) {  // a submitter wrote: consume it (no read when it did not)
+    uint64_t drained = 0;
+    [[maybe_unused]] ssize_t n = ::read(event_fd_, &drained, sizeof(drained));
+  }
 }
 
 }  // namespace fabric::engine

@@ -355,8 +355,14 @@ class Worker {
   std::mutex inbox_mu_;
   std::vector<std::unique_ptr<Transfer>> inbox_transfers_;
   std::vector<std::function<void()>> inbox_commands_;
+  // The worker's side of the inbox: swapped with the inbox under the lock, emptied, and swapped
+  // back at the next drain, so neither side allocates once both have grown.
+  std::vector<std::unique_ptr<Transfer>> drained_transfers_;
+  std::vector<std::function<void()>> drained_commands_;
   std::atomic<bool> inbox_nonempty_{false};
-  std::atomic<bool> sleeping_{false};
+  // Written by the worker around each sleep and read by every submitter: a line of its own.
+  alignas(64) std::atomic<bool> sleeping_{false};
+  char sleeping_pad_[64 - sizeof(std::atomic<bool>)];
   std::atomic<bool> stop_requested_{false};
   std::atomic<bool> running_{false};
   int event_fd_ = -1;
