@@ -102,6 +102,23 @@ struct Config {
   // spare: 50 us took shm imm round trips from 19.7 to 13.3 us p50 on a 16-core host, and from
   // 23 to 316 us on two cores (README, "Engine tuning").
   std::chrono::microseconds callback_spin{0};
+  // Run completion callbacks (on_done, on_error), expect_imm callbacks and the unexpected-imm
+  // handler on the worker thread that saw them, as soon as it does, instead of handing them to
+  // the callback thread: no thread hop and no wake-up between an arrival and its callback (an
+  // imm round trip's answer goes out from the worker). Such a callback must be short and must
+  // not block: it may submit, expect_imm, read counts, addresses and stats. Calls that would
+  // wait for a worker refuse there: register_memory and unregister_memory return
+  // InvalidArgument, close() logs an error and returns, wait_imm does not wait (it returns
+  // whether the count is reached now). Destroying the engine from such a callback is not
+  // allowed. A callback that throws is caught and logged. expect_imm callbacks already due when
+  // expect_imm is called, and callbacks of transfers cancelled by close(), still run on the
+  // callback thread.
+  // Environment: FABRIC_CALLBACKS_ON_WORKER=0|1.
+  bool callbacks_on_worker = false;
+  // wait_imm polls for this long before it sleeps, so that an arrival soon after the call is
+  // seen without a wake-up of the waiting thread. Zero (the default): sleep at once. Like
+  // callback_spin, worth it only where cores are to spare. Environment: FABRIC_WAIT_SPIN_US.
+  std::chrono::microseconds wait_spin{0};
 
   // Two-sided messages: largest message submit_send accepts, and how many send buffers of
   // that size each group keeps registered (more sends than that wait for a free buffer).

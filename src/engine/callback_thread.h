@@ -32,10 +32,11 @@ class CallbackThread {
   // returns no job runs. Must not be called from a job.
   void drain_and_stop();
   bool on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  // Runs one job here, catching and logging what it throws (Config::callbacks_on_worker).
+  static void run_one(Job& job);
 
  private:
   void run();
-  static void run_one(Job& job);
 
   const std::chrono::microseconds spin_;
   std::mutex mu_;

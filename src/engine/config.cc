@@ -73,6 +73,14 @@ Status Config::apply_env_overrides() {
     if (Status s = parse_int("FABRIC_CALLBACK_SPIN_US", v, 0, kMaxIdleMicros, n); !s) return s;
     callback_spin = std::chrono::microseconds(n);
   }
+  if (const char* v = std::getenv("FABRIC_WAIT_SPIN_US"); v && *v) {
+    if (Status s = parse_int("FABRIC_WAIT_SPIN_US", v, 0, kMaxIdleMicros, n); !s) return s;
+    wait_spin = std::chrono::microseconds(n);
+  }
+  if (const char* v = std::getenv("FABRIC_CALLBACKS_ON_WORKER"); v && *v) {
+    if (Status s = parse_int("FABRIC_CALLBACKS_ON_WORKER", v, 0, 1, n); !s) return s;
+    callbacks_on_worker = n != 0;
+  }
   if (const char* v = std::getenv("FABRIC_WEIGHTED_SHARDING"); v && *v) {
     if (Status s = parse_int("FABRIC_WEIGHTED_SHARDING", v, 0, 1, n); !s) return s;
     weighted_sharding = n != 0;

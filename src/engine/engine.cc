@@ -84,6 +84,8 @@ class EngineImpl {
   void set_unexpected_imm_handler(std::function<void(uint32_t)> handler);
   uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
   bool wait_imm(uint32_t imm, uint64_t total, std::chrono::milliseconds timeout) const {
+    // On a worker (Config::callbacks_on_worker) no arrival can be counted while it waits.
+    if (engine::on_worker_thread()) return imms_.count(imm) >= total;
     return imms_.wait(imm, total, timeout);
   }
   void reset_imm(uint32_t imm) { imms_.reset(imm); }
@@ -129,8 +131,11 @@ class EngineImpl {
   std::unique_ptr<engine::CallbackThread> callbacks_;
   engine::ImmCounters imms_;
   std::mutex unexpected_mu_;
-  std::function<void(uint32_t)> unexpected_handler_;
+  // Shared, so that each batch of arrivals takes a reference, not a copy of the handler.
+  std::shared_ptr<const std::function<void(uint32_t)>> unexpected_handler_;
   std::atomic<bool> has_unexpected_handler_{false};
+  // On a worker: immediates that arrived with no expectation, for the user's handler.
+  void on_unexpected(std::vector<uint32_t>& imms);
   std::vector<std::unique_ptr<engine::Worker>> workers_;
   std::vector<GroupInfo> infos_;
   std::vector<bool> direct_;  // per group: its NICs register CUDA memory themselves
@@ -187,6 +192,7 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
   std::unique_ptr<EngineImpl> e(new EngineImpl(config));
   e->tag_ = std::random_device{}() & 0xffffff;
   e->callbacks_ = std::make_unique<engine::CallbackThread>(config.callback_spin);
+  e->imms_.set_wait_spin(config.wait_spin);
   e->rotations_ = std::make_unique<std::atomic<uint32_t>[]>(config.groups.size());
 
   const std::vector<int> allowed = topology::allowed_cpus();
@@ -260,25 +266,14 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
     info.gpu_memory = direct ? "direct (FI_HMEM)" : "staged";
     e->direct_.push_back(direct);
 
-    engine::WorkerServices services{e->callbacks_.get(), &e->imms_,
-                                    [raw = e.get()](std::vector<uint32_t>& imms) {
-                                      if (!raw->has_unexpected_handler_.load()) return;
-                                      raw->callbacks_->push([raw, v = imms] {
-                                        std::function<void(uint32_t)> h;
-                                        {
-                                          std::lock_guard lock(raw->unexpected_mu_);
-                                          h = raw->unexpected_handler_;
-                                        }
-                                        if (h) {
-                                          for (uint32_t imm : v) h(imm);
-                                        }
-                                      });
-                                    },
-                                    [raw = e.get()](uint64_t id) -> std::shared_ptr<LocalRegion> {
-                                      std::lock_guard lock(raw->regions_mu_);
-                                      auto it = raw->regions_.find(id);
-                                      return it == raw->regions_.end() ? nullptr : it->second;
-                                    }};
+    engine::WorkerServices services{
+        e->callbacks_.get(), &e->imms_,
+        [raw = e.get()](std::vector<uint32_t>& imms) { raw->on_unexpected(imms); },
+        [raw = e.get()](uint64_t id) -> std::shared_ptr<LocalRegion> {
+          std::lock_guard lock(raw->regions_mu_);
+          auto it = raw->regions_.find(id);
+          return it == raw->regions_.end() ? nullptr : it->second;
+        }};
     auto w = engine::Worker::create(g, config, cpu, std::move(domains), std::move(services));
     if (!w) return w.status();
     std::vector<NicAddress> nic_addrs;
@@ -303,6 +298,12 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
 }
 
 void EngineImpl::close() {
+  if (engine::on_worker_thread()) {
+    detail::log().error(
+        "TransferEngine::close() called from a callback on the worker thread; ignored (it would "
+        "deadlock)");
+    return;
+  }
   if (callbacks_ && callbacks_->on_this_thread()) {
     detail::log().error(
         "TransferEngine::close() called from a callback; ignored (it would deadlock)");
@@ -407,7 +408,18 @@ TransferId EngineImpl::hand_over(uint32_t group, std::unique_ptr<Transfer> t) {
 
 // --- memory and peers -----------------------------------------------------------------------
 
+namespace {
+// Config::callbacks_on_worker: a callback running on a worker cannot wait for a worker.
+Status refused_on_worker(const char* call) {
+  return Status(ErrorCode::kInvalidArgument,
+                fmt::format("{} called from a callback running on the worker thread "
+                            "(Config::callbacks_on_worker): it would wait for that thread",
+                            call));
+}
+}  // namespace
+
 Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uint32_t group) {
+  if (engine::on_worker_thread()) return refused_on_worker("register_memory");
   auto lock = enter();
   if (!lock) return closed();
   if (Status s = check_group(group); !s) return s;
@@ -460,6 +472,7 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uin
 }
 
 Status EngineImpl::unregister_memory(MemoryHandle handle) {
+  if (engine::on_worker_thread()) return refused_on_worker("unregister_memory");
   std::shared_ptr<LocalRegion> region;
   {
     auto found = find_region(handle);
@@ -885,7 +898,30 @@ Status EngineImpl::expect_imm(uint32_t imm, uint64_t count, std::function<void()
 void EngineImpl::set_unexpected_imm_handler(std::function<void(uint32_t)> handler) {
   std::lock_guard lock(unexpected_mu_);
   has_unexpected_handler_.store(static_cast<bool>(handler));
-  unexpected_handler_ = std::move(handler);
+  unexpected_handler_ =
+      handler ? std::make_shared<const std::function<void(uint32_t)>>(std::move(handler)) : nullptr;
+}
+
+void EngineImpl::on_unexpected(std::vector<uint32_t>& imms) {
+  if (!has_unexpected_handler_.load()) return;
+  auto handler = [this] {
+    std::lock_guard lock(unexpected_mu_);
+    return unexpected_handler_;
+  };
+  if (config_.callbacks_on_worker) {
+    if (auto h = handler()) {
+      for (uint32_t imm : imms) {
+        engine::CallbackThread::Job job = [&h, imm] { (*h)(imm); };
+        engine::CallbackThread::run_one(job);
+      }
+    }
+    return;
+  }
+  callbacks_->push([handler, v = imms] {
+    if (auto h = handler()) {
+      for (uint32_t imm : v) (*h)(imm);
+    }
+  });
 }
 
 // --- TransferEngine -------------------------------------------------------------------------

@@ -73,14 +73,34 @@ uint64_t ImmCounters::count(uint32_t imm) const {
 }
 
 bool ImmCounters::wait(uint32_t imm, uint64_t total, std::chrono::milliseconds timeout) const {
-  std::unique_lock lock(mu_);
-  ++waiters_;
-  bool reached = cv_.wait_for(lock, timeout, [&] {
+  auto reached = [&] {
     auto it = entries_.find(imm);
     return (it == entries_.end() ? 0 : it->second.arrived) >= total;
-  });
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock lock(mu_);
+  if (reached()) return true;
+  if (wait_spin_.count() > 0) {
+    // Look again only when some arrival was recorded (total_ moves before the lock is taken).
+    uint64_t seen = total_.load(std::memory_order_acquire);
+    const auto spin_until = start + std::min<std::chrono::microseconds>(wait_spin_, timeout);
+    lock.unlock();
+    while (std::chrono::steady_clock::now() < spin_until) {
+      const uint64_t now_total = total_.load(std::memory_order_acquire);
+      if (now_total == seen) continue;
+      seen = now_total;
+      lock.lock();
+      if (reached()) return true;
+      lock.unlock();
+    }
+    lock.lock();
+  }
+  const auto left = timeout - std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  std::chrono::steady_clock::now() - start);
+  ++waiters_;
+  bool ok = cv_.wait_for(lock, std::max(left, std::chrono::milliseconds(0)), reached);
   --waiters_;
-  return reached;
+  return ok;
 }
 
 void ImmCounters::reset(uint32_t imm) {

@@ -30,7 +30,10 @@ class ImmCounters {
   Status expect(uint32_t imm, uint64_t count, Callback cb, std::vector<Callback>& due);
   Status cancel(uint32_t imm);
   uint64_t count(uint32_t imm) const;
+  // Polls for up to the wait spin (set_wait_spin) before it sleeps: an arrival soon after the
+  // call is seen without a wake-up.
   bool wait(uint32_t imm, uint64_t total, std::chrono::milliseconds timeout) const;
+  void set_wait_spin(std::chrono::microseconds spin) { wait_spin_ = spin; }
   void reset(uint32_t imm);
   // Drops every pending expectation (engine close); returns how many there were.
   size_t clear_expectations();
@@ -52,6 +55,7 @@ class ImmCounters {
   mutable int waiters_ = 0;
   std::unordered_map<uint32_t, Entry> entries_;
   std::atomic<uint64_t> total_{0};
+  std::chrono::microseconds wait_spin_{0};
 };
 
 }  // namespace fabric::engine

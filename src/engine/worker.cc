@@ -257,7 +257,25 @@ void Worker::repost(RecvSlot& slot) {
 
 // --- the loop -------------------------------------------------------------------------------
 
+namespace {
+thread_local bool tls_on_worker = false;
+}  // namespace
+
+bool on_worker_thread() {
+  return tls_on_worker;
+}
+
+void Worker::run_jobs() {
+  if (!config_.callbacks_on_worker || stopping_) {
+    services_.callbacks->push(jobs_);
+    return;
+  }
+  for (auto& job : jobs_) CallbackThread::run_one(job);
+  jobs_.clear();
+}
+
 void Worker::run() {
+  tls_on_worker = true;
   pthread_setname_np(pthread_self(), fmt::format("fabric-w{}", group_).c_str());
   if (cpu_ >= 0) {
     Status s = topology::pin_current_thread(cpu_);
@@ -275,7 +293,7 @@ void Worker::run() {
     if (!copiers_.empty()) active |= poll_copies();
     for (auto& d : domains_) active |= post_some(d);
     watch_peers();
-    if (!jobs_.empty()) services_.callbacks->push(jobs_);
+    if (!jobs_.empty()) run_jobs();
     if (stopping_ && (posted_ == abandoned_ || now_ >= stop_deadline_)) {
       break;
     }

@@ -84,6 +84,9 @@ struct WorkerServices {
   std::function<std::shared_ptr<LocalRegion>(uint64_t id)> find_region;
 };
 
+// True on a worker thread (of any engine): the engine's blocking calls refuse to run there.
+bool on_worker_thread();
+
 class Worker {
  public:
   // Takes ownership of the group's domains (rail order) and registers a scratch buffer on
@@ -349,6 +352,8 @@ class Worker {
   std::vector<transport::Completion> completions_;
   std::vector<uint32_t> imm_batch_;
   std::vector<CallbackThread::Job> jobs_;
+  // Hands jobs_ to the callback thread, or runs them here (Config::callbacks_on_worker).
+  void run_jobs();
   std::vector<uint32_t> unexpected_;
 
   // Inbox, shared with submitting threads.
