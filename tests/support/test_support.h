@@ -35,7 +35,6 @@ constexpr int kSlowdown = 1;
 constexpr bool kSanitized = false;
 #endif
 
-
 using namespace std::chrono_literals;
 
 struct Backend {
