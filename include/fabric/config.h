@@ -27,6 +27,13 @@ struct GroupConfig {
   static constexpr int kCpuAuto = -1;
   static constexpr int kCpuNone = -2;
   int cpu = kCpuAuto;
+  // Caller-driven progress: the group starts no worker thread; a thread of the caller's (a GPU
+  // proxy thread, an event loop) drives it with TransferEngine::progress(group), which posts,
+  // polls and runs the group's callbacks on that thread (as with Config::callbacks_on_worker).
+  // Nothing moves between calls, and peer and NIC timeouts are noticed only inside them: call
+  // it often. Blocking calls (register_memory, unregister_memory, wait_imm, close) drive the
+  // group themselves while they wait. `cpu` is ignored (the caller's thread is not pinned).
+  bool caller_progress = false;
 };
 
 // What the fault-injection wrapper does to every domain of the engine (tests only; off by

@@ -158,6 +158,17 @@ class TransferEngine {
   // Forgets the tally and any expectation of imm.
   void reset_imm(uint32_t imm);
 
+  // --- caller-driven progress ---------------------------------------------------------------
+
+  // For a group created with GroupConfig::caller_progress (it has no worker thread): one pass
+  // of its loop on this thread, which posts what was submitted, polls the NICs, counts
+  // arrivals and runs the callbacks that are due, here. Returns whether the pass did
+  // anything. One thread at a time per group: a call while another thread is in a pass of the
+  // same group returns false at once. Returns false for a group that is not caller-driven,
+  // that does not exist, or once close() has begun. Callbacks it runs are under the rules of
+  // Config::callbacks_on_worker.
+  bool progress(uint32_t group = 0);
+
   // --- statistics ---------------------------------------------------------------------------
 
   // What the engine has done since it was created, per device group (fabric/stats.h): relaxed

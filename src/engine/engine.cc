@@ -86,7 +86,20 @@ class EngineImpl {
   bool wait_imm(uint32_t imm, uint64_t total, std::chrono::milliseconds timeout) const {
     // On a worker (Config::callbacks_on_worker) no arrival can be counted while it waits.
     if (engine::on_worker_thread()) return imms_.count(imm) >= total;
-    return imms_.wait(imm, total, timeout);
+    if (!any_caller_driven_) return imms_.wait(imm, total, timeout);
+    // Caller-driven groups count arrivals only in passes: drive them while waiting.
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (imms_.count(imm) >= total) return true;
+      if (std::chrono::steady_clock::now() >= until) return false;
+      bool active = false;
+      for (const auto& w : workers_) active |= w->progress();
+      if (!active) std::this_thread::yield();
+    }
+  }
+  bool progress(uint32_t group) {
+    if (group >= workers_.size() || closing_.load()) return false;
+    return workers_[group]->progress();
   }
   void reset_imm(uint32_t imm) { imms_.reset(imm); }
   EngineStats stats() const { return stats_.snapshot(imms_.total()); }
@@ -137,6 +150,7 @@ class EngineImpl {
   // On a worker: immediates that arrived with no expectation, for the user's handler.
   void on_unexpected(std::vector<uint32_t>& imms);
   std::vector<std::unique_ptr<engine::Worker>> workers_;
+  bool any_caller_driven_ = false;  // some group has GroupConfig::caller_progress
   std::vector<GroupInfo> infos_;
   std::vector<bool> direct_;  // per group: its NICs register CUDA memory themselves
   std::vector<Address> addresses_;
@@ -286,6 +300,7 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
         Origin::of_this_process((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()));
     (*w)->set_address(e->addresses_.back());
     e->infos_.push_back(std::move(info));
+    e->any_caller_driven_ |= (*w)->caller_driven();
     e->workers_.push_back(std::move(*w));
   }
   for (auto& w : e->workers_) w->start();
@@ -490,7 +505,13 @@ Status EngineImpl::unregister_memory(MemoryHandle handle) {
   std::promise<void> released;
   std::future<void> done = released.get_future();
   region->on_released = [&released] { released.set_value(); };
+  engine::Worker* worker = region->worker;
   region.reset();
+  // A caller-driven group releases it in a pass: drive them (the holders complete there too).
+  if (worker != nullptr) {
+    worker->progress_until(
+        [&done] { return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
+  }
   done.wait();
   return Status::ok();
 }
@@ -1002,6 +1023,9 @@ uint64_t TransferEngine::imm_count(uint32_t imm) const {
 bool TransferEngine::wait_imm(uint32_t imm, uint64_t total,
                               std::chrono::milliseconds timeout) const {
   return impl_->wait_imm(imm, total, timeout);
+}
+bool TransferEngine::progress(uint32_t group) {
+  return impl_->progress(group);
 }
 void TransferEngine::reset_imm(uint32_t imm) {
   impl_->reset_imm(imm);

@@ -46,7 +46,10 @@ LocalRegion::~LocalRegion() {
 }
 
 Worker::Worker(uint32_t group, const Config& config, int cpu)
-    : group_(group), config_(config), cpu_(cpu) {}
+    : group_(group),
+      config_(config),
+      cpu_(cpu),
+      caller_driven_(group < config.groups.size() && config.groups[group].caller_progress) {}
 
 Result<std::unique_ptr<Worker>> Worker::create(
     uint32_t group, const Config& config, int cpu,
@@ -108,15 +111,69 @@ Worker::~Worker() {
 
 void Worker::start() {
   running_.store(true);
+  if (caller_driven_) {
+    last_active_ = std::chrono::steady_clock::now();
+    return;  // TransferEngine::progress drives it
+  }
   thread_ = std::thread([this] { run(); });
 }
 
+namespace {
+thread_local bool tls_on_worker = false;
+
+// Marks the current thread as running a worker pass (restored after: a caller-driven pass may
+// run on a thread that also does other work).
+class OnWorker {
+ public:
+  OnWorker() : saved_(tls_on_worker) { tls_on_worker = true; }
+  ~OnWorker() { tls_on_worker = saved_; }
+  OnWorker(const OnWorker&) = delete;
+  OnWorker& operator=(const OnWorker&) = delete;
+
+ private:
+  bool saved_;
+};
+}  // namespace
+
+bool on_worker_thread() {
+  return tls_on_worker;
+}
+
+bool Worker::progress() {
+  if (!caller_driven_ || !running_.load()) return false;
+  std::unique_lock lock(pass_mu_, std::try_to_lock);
+  if (!lock || stopping_) return false;
+  OnWorker on_worker;
+  bool finished = false;
+  return pass(finished);
+}
+
+void Worker::progress_until(const std::function<bool()>& done) {
+  if (!caller_driven_) return;
+  while (!done()) {
+    if (!progress()) std::this_thread::yield();
+  }
+}
+
 void Worker::stop() {
-  if (!thread_.joinable()) return;
-  stop_requested_.store(true);
-  uint64_t one = 1;
-  [[maybe_unused]] ssize_t n = ::write(event_fd_, &one, sizeof(one));
-  thread_.join();
+  if (caller_driven_) {
+    if (!running_.load()) return;
+    stop_requested_.store(true);
+    {
+      std::lock_guard lock(pass_mu_);
+      OnWorker on_worker;
+      for (bool finished = false; !finished;) {
+        if (!pass(finished)) std::this_thread::yield();
+      }
+      finish_stop();
+    }
+  } else {
+    if (!thread_.joinable()) return;
+    stop_requested_.store(true);
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(event_fd_, &one, sizeof(one));
+    thread_.join();
+  }
   std::vector<std::unique_ptr<Transfer>> transfers;
   std::vector<std::function<void()>> commands;
   {
@@ -257,16 +314,8 @@ void Worker::repost(RecvSlot& slot) {
 
 // --- the loop -------------------------------------------------------------------------------
 
-namespace {
-thread_local bool tls_on_worker = false;
-}  // namespace
-
-bool on_worker_thread() {
-  return tls_on_worker;
-}
-
 void Worker::run_jobs() {
-  if (!config_.callbacks_on_worker || stopping_) {
+  if ((!config_.callbacks_on_worker && !caller_driven_) || stopping_) {
     services_.callbacks->push(jobs_);
     return;
   }
@@ -275,7 +324,7 @@ void Worker::run_jobs() {
 }
 
 void Worker::run() {
-  tls_on_worker = true;
+  OnWorker on_worker;
   pthread_setname_np(pthread_self(), fmt::format("fabric-w{}", group_).c_str());
   if (cpu_ >= 0) {
     Status s = topology::pin_current_thread(cpu_);
@@ -283,23 +332,28 @@ void Worker::run() {
   }
   last_active_ = std::chrono::steady_clock::now();
   for (;;) {
-    now_ = std::chrono::steady_clock::now();  // one clock read per pass
-    bool active = drain_inbox();
-    if (!stopping_ && stop_requested_.load()) begin_stop();
-    // Post before polling: a fresh submission reaches the wire without waiting for a pass of
-    // polls (each of which runs the provider's progress), and polls then see it sooner.
-    for (auto& d : domains_) active |= post_some(d);
-    for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
-    if (!copiers_.empty()) active |= poll_copies();
-    for (auto& d : domains_) active |= post_some(d);
-    watch_peers();
-    if (!jobs_.empty()) run_jobs();
-    if (stopping_ && (posted_ == abandoned_ || now_ >= stop_deadline_)) {
-      break;
-    }
+    bool finished = false;
+    const bool active = pass(finished);
+    if (finished) break;
     idle(active);
   }
   finish_stop();
+}
+
+bool Worker::pass(bool& finished) {
+  now_ = std::chrono::steady_clock::now();  // one clock read per pass
+  bool active = drain_inbox();
+  if (!stopping_ && stop_requested_.load()) begin_stop();
+  // Post before polling: a fresh submission reaches the wire without waiting for a pass of
+  // polls (each of which runs the provider's progress), and polls then see it sooner.
+  for (auto& d : domains_) active |= post_some(d);
+  for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
+  if (!copiers_.empty()) active |= poll_copies();
+  for (auto& d : domains_) active |= post_some(d);
+  watch_peers();
+  if (!jobs_.empty()) run_jobs();
+  finished = stopping_ && (posted_ == abandoned_ || now_ >= stop_deadline_);
+  return active;
 }
 
 bool Worker::drain_inbox() {

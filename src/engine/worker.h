@@ -130,8 +130,20 @@ class Worker {
     std::packaged_task<R()> task(std::forward<F>(fn));
     auto fut = task.get_future();
     run_on_worker([&task] { task(); });
+    progress_until(
+        [&fut] { return fut.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
     return fut.get();
   }
+  // GroupConfig::caller_progress: the group has no thread of its own.
+  bool caller_driven() const { return caller_driven_; }
+  // One pass of the loop on the calling thread (caller-driven groups): drains submissions,
+  // posts, polls and runs the callbacks due. False when it did nothing, when another thread is
+  // in a pass, or when the group is not caller-driven or has stopped.
+  bool progress();
+  // Caller-driven groups: drives passes (or lets the thread that is driving them work) until
+  // `done` holds. Worker-thread groups: returns at once (their thread makes the progress; the
+  // caller waits by its own means).
+  void progress_until(const std::function<bool()>& done);
   // Releases provider registrations on the worker thread (or inline when it is not running),
   // then the staging mirror they registered, if any, then runs `done` (may be null).
   void release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs,
@@ -240,6 +252,8 @@ class Worker {
   Worker(uint32_t group, const Config& config, int cpu);
   void run_on_worker(std::function<void()> fn);
   void run();
+  // One pass of the loop: true when it did something; `finished` once a stop has completed.
+  bool pass(bool& finished);
   bool drain_inbox();
   void start_transfer(std::unique_ptr<Transfer> t);
   void enqueue(Op& op);
@@ -372,6 +386,8 @@ class Worker {
   std::atomic<bool> running_{false};
   int event_fd_ = -1;
   std::thread thread_;
+  bool caller_driven_ = false;
+  std::mutex pass_mu_;  // caller-driven: held by the thread in a pass
 };
 
 }  // namespace fabric::engine
