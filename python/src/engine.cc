@@ -983,6 +983,18 @@ void bind_engine(py::module_& m) {
           "pending expectation (it is still counted). Replaces any previous handler; None "
           "removes it.")
       .def(
+          "progress",
+          [](PyEngine& e, uint32_t group) {
+            py::gil_scoped_release nogil;  // the callbacks it runs take the GIL themselves
+            return e.engine().progress(group);
+          },
+          py::arg("group") = 0,
+          "For a group created with GroupConfig(caller_progress=True), which has no worker "
+          "thread: one pass of its loop on this thread (posts, polls, counts arrivals, runs the "
+          "callbacks due, here). Returns whether it did anything; False for a group that is not "
+          "caller-driven or once the engine is closing. Futures of such a group complete only "
+          "while some thread calls it; wait_imm, register and unregister drive it themselves.")
+      .def(
           "imm_count", [](const PyEngine& e, uint32_t imm) { return e.engine().imm_count(imm); },
           py::arg("imm"),
           "Arrivals of `imm` since the engine started (or reset_imm). Non-blocking.")

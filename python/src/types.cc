@@ -352,15 +352,22 @@ void bind_config(py::module_& m) {
   group_config.attr("CPU_AUTO") = GroupConfig::kCpuAuto;
   group_config.attr("CPU_NONE") = GroupConfig::kCpuNone;
   group_config
-      .def(py::init([](std::optional<std::vector<std::string>> nics, int cpu) {
-             GroupConfig g;
-             if (nics) g.nics = std::move(*nics);
-             g.cpu = cpu;
-             return g;
-           }),
-           py::arg("nics") = py::none(), py::arg("cpu") = GroupConfig::kCpuAuto,
-           "nics: domain names ('lo', 'shm', 'eth0', ...; none: the provider's first); cpu: "
-           "CPU_AUTO, CPU_NONE or a CPU number for the worker thread.")
+      .def(
+          py::init([](std::optional<std::vector<std::string>> nics, int cpu, bool caller_progress) {
+            GroupConfig g;
+            if (nics) g.nics = std::move(*nics);
+            g.cpu = cpu;
+            g.caller_progress = caller_progress;
+            return g;
+          }),
+          py::arg("nics") = py::none(), py::arg("cpu") = GroupConfig::kCpuAuto,
+          py::arg("caller_progress") = false,
+          "nics: domain names ('lo', 'shm', 'eth0', ...; none: the provider's first); cpu: "
+          "CPU_AUTO, CPU_NONE or a CPU number for the worker thread; caller_progress: no "
+          "worker thread, TransferEngine.progress() drives the group.")
+      .def_readwrite("caller_progress", &GroupConfig::caller_progress,
+                     "No worker thread: the caller's thread drives the group with "
+                     "TransferEngine.progress(group), and its callbacks run there.")
       .def_readwrite("nics", &GroupConfig::nics,
                      "Domain names as libfabric reports them; empty: the provider's first. A NIC "
                      "may be listed twice. Assign a new list (in-place edits of the returned "
@@ -498,6 +505,9 @@ void bind_config(py::module_& m) {
       config, "callback_spin",
       "How long the callback thread polls for more callbacks before sleeping (timedelta or "
       "seconds).");
+  duration_property<std::chrono::microseconds, &Config::wait_spin>(
+      config, "wait_spin",
+      "How long wait_imm polls before it sleeps (timedelta or seconds; 0: sleep at once).");
   duration_property<std::chrono::milliseconds, &Config::peer_timeout>(
       config, "peer_timeout",
       "A peer silent this long with work outstanding is declared unreachable (timedelta or "

@@ -251,6 +251,40 @@ def test_register_ptr(pair):
     assert (owner == 9).all()
 
 
+# --- caller-driven progress ---------------------------------------------------------------------
+
+
+def test_caller_progress_group_is_driven_by_progress(provider):
+    """A group with no worker thread: futures complete, and callbacks run, on the thread that
+    calls progress(); wait_imm drives it itself; progress() on a worker-thread group is False."""
+    config = make_config(provider)
+    config.groups[0].caller_progress = True
+    assert config.groups[0].caller_progress
+    with open_engine_or_skip(provider) as b:
+        try:
+            a = fabric_lib.TransferEngine(config)
+        except fabric_lib.Unsupported as e:
+            pytest.skip(f"provider {provider} not available here: {e}")
+        with a:
+            src = a.register(np.arange(1 << 16, dtype=np.uint32).view(np.uint8))
+            dst_array = np.zeros(1 << 18, dtype=np.uint8)
+            dst = b.register(dst_array)
+            ran_on = []
+            t = a.write(src, dst.descriptor, imm=61,
+                        on_done=lambda: ran_on.append(threading.get_ident()))
+            for _ in range(200000):
+                if t.done():
+                    break
+                a.progress()
+            assert t.done(), "the write did not complete while its group was driven"
+            t.result(0)
+            assert ran_on == [threading.get_ident()]
+            assert b.wait_imm(61, 1, TIMEOUT)
+            assert (dst_array == np.arange(1 << 16, dtype=np.uint32).view(np.uint8)).all()
+            assert not b.progress(), "b has a worker thread"
+            assert not a.progress(5), "no group 5"
+
+
 # --- futures and immediates ---------------------------------------------------------------------
 
 
