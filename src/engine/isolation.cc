@@ -131,7 +131,15 @@ void Worker::lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& statu
     return;
   }
   if (status.code() == ErrorCode::kRemoteAccess || !suspect_code(status.code()) || stopping_) {
-    complete_op(op, status);  // refused alone: this one is at fault
+    // Refused alone: this one is at fault. A provider that drops the connection on a refused
+    // key (libfabric tcp) just did so again: the next work towards the peer waits until the
+    // connection is made afresh, instead of failing on the dropped one.
+    if (status.code() == ErrorCode::kRemoteAccess && !stopping_) {
+      q.broken = true;
+      q.not_before = now_ + kFirstBackoff;
+      make_ready(d, q);
+    }
+    complete_op(op, status);
     return;
   }
   // Failed alone, not as a refused key: bad key or unreachable peer? A check tells.

@@ -52,7 +52,8 @@ struct PeerQueue {
   std::chrono::steady_clock::time_point not_before;
   std::chrono::microseconds backoff{0};
 
-  bool isolating() const { return !suspects.empty() || check != nullptr; }
+  // Also while a reset is due: nothing more is posted on a connection a refusal broke.
+  bool isolating() const { return !suspects.empty() || check != nullptr || broken; }
 
   void link(Op& op) {
     op.queue = this;
