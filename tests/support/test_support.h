@@ -15,25 +15,9 @@
 #include <vector>
 
 #include "fabric/fabric.h"
+#include "slowdown.h"
 
 namespace fabric::testing {
-
-// Sanitizers slow everything down; bounds that are about time get this factor.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr int kSlowdown = 4;
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr int kSlowdown = 4;
-constexpr bool kSanitized = true;
-#else
-constexpr int kSlowdown = 1;
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr int kSlowdown = 1;
-constexpr bool kSanitized = false;
-#endif
 
 using namespace std::chrono_literals;
 
