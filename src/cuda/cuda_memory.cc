@@ -72,6 +72,17 @@ class CudaCopier final : public Copier {
     return Status::ok();
   }
 
+  Status copy_device(std::byte* dst, const std::byte* src, uint64_t bytes) override {
+    if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
+      return cuda_error("cudaSetDevice", err);
+    }
+    if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
+        err != cudaSuccess) {
+      return cuda_error("cudaMemcpyAsync (device to device)", err);
+    }
+    return Status::ok();
+  }
+
   Status fence(uint64_t token) override {
     cudaEvent_t e = nullptr;
     if (!free_events_.empty()) {

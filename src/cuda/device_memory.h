@@ -67,6 +67,9 @@ class Copier {
 
   // `device_ptr` is the device side, `host_ptr` the pinned host side.
   virtual Status copy(void* device_ptr, std::byte* host_ptr, uint64_t bytes, Direction dir) = 0;
+  // Device to device (the CUDA IPC path): both addresses are device memory mapped in this
+  // process, `src` possibly a peer process's memory mapped by ipc_open (cuda/ipc.h).
+  virtual Status copy_device(std::byte* dst, const std::byte* src, uint64_t bytes) = 0;
   virtual Status fence(uint64_t token) = 0;
   // Appends completed fences to `done`; returns how many it appended.
   virtual size_t poll(std::vector<Done>& done) = 0;

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "cuda/device_memory.h"
+#include "cuda/ipc.h"
 #include "fabric/testing.h"
 
 namespace fabric {
@@ -123,6 +124,18 @@ class FakeCopier final : public Copier {
     }
     return Status::ok();
   }
+  Status copy_device(std::byte* dst, const std::byte* src, uint64_t bytes) override {
+    std::byte* to = backing_of(dst, bytes);
+    std::byte* from = backing_of(src, bytes);
+    if (to == nullptr || from == nullptr) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("fake device copy of {} bytes from {} to {}: not fake device "
+                                "memory",
+                                bytes, static_cast<const void*>(src), static_cast<void*>(dst)));
+    }
+    std::memmove(to, from, bytes);
+    return Status::ok();
+  }
   Status fence(uint64_t token) override {
     fences_.push_back({token, false});
     return Status::ok();
@@ -149,6 +162,85 @@ class FakeCopier final : public Copier {
 };
 
 }  // namespace
+
+// The double's CUDA IPC export: the address of its allocation, mappable only in this process
+// (where it is the same address).
+Result<IpcExport> fake_ipc_export(void* ptr, uint64_t length) {
+  const auto* p = static_cast<const std::byte*>(ptr);
+  std::lock_guard lock(registry_mu());
+  auto& r = registry();
+  auto it = r.upper_bound(p);
+  if (it == r.begin()) {
+    return Status(ErrorCode::kUnsupported, "not fake device memory");
+  }
+  --it;
+  const uint64_t off = static_cast<uint64_t>(p - it->first);
+  if (off >= it->second.size || length > it->second.size - off) {
+    return Status(ErrorCode::kUnsupported, "not fake device memory");
+  }
+  IpcExport e;
+  e.kind = IpcExport::Kind::kFake;
+  const auto base = reinterpret_cast<uint64_t>(it->first);
+  e.handle.resize(sizeof(base));
+  std::memcpy(e.handle.data(), &base, sizeof(base));
+  e.offset = off;
+  return e;
+}
+
+Result<std::byte*> fake_ipc_open(const IpcExport& e) {
+  uint64_t base = 0;
+  if (e.handle.size() != sizeof(base)) {
+    return Status(ErrorCode::kRemoteAccess, "malformed fake CUDA IPC handle");
+  }
+  std::memcpy(&base, e.handle.data(), sizeof(base));
+  auto* p = reinterpret_cast<std::byte*>(base);
+  std::lock_guard lock(registry_mu());
+  if (registry().count(p) == 0) {
+    return Status(ErrorCode::kRemoteAccess,
+                  fmt::format("fake device allocation {:#x} is not mapped in this process (freed, "
+                              "or exported by another process)",
+                              base));
+  }
+  return p;
+}
+
+Result<IpcExport> ipc_export(const PointerInfo& memory, void* ptr, uint64_t length) {
+  switch (memory.kind) {
+    case MemoryKind::kFake:
+      return fake_ipc_export(ptr, length);
+    case MemoryKind::kCuda:
+      return cuda_ipc_export(memory.device, ptr, length);
+    case MemoryKind::kHost:
+      break;
+  }
+  return Status(ErrorCode::kUnsupported, "host memory has no CUDA IPC export");
+}
+
+bool ipc_reachable(const PointerInfo& local, const DeviceUuid& peer) {
+  switch (local.kind) {
+    case MemoryKind::kFake:
+      return peer == DeviceUuid{};
+    case MemoryKind::kCuda:
+      return cuda_ipc_reachable(local.device, peer);
+    case MemoryKind::kHost:
+      break;
+  }
+  return false;
+}
+
+Result<std::byte*> ipc_open(const IpcExport& e, const PointerInfo& into) {
+  if (e.kind == IpcExport::Kind::kFake && into.kind == MemoryKind::kFake) return fake_ipc_open(e);
+  if (e.kind == IpcExport::Kind::kCuda && into.kind == MemoryKind::kCuda) {
+    return cuda_ipc_open(e, into.device);
+  }
+  return Status(ErrorCode::kUnsupported,
+                fmt::format("a CUDA IPC export of kind {} cannot be mapped for memory of kind {}",
+                            static_cast<int>(e.kind), static_cast<int>(into.kind)));
+}
+
+void ipc_close(const IpcExport& e) {
+  if (e.kind == IpcExport::Kind::kCuda) cuda_ipc_close(e);
+}
 
 Result<std::unique_ptr<Copier>> make_fake_copier() {
   return std::unique_ptr<Copier>(new FakeCopier());
