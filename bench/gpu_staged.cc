@@ -52,6 +52,8 @@ bool g_staged = false;
 fabric::Config config_for(const std::string& provider) {
   fabric::Config c;
   c.gpu_direct = !g_staged;
+  // --staged measures the staged path: the CUDA IPC path (same-host GPU peers) off too.
+  c.cuda_ipc = g_staged ? fabric::Config::CudaIpc::kOff : fabric::Config::CudaIpc::kAuto;
   c.provider = provider;
   c.groups[0].nics = {provider == "tcp" ? "lo" : provider};
   c.groups[0].cpu = fabric::GroupConfig::kCpuNone;
@@ -214,10 +216,10 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Waiter w;
 
-  std::printf(
-      "fabric-bench-gpu: provider %s, %s\n", engine->group_info().provider.c_str(),
-      fmt::format("two processes on one GPU, GPU memory path: {}", engine->group_info().gpu_memory)
-          .c_str());
+  std::printf("fabric-bench-gpu: provider %s, %s\n", engine->group_info().provider.c_str(),
+              fmt::format("two processes on one GPU, GPU memory path: {}, CUDA IPC: {}",
+                          engine->group_info().gpu_memory, engine->group_info().cuda_ipc)
+                  .c_str());
   if (op == "staged" || op == "all") {
     constexpr uint64_t kPage = 64 * 1024, kStride = kPage;
     constexpr uint32_t kPages = 512;  // 32 MiB of pages per transfer
@@ -257,8 +259,23 @@ int main(int argc, char** argv) {
       }
       return std::chrono::duration<double>(Clock::now() - t0).count();
     };
-    std::printf("\n%-28s %12s %12s %12s %8s\n", "GPU->GPU", "bytes", "ours GB/s", "memcpy GB/s",
-                "ratio");
+    // The same bytes copied device to device in this process (one cudaMemcpyAsync per page):
+    // what the CUDA IPC path can reach on one GPU.
+    auto run_d2d = [&](bool paged) {
+      const auto t0 = Clock::now();
+      if (paged) {
+        for (uint32_t p : pages) {
+          CUDA_OK(cudaMemcpyAsync(base_dst + p * kStride, src + p * kStride, kPage,
+                                  cudaMemcpyDeviceToDevice, stream));
+        }
+      } else {
+        CUDA_OK(cudaMemcpyAsync(base_dst, src, kSingle, cudaMemcpyDeviceToDevice, stream));
+      }
+      CUDA_OK(cudaStreamSynchronize(stream));
+      return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    std::printf("\n%-28s %12s %12s %12s %8s %10s\n", "GPU->GPU", "bytes", "ours GB/s",
+                "memcpy GB/s", "ratio", "d2d GB/s");
     for (bool paged : {true, false}) {
       const uint64_t total = paged ? kPages * kPage : kSingle;
       run_ours(paged);  // warm-up, then verify once
@@ -273,16 +290,54 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "verification failed: a page differs\n");
         return 1;
       }
-      std::vector<double> ours, base;
+      std::vector<double> ours, base, d2d;
       for (int i = 0; i < iters; ++i) {  // interleaved
         ours.push_back(run_ours(paged));
         base.push_back(run_base(paged));
+        d2d.push_back(run_d2d(paged));
       }
       const double o = total / median(ours) / 1e9, b = total / median(base) / 1e9;
-      std::printf("%-28s %12llu %12.2f %12.2f %8.2f\n",
+      std::printf("%-28s %12llu %12.2f %12.2f %8.2f %10.2f\n",
                   paged ? "paged 64 KiB x 512" : "single 32 MiB",
-                  static_cast<unsigned long long>(total), o, b, o / b);
+                  static_cast<unsigned long long>(total), o, b, o / b, total / median(d2d) / 1e9);
     }
+    // Single writes by size, against a device-to-device copy of the same bytes, and the time
+    // from submit to on_done of a 4 KiB write with an immediate (the owner's copy, its count
+    // of the immediate and its acknowledgment included).
+    std::printf("\n%-28s %12s %12s %12s\n", "single write", "bytes", "ours GB/s", "d2d GB/s");
+    for (uint64_t n : {uint64_t{4} << 10, uint64_t{64} << 10, uint64_t{1} << 20, uint64_t{16} << 20,
+                       uint64_t{64} << 20}) {
+      std::vector<double> ours, d2d;
+      for (int i = 0; i < iters + 1; ++i) {
+        w.reset();
+        auto t0 = Clock::now();
+        must(engine->submit(fabric::SingleWrite{reg.handle, 0, dst, 0, n, 2, {}}, w.callbacks()),
+             "submit");
+        w.wait(1);
+        if (i > 0) ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        t0 = Clock::now();
+        CUDA_OK(cudaMemcpyAsync(base_dst, src, n, cudaMemcpyDeviceToDevice, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (i > 0) d2d.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      std::printf("%-28s %12llu %12.2f %12.2f\n", "single", static_cast<unsigned long long>(n),
+                  n / median(ours) / 1e9, n / median(d2d) / 1e9);
+    }
+    std::vector<double> lat;
+    for (int i = 0; i < 2000; ++i) {
+      w.reset();
+      const auto t0 = Clock::now();
+      must(engine->submit(fabric::SingleWrite{reg.handle, 0, dst, 0, 4096, 3, {}}, w.callbacks()),
+           "submit");
+      w.wait(1);
+      lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    std::printf("4 KiB write + immediate, submit to on_done: p50 %.1f us (2000 sequential)\n",
+                median(lat) * 1e6);
+    const fabric::GroupStats st = engine->stats().groups[0];
+    std::printf("transfers over CUDA IPC: %llu of %llu\n",
+                static_cast<unsigned long long>(st.cuda_ipc_transfers),
+                static_cast<unsigned long long>(st.transfers_submitted));
   }
 
   if (op == "pipeline" || op == "all") {

@@ -1,0 +1,239 @@
+// The CUDA IPC path with CUDA memory between two processes (docs/cuda-ipc.md): this process and
+// a fabric_test_peer whose buffer is cudaMalloc memory (FABRIC_TEST_PEER_MEMORY=cuda), on the
+// same host; on a one-GPU machine both use the same GPU. Data is checked on the device. Skipped
+// without a CUDA device (the path's logic runs in CI on the FakeDeviceBuffer double:
+// tests/conformance/cuda_ipc_test.cc).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <random>
+
+#include "peer_process.h"
+#include "test_support.h"
+
+namespace fabric::testing {
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+struct Gpu {
+  void* ptr = nullptr;
+  uint64_t size = 0;
+  Registration reg;
+  ~Gpu() {
+    if (ptr) cudaFree(ptr);
+  }
+  std::vector<std::byte> read(uint64_t off, uint64_t len) const {
+    std::vector<std::byte> out(len);
+    EXPECT_EQ(
+        cudaMemcpy(out.data(), static_cast<std::byte*>(ptr) + off, len, cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    return out;
+  }
+};
+
+std::unique_ptr<Gpu> make_gpu(TransferEngine& e, uint64_t n, uint64_t seed) {
+  auto g = std::make_unique<Gpu>();
+  g->size = n;
+  EXPECT_EQ(cudaMalloc(&g->ptr, n), cudaSuccess);
+  std::vector<std::byte> init(n, std::byte{0});
+  if (seed != 0) fill_pattern(init.data(), n, seed);
+  EXPECT_EQ(cudaMemcpy(g->ptr, init.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
+  auto r = e.register_memory(g->ptr, n);
+  EXPECT_TRUE(r) << r.status().to_string();
+  if (r) g->reg = *r;
+  return g;
+}
+
+uint64_t device_fnv(const Gpu& g, uint64_t off, uint64_t len) {
+  auto bytes = g.read(off, len);
+  return fnv1a(bytes.data(), len);
+}
+
+const std::vector<Backend>& ipc_backends() {
+  static const std::vector<Backend> b = {{"shm", "shm", false}, {"tcp", "tcp", false}};
+  return b;
+}
+
+class CudaIpcCuda : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) {
+      cudaGetLastError();
+      GTEST_SKIP() << "no CUDA device here (the CUDA IPC path runs in CI on the FakeDeviceBuffer "
+                      "double: tests/conformance/cuda_ipc_test.cc)";
+    }
+    auto e = TransferEngine::create(make_config(GetParam()));
+    ASSERT_TRUE(e) << e.status().to_string();
+    engine_ = std::move(*e);
+    start_peer(peer_, peer_memory_);
+  }
+  void start_peer(PeerProcess& p, RemoteMemory& memory) {
+    PeerOptions o;
+    o.env = {"FABRIC_TEST_PEER_MEMORY=cuda"};
+    ASSERT_TRUE(p.start(GetParam(), kPeerBytes, o));
+    auto addr = Address::from_hex(p.read_value("address"));
+    ASSERT_TRUE(addr) << addr.status().to_string();
+    auto mem = RemoteMemory::from_hex(p.read_value("memory"));
+    ASSERT_TRUE(mem) << mem.status().to_string();
+    memory = *mem;
+    ASSERT_EQ(p.read_line(), "ready");
+  }
+  uint64_t ipc_transfers() const { return engine_->stats().groups[0].cuda_ipc_transfers; }
+
+  static constexpr uint64_t kPeerBytes = 64 << 20;
+  std::unique_ptr<TransferEngine> engine_;
+  PeerProcess peer_;
+  RemoteMemory peer_memory_;
+};
+
+TEST_P(CudaIpcCuda, SingleAndPagedWritesLandInThePeersGpu) {
+  ASSERT_TRUE(peer_memory_.cuda_ipc()) << "the peer's CUDA memory has no CUDA IPC section";
+  auto src = make_gpu(*engine_, kPeerBytes, 21);
+  uint32_t imm = 1;
+  for (uint64_t n : {uint64_t{4096}, uint64_t{1} << 20, uint64_t{40} << 20}) {
+    SCOPED_TRACE(::testing::Message() << n << " bytes");
+    Probe done;
+    ASSERT_TRUE(engine_->submit(SingleWrite{src->reg.handle, 0, peer_memory_, 0, n, imm, {}},
+                                done.callbacks()));
+    ASSERT_TRUE(done.wait()) << done.wait().to_string();
+    peer_.send("expect " + std::to_string(imm) + " 1");
+    EXPECT_EQ(peer_.read_line(), "got " + std::to_string(imm) + " 1");
+    peer_.send("checksum 0 " + std::to_string(n));
+    EXPECT_EQ(peer_.read_value("checksum"), std::to_string(device_fnv(*src, 0, n)));
+    ++imm;
+  }
+  EXPECT_EQ(ipc_transfers(), 3u);
+  // 512 pages of 16 KiB in a random order, one arrival each.
+  constexpr uint64_t kPage = 16384;
+  constexpr uint32_t kPages = 512;
+  std::vector<uint32_t> pages(kPages);
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), std::mt19937(3));
+  const uint64_t base = 40 << 20;
+  Probe paged;
+  ASSERT_TRUE(engine_->submit(
+      PagedWrite{src->reg.handle, peer_memory_, kPage, pages, kPage, 0, pages, kPage, base, 50},
+      paged.callbacks()));
+  ASSERT_TRUE(paged.wait()) << paged.wait().to_string();
+  peer_.send("expect 50 " + std::to_string(kPages));
+  EXPECT_EQ(peer_.read_line(), "got 50 " + std::to_string(kPages));
+  peer_.send("checksum " + std::to_string(base) + " " + std::to_string(kPages * kPage));
+  EXPECT_EQ(peer_.read_value("checksum"), std::to_string(device_fnv(*src, 0, kPages * kPage)));
+  EXPECT_EQ(ipc_transfers(), 4u);
+}
+
+TEST_P(CudaIpcCuda, ScatterImmOnlyAndBarrier) {
+  auto src = make_gpu(*engine_, 1 << 20, 5);
+  auto group = engine_->add_peer_group({peer_memory_.owner()});
+  ASSERT_TRUE(group);
+  Counter c;
+  ASSERT_TRUE(engine_->submit(
+      Scatter{src->reg.handle, *group, {{peer_memory_, 1 << 20, 0, 4096}}, 60, {}}, c.callbacks()));
+  ASSERT_TRUE(engine_->submit(ImmWrite{peer_memory_.owner(), 61, 0, 0}, c.callbacks()));
+  ASSERT_TRUE(engine_->submit(Barrier{*group, 62, 0, 0}, c.callbacks()));
+  ASSERT_TRUE(c.wait_total(3));
+  EXPECT_EQ(c.done(), 3) << c.first_error().to_string();
+  for (int imm : {60, 61, 62}) {
+    peer_.send("expect " + std::to_string(imm) + " 1");
+    EXPECT_EQ(peer_.read_line(), "got " + std::to_string(imm) + " 1");
+  }
+  peer_.send("checksum 4096 " + std::to_string(1 << 20));
+  EXPECT_EQ(peer_.read_value("checksum"), std::to_string(device_fnv(*src, 0, 1 << 20)));
+}
+
+// The peer writes from its GPU into this process's GPU: this engine maps the peer's export and
+// copies. Then the peer unregisters its buffer while this process has it mapped, and this
+// process keeps working.
+TEST_P(CudaIpcCuda, PeerWritesIntoThisGpuThenUnregistersWhileMapped) {
+  auto dst = make_gpu(*engine_, 8 << 20, 0);
+  peer_.send("fill 77");
+  ASSERT_EQ(peer_.read_line(), "filled");
+  peer_.send("write " + to_hex(dst->reg.descriptor.encode()) + " 100 200 " +
+             std::to_string(5 << 20) + " 31");
+  ASSERT_EQ(peer_.read_line(), "done");
+  ASSERT_TRUE(engine_->wait_imm(31, 1, 20s));
+  std::vector<std::byte> expected(kPeerBytes);
+  fill_pattern(expected.data(), kPeerBytes, 77);
+  auto got = dst->read(200, 5 << 20);
+  EXPECT_EQ(0, std::memcmp(got.data(), expected.data() + 100, 5 << 20));
+  peer_.send("unregister");
+  ASSERT_EQ(peer_.read_line(), "unregistered");
+  // A write into the peer's unregistered buffer fails alone, clearly; nothing is counted.
+  auto src = make_gpu(*engine_, 4096, 3);
+  Probe stale;
+  ASSERT_TRUE(engine_->submit(SingleWrite{src->reg.handle, 0, peer_memory_, 0, 4096, 32, {}},
+                              stale.callbacks()));
+  Status s = stale.wait();
+  EXPECT_EQ(s.code(), ErrorCode::kRemoteAccess) << s.to_string();
+  EXPECT_NE(s.message().find("unregistered"), std::string::npos) << s.to_string();
+  // This process's GPU is healthy, and the engine serves a new peer.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  PeerProcess other;
+  RemoteMemory other_memory;
+  start_peer(other, other_memory);
+  Probe ok;
+  ASSERT_TRUE(engine_->submit(SingleWrite{src->reg.handle, 0, other_memory, 0, 4096, 33, {}},
+                              ok.callbacks()));
+  EXPECT_TRUE(ok.wait()) << ok.wait().to_string();
+}
+
+// The destination's owner killed while writes stream to it: every transfer ends (done or
+// failed) within a bound, and the engine then writes to a live peer over the path.
+TEST_P(CudaIpcCuda, OwnerKilledMidTransfer) {
+  auto src = make_gpu(*engine_, 4 << 20, 9);
+  Counter c;
+  constexpr int kWrites = 200;
+  for (int i = 0; i < kWrites; ++i) {
+    ASSERT_TRUE(engine_->submit(SingleWrite{src->reg.handle, 0, peer_memory_, 0, 4 << 20, 1, {}},
+                                c.callbacks()));
+  }
+  peer_.kill_now();
+  ASSERT_TRUE(c.wait_total(kWrites, 60s)) << c.done() << " done, " << c.failed() << " failed";
+  PeerProcess other;
+  RemoteMemory other_memory;
+  start_peer(other, other_memory);
+  const uint64_t before = ipc_transfers();
+  Probe ok;
+  ASSERT_TRUE(engine_->submit(SingleWrite{src->reg.handle, 0, other_memory, 0, 4096, 2, {}},
+                              ok.callbacks()));
+  EXPECT_TRUE(ok.wait()) << ok.wait().to_string();
+  EXPECT_EQ(ipc_transfers(), before + 1);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// The writer killed while this process copies from its GPU memory: this process (the owner,
+// holding the writer's mapping) survives, its GPU stays usable, and it takes new writes.
+TEST_P(CudaIpcCuda, WriterKilledWhileTheOwnerCopies) {
+  auto dst = make_gpu(*engine_, 64 << 20, 0);
+  peer_.send("fill 5");
+  ASSERT_EQ(peer_.read_line(), "filled");
+  peer_.send("spam 300 " + to_hex(dst->reg.descriptor.encode()) + " 0 0 " +
+             std::to_string(32 << 20) + " 40");
+  ASSERT_EQ(peer_.read_line(), "submitted");
+  std::this_thread::sleep_for(20ms);
+  peer_.kill_now();
+  std::this_thread::sleep_for(2s);  // copies in flight finish or fail; the sweep runs
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  PeerProcess other;
+  RemoteMemory other_memory;
+  start_peer(other, other_memory);
+  other.send("fill 6");
+  ASSERT_EQ(other.read_line(), "filled");
+  other.send("write " + to_hex(dst->reg.descriptor.encode()) + " 0 0 4096 41");
+  ASSERT_EQ(other.read_line(), "done");
+  EXPECT_TRUE(engine_->wait_imm(41, 1, 20s));
+  std::vector<std::byte> whole(kPeerBytes);
+  fill_pattern(whole.data(), kPeerBytes, 6);
+  auto got = dst->read(0, 4096);
+  EXPECT_EQ(0, std::memcmp(got.data(), whole.data(), 4096));
+}
+
+INSTANTIATE_TEST_SUITE_P(SameHost, CudaIpcCuda, ::testing::ValuesIn(ipc_backends()), backend_name);
+
+}  // namespace
+}  // namespace fabric::testing
