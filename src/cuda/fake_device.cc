@@ -228,18 +228,21 @@ bool ipc_reachable(const PointerInfo& local, const DeviceUuid& peer) {
   return false;
 }
 
-Result<std::byte*> ipc_open(const IpcExport& e, const PointerInfo& into) {
+Result<std::byte*> ipc_open(const IpcExport& e, const PointerInfo& into, const Origin& writer) {
   if (e.kind == IpcExport::Kind::kFake && into.kind == MemoryKind::kFake) return fake_ipc_open(e);
-  if (e.kind == IpcExport::Kind::kCuda && into.kind == MemoryKind::kCuda) {
-    return cuda_ipc_open(e, into.device);
+  if ((e.kind == IpcExport::Kind::kCuda || e.kind == IpcExport::Kind::kCudaVmm) &&
+      into.kind == MemoryKind::kCuda) {
+    return cuda_ipc_open(e, into.device, writer);
   }
   return Status(ErrorCode::kUnsupported,
                 fmt::format("a CUDA IPC export of kind {} cannot be mapped for memory of kind {}",
                             static_cast<int>(e.kind), static_cast<int>(into.kind)));
 }
 
-void ipc_close(const IpcExport& e) {
-  if (e.kind == IpcExport::Kind::kCuda) cuda_ipc_close(e);
+void ipc_close(const IpcExport& e, const Origin& writer) {
+  if (e.kind == IpcExport::Kind::kCuda || e.kind == IpcExport::Kind::kCudaVmm) {
+    cuda_ipc_close(e, writer);
+  }
 }
 
 Result<std::unique_ptr<Copier>> make_fake_copier() {

@@ -11,10 +11,10 @@ bool cuda_ipc_reachable(int, const DeviceUuid&) {
   return false;
 }
 
-Result<std::byte*> cuda_ipc_open(const IpcExport&, int) {
+Result<std::byte*> cuda_ipc_open(const IpcExport&, int, const Origin&) {
   return Status(ErrorCode::kUnsupported, "fabric-lib was built without CUDA");
 }
 
-void cuda_ipc_close(const IpcExport&) {}
+void cuda_ipc_close(const IpcExport&, const Origin&) {}
 
 }  // namespace fabric::cuda

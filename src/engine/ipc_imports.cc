@@ -9,10 +9,13 @@ namespace {
 
 class CudaMapper final : public IpcImports::Mapper {
  public:
-  Result<std::byte*> open(const cuda::IpcExport& e, const cuda::PointerInfo& into) override {
-    return cuda::ipc_open(e, into);
+  Result<std::byte*> open(const cuda::IpcExport& e, const cuda::PointerInfo& into,
+                          const Origin& writer) override {
+    return cuda::ipc_open(e, into, writer);
   }
-  void close(const cuda::IpcExport& e) override { cuda::ipc_close(e); }
+  void close(const cuda::IpcExport& e, const Origin& writer) override {
+    cuda::ipc_close(e, writer);
+  }
 };
 
 }  // namespace
@@ -26,7 +29,7 @@ IpcImports::IpcImports(std::unique_ptr<Mapper> mapper, std::chrono::milliseconds
     : mapper_(std::move(mapper)), idle_timeout_(idle_timeout), max_mappings_(max_mappings) {}
 
 IpcImports::~IpcImports() {
-  for (auto& [key, m] : mappings_) mapper_->close(m->exported);
+  for (auto& [key, m] : mappings_) mapper_->close(m->exported, m->writer);
 }
 
 IpcImports::Key IpcImports::key_of(const Origin& writer, const cuda::IpcExport& e) {
@@ -34,7 +37,7 @@ IpcImports::Key IpcImports::key_of(const Origin& writer, const cuda::IpcExport& 
 }
 
 void IpcImports::drop(std::map<Key, std::shared_ptr<Mapping>>::iterator it) {
-  mapper_->close(it->second->exported);
+  mapper_->close(it->second->exported, it->second->writer);
   mappings_.erase(it);
 }
 
@@ -57,7 +60,7 @@ Result<IpcImports::Lease> IpcImports::map(const Origin& writer, const cuda::IpcE
     if (victim == mappings_.end()) break;  // every mapping is in use: exceed the bound
     drop(victim);
   }
-  auto base = mapper_->open(e, into);
+  auto base = mapper_->open(e, into, writer);
   if (!base) return base.status();
   ++opened_;
   auto m = std::make_shared<Mapping>(Mapping{*base, e, writer, now});

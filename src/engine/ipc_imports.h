@@ -28,8 +28,9 @@ class IpcImports {
   class Mapper {
    public:
     virtual ~Mapper() = default;
-    virtual Result<std::byte*> open(const cuda::IpcExport& e, const cuda::PointerInfo& into) = 0;
-    virtual void close(const cuda::IpcExport& e) = 0;
+    virtual Result<std::byte*> open(const cuda::IpcExport& e, const cuda::PointerInfo& into,
+                                    const Origin& writer) = 0;
+    virtual void close(const cuda::IpcExport& e, const Origin& writer) = 0;
   };
   static std::unique_ptr<Mapper> cuda_mapper();
 

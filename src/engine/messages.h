@@ -183,7 +183,7 @@ struct Commit {
     IpcSource& s = c.ipc.emplace();
     Bytes uuid;
     if (!r.u8(flag) || flag != 1 || !r.u8(kind) || kind == 0 ||
-        kind > static_cast<uint8_t>(cuda::IpcExport::Kind::kFake) || !r.u8(handle_len) ||
+        kind > static_cast<uint8_t>(cuda::IpcExport::Kind::kCudaVmm) || !r.u8(handle_len) ||
         handle_len > cuda::IpcExport::kMaxHandleBytes || !r.bytes(handle_len, s.exported.handle) ||
         !r.u64(s.exported.offset) || !r.bytes(s.exported.device.size(), uuid) || !r.u64(s.region) ||
         !r.u64(s.length) || r.remaining() != uint64_t{count} * kIpcRangeBytes) {

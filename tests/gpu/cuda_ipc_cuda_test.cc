@@ -1,8 +1,9 @@
 // The CUDA IPC path with CUDA memory between two processes (docs/cuda-ipc.md): this process and
 // a fabric_test_peer whose buffer is cudaMalloc memory (FABRIC_TEST_PEER_MEMORY=cuda), on the
-// same host; on a one-GPU machine both use the same GPU. Data is checked on the device. Skipped
-// without a CUDA device (the path's logic runs in CI on the FakeDeviceBuffer double:
-// tests/conformance/cuda_ipc_test.cc).
+// same host; on a one-GPU machine both use the same GPU (FABRIC_TEST_IPC_PEER_GPU puts the peer
+// on another). Data is checked on the device. Skipped without a CUDA device (the path's logic
+// runs in CI on the FakeDeviceBuffer double: tests/conformance/cuda_ipc_test.cc).
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -75,6 +76,11 @@ class CudaIpcCuda : public ::testing::TestWithParam<Backend> {
   void start_peer(PeerProcess& p, RemoteMemory& memory) {
     PeerOptions o;
     o.env = {"FABRIC_TEST_PEER_MEMORY=cuda"};
+    // FABRIC_TEST_IPC_PEER_GPU=1 on a two-GPU machine: the peer on the second GPU, this
+    // process on the first, so that the copies cross NVLink (or PCIe).
+    if (const char* gpu = std::getenv("FABRIC_TEST_IPC_PEER_GPU"); gpu != nullptr && *gpu != 0) {
+      o.env.push_back(std::string("CUDA_VISIBLE_DEVICES=") + gpu);
+    }
     ASSERT_TRUE(p.start(GetParam(), kPeerBytes, o));
     auto addr = Address::from_hex(p.read_value("address"));
     ASSERT_TRUE(addr) << addr.status().to_string();
@@ -231,6 +237,91 @@ TEST_P(CudaIpcCuda, WriterKilledWhileTheOwnerCopies) {
   fill_pattern(whole.data(), kPeerBytes, 6);
   auto got = dst->read(0, 4096);
   EXPECT_EQ(0, std::memcmp(got.data(), whole.data(), 4096));
+}
+
+// A cuMemCreate (VMM) allocation, as PyTorch's expandable segments make: with
+// CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR it is exported as a descriptor that the owner fetches
+// over this process's fd socket (SCM_RIGHTS) and maps; without, it keeps the fabric.
+class Vmm {
+ public:
+  static void* get(const char* name) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      return nullptr;
+    }
+    return fn;
+  }
+  bool allocate(size_t bytes, bool fd_export) {
+    auto create = reinterpret_cast<decltype(&cuMemCreate)>(get("cuMemCreate"));
+    auto reserve = reinterpret_cast<decltype(&cuMemAddressReserve)>(get("cuMemAddressReserve"));
+    auto map = reinterpret_cast<decltype(&cuMemMap)>(get("cuMemMap"));
+    auto access = reinterpret_cast<decltype(&cuMemSetAccess)>(get("cuMemSetAccess"));
+    auto gran = reinterpret_cast<decltype(&cuMemGetAllocationGranularity)>(
+        get("cuMemGetAllocationGranularity"));
+    if (!create || !reserve || !map || !access || !gran) return false;
+    cudaFree(nullptr);
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    if (fd_export) prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t g = 0;
+    if (gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS) return false;
+    size_ = (bytes + g - 1) / g * g;
+    if (create(&handle_, size_, &prop, 0) != CUDA_SUCCESS) return false;
+    if (reserve(&va_, size_, 0, 0, 0) != CUDA_SUCCESS) return false;
+    if (map(va_, size_, 0, handle_, 0) != CUDA_SUCCESS) return false;
+    CUmemAccessDesc desc{};
+    desc.location = prop.location;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return access(va_, size_, &desc, 1) == CUDA_SUCCESS;
+  }
+  ~Vmm() {
+    auto unmap = reinterpret_cast<decltype(&cuMemUnmap)>(get("cuMemUnmap"));
+    auto release = reinterpret_cast<decltype(&cuMemRelease)>(get("cuMemRelease"));
+    auto afree = reinterpret_cast<decltype(&cuMemAddressFree)>(get("cuMemAddressFree"));
+    if (va_ != 0 && unmap) unmap(va_, size_);
+    if (va_ != 0 && afree) afree(va_, size_);
+    if (handle_ != 0 && release) release(handle_);
+  }
+  void* ptr() const { return reinterpret_cast<void*>(va_); }
+  size_t size() const { return size_; }
+
+ private:
+  CUmemGenericAllocationHandle handle_{};
+  CUdeviceptr va_ = 0;
+  size_t size_ = 0;
+};
+
+TEST_P(CudaIpcCuda, VmmAllocationsTravelAsFileDescriptors) {
+  for (bool fd_export : {true, false}) {
+    SCOPED_TRACE(fd_export ? "with POSIX_FD" : "without POSIX_FD");
+    Vmm vmm;
+    if (!vmm.allocate(4 << 20, fd_export)) GTEST_SKIP() << "no VMM support in this driver";
+    std::vector<std::byte> init(vmm.size());
+    fill_pattern(init.data(), init.size(), fd_export ? 31 : 32);
+    ASSERT_EQ(cudaMemcpy(vmm.ptr(), init.data(), init.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    {
+      auto reg = engine_->register_memory(vmm.ptr(), vmm.size());
+      ASSERT_TRUE(reg) << reg.status().to_string();
+      const uint64_t before = ipc_transfers();
+      const uint32_t imm = fd_export ? 70 : 71;
+      Probe done;
+      ASSERT_TRUE(engine_->submit(
+          SingleWrite{reg->handle, 4096, peer_memory_, 0, vmm.size() - 4096, imm, {}},
+          done.callbacks()));
+      ASSERT_TRUE(done.wait()) << done.wait().to_string();
+      EXPECT_EQ(ipc_transfers(), before + (fd_export ? 1 : 0));
+      peer_.send("expect " + std::to_string(imm) + " 1");
+      EXPECT_EQ(peer_.read_line(), "got " + std::to_string(imm) + " 1");
+      peer_.send("checksum 0 " + std::to_string(vmm.size() - 4096));
+      EXPECT_EQ(peer_.read_value("checksum"),
+                std::to_string(fnv1a(init.data() + 4096, vmm.size() - 4096)));
+      ASSERT_TRUE(engine_->unregister_memory(reg->handle));
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(SameHost, CudaIpcCuda, ::testing::ValuesIn(ipc_backends()), backend_name);

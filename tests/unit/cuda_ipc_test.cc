@@ -4,8 +4,14 @@
 // tests/conformance/cuda_ipc_test.cc (on the GPU-memory double) and tests/gpu (on CUDA).
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <map>
+#include <random>
+
+#include "cuda/ipc_fd_channel.h"
 
 #include "engine/ipc_imports.h"
 #include "engine/ipc_select.h"
@@ -246,13 +252,14 @@ class CountingMapperDouble final : public IpcImports::Mapper {
     std::map<Bytes, int> open_now;
   };
   explicit CountingMapperDouble(Counts* counts) : counts_(counts) {}
-  Result<std::byte*> open(const cuda::IpcExport& e, const cuda::PointerInfo&) override {
+  Result<std::byte*> open(const cuda::IpcExport& e, const cuda::PointerInfo&,
+                          const Origin&) override {
     if (e.handle.empty()) return Status(ErrorCode::kRemoteAccess, "the exporter is gone");
     ++counts_->opens;
     ++counts_->open_now[e.handle];
     return reinterpret_cast<std::byte*>(0x100000 * counts_->opens);
   }
-  void close(const cuda::IpcExport& e) override {
+  void close(const cuda::IpcExport& e, const Origin&) override {
     ++counts_->closes;
     if (--counts_->open_now[e.handle] == 0) counts_->open_now.erase(e.handle);
   }
@@ -330,6 +337,48 @@ TEST(CudaIpcImports, TheBoundEvictsTheLeastRecentlyUsedMappingNotInUse) {
   auto h4 = imports.map(origin(200, 1), cuda_export(4), into, t0 + std::chrono::seconds(4));
   ASSERT_TRUE(h3 && h4);
   EXPECT_EQ(imports.size(), 3u);
+}
+
+// The fd socket with real sockets and a real descriptor (a memfd standing in for a VMM
+// allocation's): another process of this user fetches it and reads the same bytes.
+TEST(CudaIpcFdChannel, ADescriptorTravelsToAnotherProcess) {
+  int memfd = memfd_create("fabric-fd-test", MFD_CLOEXEC);
+  ASSERT_GE(memfd, 0);
+  ASSERT_EQ(write(memfd, "fabric", 6), 6);
+  const std::string name =
+      "fabric-ipc-test." + std::to_string(getpid()) + "." + std::to_string(std::random_device{}());
+  auto server = cuda::FdServer::start(name, [memfd](uint64_t id) -> Result<int> {
+    if (id != 7) return Status(ErrorCode::kNotFound, "no export " + std::to_string(id));
+    return dup(memfd);
+  });
+  ASSERT_TRUE(server) << server.status().to_string();
+  // A second server cannot take the same name.
+  EXPECT_FALSE(cuda::FdServer::start(name, [](uint64_t) -> Result<int> { return -1; }));
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto fd = cuda::fetch_fd(name, 7, std::chrono::milliseconds(2000));
+    char buf[6] = {};
+    const bool same =
+        fd && pread(*fd, buf, 6, 0) == 6 && std::memcmp(buf, "fabric", 6) == 0 && *fd != memfd;
+    _exit(same ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child read another file";
+  // An id the server does not know: its reason comes back.
+  auto unknown = cuda::fetch_fd(name, 8, std::chrono::milliseconds(2000));
+  ASSERT_FALSE(unknown);
+  EXPECT_EQ(unknown.status().code(), ErrorCode::kRemoteAccess);
+  EXPECT_NE(unknown.status().message().find("no export 8"), std::string::npos)
+      << unknown.status().to_string();
+  server->reset();
+  // No server (its process gone): a clear error, at once.
+  auto gone = cuda::fetch_fd(name, 7, std::chrono::milliseconds(2000));
+  ASSERT_FALSE(gone);
+  EXPECT_EQ(gone.status().code(), ErrorCode::kRemoteAccess);
+  EXPECT_NE(gone.status().message().find("gone"), std::string::npos) << gone.status().to_string();
+  close(memfd);
 }
 
 TEST(CudaIpcConfig, TheModeComesFromTheEnvironment) {
