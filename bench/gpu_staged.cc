@@ -20,6 +20,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <mutex>
 #include <numeric>
@@ -334,6 +335,70 @@ int main(int argc, char** argv) {
     }
     std::printf("4 KiB write + immediate, submit to on_done: p50 %.1f us (2000 sequential)\n",
                 median(lat) * 1e6);
+    // How to copy many pages on one GPU (what the owner's copies could use): one
+    // cudaMemcpyAsync per page, one cudaMemcpyBatchAsync, or one kernel (its page tables copied
+    // up first, as a transfer would have to). In this process, device to device.
+    std::printf("\n%-28s %12s %12s %12s %12s\n", "copying 512 pages", "bytes", "per-page GB/s",
+                "batch GB/s", "kernel GB/s");
+    for (uint64_t page : {uint64_t{4096}, uint64_t{65536}}) {
+      const uint32_t n = kPages;
+      std::vector<uint32_t> sp(n), dp(n);
+      std::iota(sp.begin(), sp.end(), 0);
+      std::iota(dp.begin(), dp.end(), 0);
+      std::shuffle(dp.begin(), dp.end(), std::mt19937(2));
+      std::vector<void*> dsts(n);
+      std::vector<const void*> srcs(n);
+      std::vector<size_t> sizes(n, page);
+      for (uint32_t i = 0; i < n; ++i) {
+        dsts[i] = base_dst + dp[i] * page;
+        srcs[i] = src + sp[i] * page;
+      }
+      uint32_t* tables = nullptr;  // device: dst pages, then src pages
+      CUDA_OK(cudaMalloc(&tables, 2 * n * sizeof(uint32_t)));
+      uint32_t* host_tables = nullptr;
+      CUDA_OK(cudaHostAlloc(&host_tables, 2 * n * sizeof(uint32_t), cudaHostAllocDefault));
+      std::memcpy(host_tables, dp.data(), n * sizeof(uint32_t));
+      std::memcpy(host_tables + n, sp.data(), n * sizeof(uint32_t));
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      size_t attr_index = 0;
+      std::vector<double> per_page, batch, kernel;
+      bool batch_ok = true;
+      for (int i = 0; i < iters + 1; ++i) {
+        auto t0 = Clock::now();
+        for (uint32_t k = 0; k < n; ++k) {
+          CUDA_OK(cudaMemcpyAsync(dsts[k], srcs[k], page, cudaMemcpyDeviceToDevice, stream));
+        }
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (i > 0) per_page.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        t0 = Clock::now();
+        if (batch_ok && cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr,
+                                             &attr_index, 1, stream) != cudaSuccess) {
+          cudaGetLastError();
+          batch_ok = false;
+        }
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (i > 0) batch.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        t0 = Clock::now();
+        CUDA_OK(cudaMemcpyAsync(tables, host_tables, 2 * n * sizeof(uint32_t),
+                                cudaMemcpyHostToDevice, stream));
+        CUDA_OK(launch_page_copy(base_dst, src, tables, tables + n, n, page, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (i > 0) kernel.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      if (host_checksum(base_dst + dp[5] * page, page) != host_checksum(src + sp[5] * page, page)) {
+        std::fprintf(stderr, "verification failed: the page kernel copied wrong bytes\n");
+        return 1;
+      }
+      const double total = static_cast<double>(n * page);
+      std::printf("%-28s %12llu %12.2f %12s %12.2f\n",
+                  page == 4096 ? "pages of 4 KiB" : "pages of 64 KiB",
+                  static_cast<unsigned long long>(n * page), total / median(per_page) / 1e9,
+                  batch_ok ? fmt::format("{:.2f}", total / median(batch) / 1e9).c_str() : "n/a",
+                  total / median(kernel) / 1e9);
+      cudaFree(tables);
+      cudaFreeHost(host_tables);
+    }
     const fabric::GroupStats st = engine->stats().groups[0];
     std::printf("transfers over CUDA IPC: %llu of %llu\n",
                 static_cast<unsigned long long>(st.cuda_ipc_transfers),
