@@ -34,8 +34,7 @@ __global__ void page_copy(uint8_t* dst, const uint8_t* src, const uint32_t* dst_
 cudaError_t launch_page_copy(uint8_t* dst, const uint8_t* src, const uint32_t* dst_pages,
                              const uint32_t* src_pages, uint32_t n, uint64_t page_bytes,
                              cudaStream_t stream) {
-  page_copy<<<n < 1024 ? n : 1024, 256, 0, stream>>>(dst, src, dst_pages, src_pages, n,
-                                                     page_bytes);
+  page_copy < <<n<1024 ? n : 1024, 256, 0, stream>>>(dst, src, dst_pages, src_pages, n, page_bytes);
   return cudaGetLastError();
 }
 

@@ -30,10 +30,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (!c) break;
       FUZZ_CHECK(c->imm_times <= Commit::kMaxImmTimes, "imm_times bounded");
       // With a CUDA IPC source: its trailer and one source offset per range follow.
-      const uint64_t ipc_bytes =
-          c->ipc ? Commit::kIpcFixedBytes + c->ipc->exported.handle.size() +
-                       c->ranges.size() * Commit::kIpcRangeBytes
-                 : 0;
+      const uint64_t ipc_bytes = c->ipc ? Commit::kIpcFixedBytes + c->ipc->exported.handle.size() +
+                                              c->ranges.size() * Commit::kIpcRangeBytes
+                                        : 0;
       FUZZ_CHECK(!c->ipc || c->ipc->offsets.size() == c->ranges.size(),
                  "one source offset per range");
       FUZZ_CHECK(!c->ipc || c->ipc->exported.handle.size() <= cuda::IpcExport::kMaxHandleBytes,
