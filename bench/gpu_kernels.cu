@@ -34,7 +34,8 @@ __global__ void page_copy(uint8_t* dst, const uint8_t* src, const uint32_t* dst_
 cudaError_t launch_page_copy(uint8_t* dst, const uint8_t* src, const uint32_t* dst_pages,
                              const uint32_t* src_pages, uint32_t n, uint64_t page_bytes,
                              cudaStream_t stream) {
-  page_copy < <<n<1024 ? n : 1024, 256, 0, stream>>>(dst, src, dst_pages, src_pages, n, page_bytes);
+  const uint32_t blocks = n < 1024 ? n : 1024;
+  page_copy<<<blocks, 256, 0, stream>>>(dst, src, dst_pages, src_pages, n, page_bytes);
   return cudaGetLastError();
 }
 
