@@ -151,9 +151,12 @@ void Worker::start_ipc_copy(CommitJob& job) {
   auto copier = ipc_copier(region.memory);
   Status s = copier ? Status::ok() : copier.status();
   const std::byte* from = (*lease)->base + src.exported.offset;
-  for (size_t i = 0; i < c.ranges.size() && s.is_ok(); ++i) {
-    s = (*copier)->copy_device(region.ptr + c.ranges[i].offset, from + src.offsets[i],
-                               c.ranges[i].length);
+  if (s.is_ok()) {
+    std::vector<cuda::Copier::DeviceCopy> copies(c.ranges.size());
+    for (size_t i = 0; i < c.ranges.size(); ++i) {
+      copies[i] = {region.ptr + c.ranges[i].offset, from + src.offsets[i], c.ranges[i].length};
+    }
+    s = (*copier)->copy_device_batch(copies);
   }
   if (s.is_ok()) s = (*copier)->fence(reinterpret_cast<uint64_t>(&job));
   if (!s.is_ok()) {

@@ -131,6 +131,22 @@ TEST_P(CudaIpcCuda, SingleAndPagedWritesLandInThePeersGpu) {
   peer_.send("checksum " + std::to_string(base) + " " + std::to_string(kPages * kPage));
   EXPECT_EQ(peer_.read_value("checksum"), std::to_string(device_fnv(*src, 0, kPages * kPage)));
   EXPECT_EQ(ipc_transfers(), 4u);
+  // Pages of 1000 bytes at odd offsets: the batch kernel's byte-wise copies.
+  constexpr uint64_t kOdd = 1000;
+  constexpr uint32_t kOddPages = 300;
+  std::vector<uint32_t> odd(kOddPages);
+  std::iota(odd.begin(), odd.end(), 0);
+  std::shuffle(odd.begin(), odd.end(), std::mt19937(5));
+  const uint64_t odd_base = (48 << 20) + 3;
+  Probe odd_paged;
+  ASSERT_TRUE(engine_->submit(
+      PagedWrite{src->reg.handle, peer_memory_, kOdd, odd, kOdd, 1, odd, kOdd, odd_base, 51},
+      odd_paged.callbacks()));
+  ASSERT_TRUE(odd_paged.wait()) << odd_paged.wait().to_string();
+  peer_.send("expect 51 " + std::to_string(kOddPages));
+  EXPECT_EQ(peer_.read_line(), "got 51 " + std::to_string(kOddPages));
+  peer_.send("checksum " + std::to_string(odd_base) + " " + std::to_string(kOddPages * kOdd));
+  EXPECT_EQ(peer_.read_value("checksum"), std::to_string(device_fnv(*src, 1, kOddPages * kOdd)));
 }
 
 TEST_P(CudaIpcCuda, ScatterImmOnlyAndBarrier) {
