@@ -10,8 +10,9 @@ IpcRoute choose_route(Config::CudaIpc mode, const Origin& self, const cuda::Poin
   if (mode == Config::CudaIpc::kOff) return {IpcRoute::Kind::kFabric, "CUDA IPC is off"};
   const bool src_device = src_memory.kind != cuda::MemoryKind::kHost;
   const bool dst_device = dst.cuda_ipc().has_value() || dst.staged_region() != 0;
-  // Host to host: the fabric, whatever the mode (the path moves GPU memory only).
-  if (!src_device && !dst_device) return {IpcRoute::Kind::kFabric, "host memory on both sides"};
+  // Host to host: the fabric, whatever the mode (the path moves GPU memory only). The common
+  // case of every submission: no reason spelled out (no allocation).
+  if (!src_device && !dst_device) return {IpcRoute::Kind::kFabric, {}};
   auto no = [&](std::string why) {
     return IpcRoute{
         mode == Config::CudaIpc::kOn ? IpcRoute::Kind::kRejected : IpcRoute::Kind::kFabric,

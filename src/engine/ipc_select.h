@@ -21,7 +21,8 @@ struct IpcRoute {
     kRejected,  // Config::CudaIpc::kOn and the path is impossible: `why` says why
   };
   Kind kind = Kind::kFabric;
-  std::string why;  // for kFabric under kAuto and for kRejected: what rules the path out
+  // For kRejected, and kFabric with GPU memory on a side: what rules the path out.
+  std::string why;
 };
 
 // `src_memory`: the source registration's memory; `src_export`: its CUDA IPC export, or null
