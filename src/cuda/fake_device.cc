@@ -106,8 +106,11 @@ bool fake_lookup(const void* ptr, uint64_t length, bool& fits) {
 
 namespace {
 
-// Copies at once with memcpy through the backing mapping, and reports each fence on the poll
-// after the one that follows it, so the engine sees copies pending as it would with a GPU.
+// Copies between device and host at once with memcpy through the backing mapping, and reports
+// each fence on the poll after the one that follows it, so the engine sees copies pending as it
+// would with a GPU. Device-to-device copies (the CUDA IPC path) happen only when their fence
+// completes, so an engine that counted an immediate before its copies' fence would be caught
+// with the bytes still missing.
 class FakeCopier final : public Copier {
  public:
   Status copy(void* device_ptr, std::byte* host_ptr, uint64_t bytes, Direction dir) override {
@@ -133,16 +136,18 @@ class FakeCopier final : public Copier {
                                 "memory",
                                 bytes, static_cast<const void*>(src), static_cast<void*>(dst)));
     }
-    std::memmove(to, from, bytes);
+    pending_.push_back({to, from, bytes});
     return Status::ok();
   }
   Status fence(uint64_t token) override {
-    fences_.push_back({token, false});
+    fences_.push_back({token, false, std::move(pending_)});
+    pending_.clear();
     return Status::ok();
   }
   size_t poll(std::vector<Done>& done) override {
     size_t n = 0;
     while (!fences_.empty() && fences_.front().seen) {
+      run(fences_.front().copies);
       done.push_back({fences_.front().token, Status::ok()});
       fences_.pop_front();
       ++n;
@@ -151,14 +156,29 @@ class FakeCopier final : public Copier {
     return n;
   }
   size_t outstanding() const override { return fences_.size(); }
-  void drain() override { fences_.clear(); }
+  void drain() override {
+    for (auto& f : fences_) run(f.copies);
+    run(pending_);
+    fences_.clear();
+    pending_.clear();
+  }
 
  private:
+  struct DeviceCopy {
+    std::byte* to;
+    const std::byte* from;
+    uint64_t bytes;
+  };
+  static void run(const std::vector<DeviceCopy>& copies) {
+    for (const DeviceCopy& c : copies) std::memmove(c.to, c.from, c.bytes);
+  }
   struct Fence {
     uint64_t token;
     bool seen;
+    std::vector<DeviceCopy> copies;  // device-to-device copies that complete with it
   };
   std::deque<Fence> fences_;
+  std::vector<DeviceCopy> pending_;
 };
 
 }  // namespace
