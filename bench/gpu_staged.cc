@@ -8,6 +8,11 @@
 //                  the watcher callback ships that layer's pages to the peer. Reports how much of
 //                  the transfer time hides under compute.
 //
+// With the CUDA IPC path (docs/cuda-ipc.md, on unless --staged) the same rows measure it, and
+// single writes by size plus three ways of copying pages are measured against device-to-device
+// copies. --peer-gpu N puts the destination on GPU N (two GPUs joined by NVLink): the
+// device-to-device baselines then copy from GPU 0 into GPU N by peer access.
+//
 // The parent writes; a child process (this binary with --serve) owns the destination GPU buffer
 // and prints its descriptor. Every transfer's bytes are checked once, outside the timed runs.
 #include <cuda_runtime.h>
@@ -49,6 +54,8 @@ T must(fabric::Result<T> r, const char* what) {
 // --staged turns the direct (FI_HMEM) path off, so both paths can be measured where a provider
 // offers it; it travels to the serving process through this variable.
 bool g_staged = false;
+// --peer-gpu: the destination's GPU (the serving process's); the writer uses GPU 0.
+int g_peer_gpu = 0;
 
 fabric::Config config_for(const std::string& provider) {
   fabric::Config c;
@@ -97,6 +104,7 @@ double median(std::vector<double> v) {
 }
 
 int serve(const std::string& provider, uint64_t bytes) {
+  CUDA_OK(cudaSetDevice(g_peer_gpu));
   auto engine = must(fabric::TransferEngine::create(config_for(provider)), "engine");
   void* dst = nullptr;
   CUDA_OK(cudaMalloc(&dst, bytes));
@@ -152,14 +160,12 @@ Peer spawn(const std::string& provider, uint64_t bytes) {
     dup2(out[1], 1);
     close(in[1]);
     close(out[0]);
-    std::string b = std::to_string(bytes);
-    if (g_staged) {
-      execl("/proc/self/exe", "fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
-            "--bytes", b.c_str(), "--staged", static_cast<char*>(nullptr));
-    } else {
-      execl("/proc/self/exe", "fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
-            "--bytes", b.c_str(), static_cast<char*>(nullptr));
-    }
+    std::string b = std::to_string(bytes), gpu = std::to_string(g_peer_gpu);
+    std::vector<const char*> args = {"fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
+                                     "--bytes",          b.c_str(), "--peer-gpu", gpu.c_str()};
+    if (g_staged) args.push_back("--staged");
+    args.push_back(nullptr);
+    execv("/proc/self/exe", const_cast<char* const*>(args.data()));
     _exit(127);
   }
   close(in[0]);
@@ -190,7 +196,10 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "pipeline: layers");
   app.add_option("--layer-pages", layer_pages, "pipeline: 64 KiB pages per layer");
   app.add_flag("--serve", serve_mode, "internal: the destination process");
-  app.add_flag("--staged", g_staged, "force the staged path (no FI_HMEM registration)");
+  app.add_flag("--staged", g_staged,
+               "force the staged path (no FI_HMEM registration, no CUDA IPC)");
+  app.add_option("--peer-gpu", g_peer_gpu,
+                 "the destination's GPU (default 0: both processes on one GPU)");
   app.add_option("--bytes", bytes, "internal: destination buffer size");
   CLI11_PARSE(app, argc, argv);
   if (serve_mode) return serve(provider, bytes);
@@ -211,16 +220,25 @@ int main(int argc, char** argv) {
   auto reg = must(engine->register_memory(src, kBuf), "register");
   void* pinned = nullptr;  // the baseline's bounce buffer
   CUDA_OK(cudaHostAlloc(&pinned, kBuf, cudaHostAllocDefault));
+  // The baselines' destination: on the destination process's GPU, reached by peer access.
   uint8_t* base_dst = nullptr;
-  CUDA_OK(cudaMalloc(&base_dst, kBuf));
+  if (g_peer_gpu != 0) {
+    CUDA_OK(cudaDeviceEnablePeerAccess(g_peer_gpu, 0));
+    CUDA_OK(cudaSetDevice(g_peer_gpu));
+    CUDA_OK(cudaMalloc(&base_dst, kBuf));
+    CUDA_OK(cudaSetDevice(0));
+  } else {
+    CUDA_OK(cudaMalloc(&base_dst, kBuf));
+  }
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Waiter w;
 
-  std::printf("fabric-bench-gpu: provider %s, %s\n", engine->group_info().provider.c_str(),
-              fmt::format("two processes on one GPU, GPU memory path: {}, CUDA IPC: {}",
-                          engine->group_info().gpu_memory, engine->group_info().cuda_ipc)
-                  .c_str());
+  std::printf(
+      "fabric-bench-gpu: provider %s, %s\n", engine->group_info().provider.c_str(),
+      fmt::format("two processes, GPU 0 -> GPU {}, GPU memory path: {}, CUDA IPC: {}", g_peer_gpu,
+                  engine->group_info().gpu_memory, engine->group_info().cuda_ipc)
+          .c_str());
   if (op == "staged" || op == "all") {
     constexpr uint64_t kPage = 64 * 1024, kStride = kPage;
     constexpr uint32_t kPages = 512;  // 32 MiB of pages per transfer

@@ -1,7 +1,7 @@
 // The CUDA IPC path with CUDA memory between two processes (docs/cuda-ipc.md): this process and
 // a fabric_test_peer whose buffer is cudaMalloc memory (FABRIC_TEST_PEER_MEMORY=cuda), on the
-// same host; on a one-GPU machine both use the same GPU (FABRIC_TEST_IPC_PEER_GPU puts the peer
-// on another). Data is checked on the device. Skipped without a CUDA device (the path's logic
+// same host; on a one-GPU machine both use the same GPU (FABRIC_TEST_IPC_PEER_DEVICES puts the
+// peer on another). Data is checked on the device. Skipped without a CUDA device (the path's logic
 // runs in CI on the FakeDeviceBuffer double: tests/conformance/cuda_ipc_test.cc).
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -76,10 +76,11 @@ class CudaIpcCuda : public ::testing::TestWithParam<Backend> {
   void start_peer(PeerProcess& p, RemoteMemory& memory) {
     PeerOptions o;
     o.env = {"FABRIC_TEST_PEER_MEMORY=cuda"};
-    // FABRIC_TEST_IPC_PEER_GPU=1 on a two-GPU machine: the peer on the second GPU, this
-    // process on the first, so that the copies cross NVLink (or PCIe).
-    if (const char* gpu = std::getenv("FABRIC_TEST_IPC_PEER_GPU"); gpu != nullptr && *gpu != 0) {
-      o.env.push_back(std::string("CUDA_VISIBLE_DEVICES=") + gpu);
+    // FABRIC_TEST_IPC_PEER_DEVICES=1,0 on a two-GPU machine: the peer's CUDA_VISIBLE_DEVICES, so
+    // that its memory is on the second GPU while this process's is on the first and the copies
+    // cross NVLink (or PCIe). The peer must still see this process's GPU to map its memory.
+    if (const char* d = std::getenv("FABRIC_TEST_IPC_PEER_DEVICES"); d != nullptr && *d != 0) {
+      o.env.push_back(std::string("CUDA_VISIBLE_DEVICES=") + d);
     }
     ASSERT_TRUE(p.start(GetParam(), kPeerBytes, o));
     auto addr = Address::from_hex(p.read_value("address"));
