@@ -19,7 +19,25 @@ __global__ void fill(uint8_t* p, uint64_t n, uint64_t seed) {
   }
 }
 
+__global__ void page_copy(uint8_t* dst, const uint8_t* src, const uint32_t* dst_pages,
+                          const uint32_t* src_pages, uint32_t n, uint64_t page_bytes) {
+  const uint64_t vecs = page_bytes / 16;
+  for (uint32_t p = blockIdx.x; p < n; p += gridDim.x) {
+    auto* d = reinterpret_cast<uint4*>(dst + dst_pages[p] * page_bytes);
+    const auto* s = reinterpret_cast<const uint4*>(src + src_pages[p] * page_bytes);
+    for (uint64_t i = threadIdx.x; i < vecs; i += blockDim.x) d[i] = s[i];
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_page_copy(uint8_t* dst, const uint8_t* src, const uint32_t* dst_pages,
+                             const uint32_t* src_pages, uint32_t n, uint64_t page_bytes,
+                             cudaStream_t stream) {
+  const uint32_t blocks = n < 1024 ? n : 1024;
+  page_copy<<<blocks, 256, 0, stream>>>(dst, src, dst_pages, src_pages, n, page_bytes);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_spin(uint64_t ns, cudaStream_t stream) {
   spin<<<1, 1, 0, stream>>>(ns);

@@ -8,6 +8,11 @@
 //                  the watcher callback ships that layer's pages to the peer. Reports how much of
 //                  the transfer time hides under compute.
 //
+// With the CUDA IPC path (docs/cuda-ipc.md, on unless --staged) the same rows measure it, and
+// single writes by size plus three ways of copying pages are measured against device-to-device
+// copies. --peer-gpu N puts the destination on GPU N (two GPUs joined by NVLink): the
+// device-to-device baselines then copy from GPU 0 into GPU N by peer access.
+//
 // The parent writes; a child process (this binary with --serve) owns the destination GPU buffer
 // and prints its descriptor. Every transfer's bytes are checked once, outside the timed runs.
 #include <cuda_runtime.h>
@@ -20,6 +25,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <mutex>
 #include <numeric>
@@ -48,10 +54,14 @@ T must(fabric::Result<T> r, const char* what) {
 // --staged turns the direct (FI_HMEM) path off, so both paths can be measured where a provider
 // offers it; it travels to the serving process through this variable.
 bool g_staged = false;
+// --peer-gpu: the destination's GPU (the serving process's); the writer uses GPU 0.
+int g_peer_gpu = 0;
 
 fabric::Config config_for(const std::string& provider) {
   fabric::Config c;
   c.gpu_direct = !g_staged;
+  // --staged measures the staged path: the CUDA IPC path (same-host GPU peers) off too.
+  c.cuda_ipc = g_staged ? fabric::Config::CudaIpc::kOff : fabric::Config::CudaIpc::kAuto;
   c.provider = provider;
   c.groups[0].nics = {provider == "tcp" ? "lo" : provider};
   c.groups[0].cpu = fabric::GroupConfig::kCpuNone;
@@ -94,6 +104,7 @@ double median(std::vector<double> v) {
 }
 
 int serve(const std::string& provider, uint64_t bytes) {
+  CUDA_OK(cudaSetDevice(g_peer_gpu));
   auto engine = must(fabric::TransferEngine::create(config_for(provider)), "engine");
   void* dst = nullptr;
   CUDA_OK(cudaMalloc(&dst, bytes));
@@ -149,14 +160,12 @@ Peer spawn(const std::string& provider, uint64_t bytes) {
     dup2(out[1], 1);
     close(in[1]);
     close(out[0]);
-    std::string b = std::to_string(bytes);
-    if (g_staged) {
-      execl("/proc/self/exe", "fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
-            "--bytes", b.c_str(), "--staged", static_cast<char*>(nullptr));
-    } else {
-      execl("/proc/self/exe", "fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
-            "--bytes", b.c_str(), static_cast<char*>(nullptr));
-    }
+    std::string b = std::to_string(bytes), gpu = std::to_string(g_peer_gpu);
+    std::vector<const char*> args = {"fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
+                                     "--bytes",          b.c_str(), "--peer-gpu", gpu.c_str()};
+    if (g_staged) args.push_back("--staged");
+    args.push_back(nullptr);
+    execv("/proc/self/exe", const_cast<char* const*>(args.data()));
     _exit(127);
   }
   close(in[0]);
@@ -187,7 +196,10 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "pipeline: layers");
   app.add_option("--layer-pages", layer_pages, "pipeline: 64 KiB pages per layer");
   app.add_flag("--serve", serve_mode, "internal: the destination process");
-  app.add_flag("--staged", g_staged, "force the staged path (no FI_HMEM registration)");
+  app.add_flag("--staged", g_staged,
+               "force the staged path (no FI_HMEM registration, no CUDA IPC)");
+  app.add_option("--peer-gpu", g_peer_gpu,
+                 "the destination's GPU (default 0: both processes on one GPU)");
   app.add_option("--bytes", bytes, "internal: destination buffer size");
   CLI11_PARSE(app, argc, argv);
   if (serve_mode) return serve(provider, bytes);
@@ -208,15 +220,24 @@ int main(int argc, char** argv) {
   auto reg = must(engine->register_memory(src, kBuf), "register");
   void* pinned = nullptr;  // the baseline's bounce buffer
   CUDA_OK(cudaHostAlloc(&pinned, kBuf, cudaHostAllocDefault));
+  // The baselines' destination: on the destination process's GPU, reached by peer access.
   uint8_t* base_dst = nullptr;
-  CUDA_OK(cudaMalloc(&base_dst, kBuf));
+  if (g_peer_gpu != 0) {
+    CUDA_OK(cudaDeviceEnablePeerAccess(g_peer_gpu, 0));
+    CUDA_OK(cudaSetDevice(g_peer_gpu));
+    CUDA_OK(cudaMalloc(&base_dst, kBuf));
+    CUDA_OK(cudaSetDevice(0));
+  } else {
+    CUDA_OK(cudaMalloc(&base_dst, kBuf));
+  }
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Waiter w;
 
   std::printf(
       "fabric-bench-gpu: provider %s, %s\n", engine->group_info().provider.c_str(),
-      fmt::format("two processes on one GPU, GPU memory path: {}", engine->group_info().gpu_memory)
+      fmt::format("two processes, GPU 0 -> GPU {}, GPU memory path: {}, CUDA IPC: {}", g_peer_gpu,
+                  engine->group_info().gpu_memory, engine->group_info().cuda_ipc)
           .c_str());
   if (op == "staged" || op == "all") {
     constexpr uint64_t kPage = 64 * 1024, kStride = kPage;
@@ -257,8 +278,23 @@ int main(int argc, char** argv) {
       }
       return std::chrono::duration<double>(Clock::now() - t0).count();
     };
-    std::printf("\n%-28s %12s %12s %12s %8s\n", "GPU->GPU", "bytes", "ours GB/s", "memcpy GB/s",
-                "ratio");
+    // The same bytes copied device to device in this process (one cudaMemcpyAsync per page):
+    // what the CUDA IPC path can reach on one GPU.
+    auto run_d2d = [&](bool paged) {
+      const auto t0 = Clock::now();
+      if (paged) {
+        for (uint32_t p : pages) {
+          CUDA_OK(cudaMemcpyAsync(base_dst + p * kStride, src + p * kStride, kPage,
+                                  cudaMemcpyDeviceToDevice, stream));
+        }
+      } else {
+        CUDA_OK(cudaMemcpyAsync(base_dst, src, kSingle, cudaMemcpyDeviceToDevice, stream));
+      }
+      CUDA_OK(cudaStreamSynchronize(stream));
+      return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    std::printf("\n%-28s %12s %12s %12s %8s %10s\n", "GPU->GPU", "bytes", "ours GB/s",
+                "memcpy GB/s", "ratio", "d2d GB/s");
     for (bool paged : {true, false}) {
       const uint64_t total = paged ? kPages * kPage : kSingle;
       run_ours(paged);  // warm-up, then verify once
@@ -273,16 +309,118 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "verification failed: a page differs\n");
         return 1;
       }
-      std::vector<double> ours, base;
+      std::vector<double> ours, base, d2d;
       for (int i = 0; i < iters; ++i) {  // interleaved
         ours.push_back(run_ours(paged));
         base.push_back(run_base(paged));
+        d2d.push_back(run_d2d(paged));
       }
       const double o = total / median(ours) / 1e9, b = total / median(base) / 1e9;
-      std::printf("%-28s %12llu %12.2f %12.2f %8.2f\n",
+      std::printf("%-28s %12llu %12.2f %12.2f %8.2f %10.2f\n",
                   paged ? "paged 64 KiB x 512" : "single 32 MiB",
-                  static_cast<unsigned long long>(total), o, b, o / b);
+                  static_cast<unsigned long long>(total), o, b, o / b, total / median(d2d) / 1e9);
     }
+    // Single writes by size, against a device-to-device copy of the same bytes, and the time
+    // from submit to on_done of a 4 KiB write with an immediate (the owner's copy, its count
+    // of the immediate and its acknowledgment included).
+    std::printf("\n%-28s %12s %12s %12s\n", "single write", "bytes", "ours GB/s", "d2d GB/s");
+    for (uint64_t n : {uint64_t{4} << 10, uint64_t{64} << 10, uint64_t{1} << 20, uint64_t{16} << 20,
+                       uint64_t{64} << 20}) {
+      std::vector<double> ours, d2d;
+      for (int i = 0; i < iters + 1; ++i) {
+        w.reset();
+        auto t0 = Clock::now();
+        must(engine->submit(fabric::SingleWrite{reg.handle, 0, dst, 0, n, 2, {}}, w.callbacks()),
+             "submit");
+        w.wait(1);
+        if (i > 0) ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        t0 = Clock::now();
+        CUDA_OK(cudaMemcpyAsync(base_dst, src, n, cudaMemcpyDeviceToDevice, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (i > 0) d2d.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      std::printf("%-28s %12llu %12.2f %12.2f\n", "single", static_cast<unsigned long long>(n),
+                  n / median(ours) / 1e9, n / median(d2d) / 1e9);
+    }
+    std::vector<double> lat;
+    for (int i = 0; i < 2000; ++i) {
+      w.reset();
+      const auto t0 = Clock::now();
+      must(engine->submit(fabric::SingleWrite{reg.handle, 0, dst, 0, 4096, 3, {}}, w.callbacks()),
+           "submit");
+      w.wait(1);
+      lat.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    std::printf("4 KiB write + immediate, submit to on_done: p50 %.1f us (2000 sequential)\n",
+                median(lat) * 1e6);
+    // How to copy many pages on one GPU (what the owner's copies could use): one
+    // cudaMemcpyAsync per page, one cudaMemcpyBatchAsync, or one kernel (its page tables copied
+    // up first, as a transfer would have to). In this process, device to device.
+    std::printf("\n%-28s %12s %12s %12s %12s\n", "copying 512 pages", "bytes", "per-page GB/s",
+                "batch GB/s", "kernel GB/s");
+    for (uint64_t page : {uint64_t{4096}, uint64_t{65536}}) {
+      const uint32_t n = kPages;
+      std::vector<uint32_t> sp(n), dp(n);
+      std::iota(sp.begin(), sp.end(), 0);
+      std::iota(dp.begin(), dp.end(), 0);
+      std::shuffle(dp.begin(), dp.end(), std::mt19937(2));
+      std::vector<void*> dsts(n);
+      std::vector<const void*> srcs(n);
+      std::vector<size_t> sizes(n, page);
+      for (uint32_t i = 0; i < n; ++i) {
+        dsts[i] = base_dst + dp[i] * page;
+        srcs[i] = src + sp[i] * page;
+      }
+      uint32_t* tables = nullptr;  // device: dst pages, then src pages
+      CUDA_OK(cudaMalloc(&tables, 2 * n * sizeof(uint32_t)));
+      uint32_t* host_tables = nullptr;
+      CUDA_OK(cudaHostAlloc(&host_tables, 2 * n * sizeof(uint32_t), cudaHostAllocDefault));
+      std::memcpy(host_tables, dp.data(), n * sizeof(uint32_t));
+      std::memcpy(host_tables + n, sp.data(), n * sizeof(uint32_t));
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      size_t attr_index = 0;
+      std::vector<double> per_page, batch, kernel;
+      bool batch_ok = true;
+      for (int i = 0; i < iters + 1; ++i) {
+        auto t0 = Clock::now();
+        for (uint32_t k = 0; k < n; ++k) {
+          CUDA_OK(cudaMemcpyAsync(dsts[k], srcs[k], page, cudaMemcpyDeviceToDevice, stream));
+        }
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (i > 0) per_page.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        t0 = Clock::now();
+        if (batch_ok && cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr,
+                                             &attr_index, 1, stream) != cudaSuccess) {
+          cudaGetLastError();
+          batch_ok = false;
+        }
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (i > 0) batch.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        t0 = Clock::now();
+        CUDA_OK(cudaMemcpyAsync(tables, host_tables, 2 * n * sizeof(uint32_t),
+                                cudaMemcpyHostToDevice, stream));
+        CUDA_OK(launch_page_copy(base_dst, src, tables, tables + n, n, page, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (i > 0) kernel.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      if (host_checksum(base_dst + dp[5] * page, page) != host_checksum(src + sp[5] * page, page)) {
+        std::fprintf(stderr, "verification failed: the page kernel copied wrong bytes\n");
+        return 1;
+      }
+      const double total = static_cast<double>(n * page);
+      std::printf("%-28s %12llu %12.2f %12s %12.2f\n",
+                  page == 4096 ? "pages of 4 KiB" : "pages of 64 KiB",
+                  static_cast<unsigned long long>(n * page), total / median(per_page) / 1e9,
+                  batch_ok ? fmt::format("{:.2f}", total / median(batch) / 1e9).c_str() : "n/a",
+                  total / median(kernel) / 1e9);
+      cudaFree(tables);
+      cudaFreeHost(host_tables);
+    }
+    const fabric::GroupStats st = engine->stats().groups[0];
+    std::printf("transfers over CUDA IPC: %llu of %llu\n",
+                static_cast<unsigned long long>(st.cuda_ipc_transfers),
+                static_cast<unsigned long long>(st.transfers_submitted));
   }
 
   if (op == "pipeline" || op == "all") {

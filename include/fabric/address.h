@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -99,8 +100,19 @@ struct MemoryHandle {
 // (address, key) per NIC, rail-aligned with the address's NICs. Cheap to copy.
 class RemoteMemory {
  public:
-  // Version 2 added staged_region(); version 1 descriptors still decode (not staged).
-  static constexpr uint8_t kVersion = 2;
+  // Version 2 added staged_region(), version 3 cuda_ipc(); versions 1 and 2 still decode (not
+  // staged, no CUDA IPC section). A descriptor without a CUDA IPC section is encoded as version
+  // 2, so that engines built before version 3 keep reading it.
+  static constexpr uint8_t kVersion = 3;
+
+  // The CUDA IPC section: the region is CUDA memory whose owner accepts writes from same-host
+  // peers over CUDA IPC (docs/cuda-ipc.md). The writer names the region by `region`; the owner
+  // maps the writer's exported source and copies GPU to GPU.
+  struct CudaIpc {
+    std::array<std::byte, 16> device{};  // the owner's GPU (its UUID)
+    uint64_t region = 0;                 // the owner's registration id (non-zero)
+    friend bool operator==(const CudaIpc&, const CudaIpc&) = default;
+  };
 
   struct Rail {
     uint64_t addr;  // the fabric address of byte 0 of the region on this NIC
@@ -110,7 +122,7 @@ class RemoteMemory {
 
   RemoteMemory() = default;
   RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails,
-               uint64_t staged_region = 0);
+               uint64_t staged_region = 0, std::optional<CudaIpc> cuda_ipc = std::nullopt);
 
   static Result<RemoteMemory> decode(std::span<const std::byte> bytes);
   static Result<RemoteMemory> from_hex(std::string_view hex);
@@ -126,6 +138,8 @@ class RemoteMemory {
   // name a pinned host mirror, and a writer asks the owner (by this id) to copy what it wrote
   // into the GPU before the write's immediate is counted (the staged path).
   uint64_t staged_region() const;
+  // Present when a same-host peer may write into the region over CUDA IPC.
+  const std::optional<CudaIpc>& cuda_ipc() const;
 
   friend bool operator==(const RemoteMemory& a, const RemoteMemory& b);
 

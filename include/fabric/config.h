@@ -175,6 +175,17 @@ struct Config {
   // fabric.
   bool reliable_imm = false;
 
+  // Same-host GPU to GPU over CUDA IPC (docs/cuda-ipc.md): a write from registered CUDA memory
+  // into a peer's registered CUDA memory, where the peer engine runs on this host (another
+  // process) and its GPU can reach this one (the same GPU, or peer access over NVLink or PCIe),
+  // is copied GPU to GPU by the destination's owner instead of moving over the fabric. kAuto:
+  // that path wherever it is possible, the fabric elsewhere. kOn: a write from or into CUDA
+  // memory that cannot take the path is rejected with kUnsupported naming why. kOff: never.
+  enum class CudaIpc : uint8_t { kAuto, kOn, kOff };
+  CudaIpc cuda_ipc = CudaIpc::kAuto;
+  // CUDA streams the owner of a destination copies on (jobs are spread over them in turn).
+  uint32_t cuda_ipc_streams = 4;
+
   // How long close() lets posted work requests finish before cancelling them.
   std::chrono::milliseconds close_timeout{2000};
 
@@ -183,7 +194,7 @@ struct Config {
 
   // Applies FABRIC_PROVIDER, FABRIC_NICS (comma-separated, group 0), FABRIC_CPU,
   // FABRIC_SPIN_US, FABRIC_IDLE_SLEEP_US, FABRIC_INFLIGHT_SPIN_US, FABRIC_CALLBACK_SPIN_US and
-  // FABRIC_WEIGHTED_SHARDING (0 or 1).
+  // FABRIC_WEIGHTED_SHARDING (0 or 1) and FABRIC_CUDA_IPC (auto, on or off).
   // Returns an error naming a malformed variable.
   Status apply_env_overrides();
 };

@@ -53,6 +53,9 @@ struct GroupInfo {
   // cudaMemcpyAsync on the worker).
   std::string gpu_memory = "staged";
   bool cuda = false;  // CUDA device memory can exist here (built with CUDA, a device present)
+  // The CUDA IPC path for same-host GPU peers (Config::cuda_ipc, docs/cuda-ipc.md): "auto",
+  // "on" or "off".
+  std::string cuda_ipc = "auto";
 };
 
 class TransferEngine {

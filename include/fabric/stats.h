@@ -26,6 +26,11 @@ struct GroupStats {
   uint64_t messages_failed = 0;
   // Messages delivered to the group's receive handler.
   uint64_t messages_received = 0;
+  // Of the accepted transfers, those with a destination written over the CUDA IPC path
+  // (docs/cuda-ipc.md), and the payload bytes that path moved for them (also counted in
+  // bytes_submitted).
+  uint64_t cuda_ipc_transfers = 0;
+  uint64_t cuda_ipc_bytes = 0;
 };
 
 struct EngineStats {

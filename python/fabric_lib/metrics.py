@@ -19,6 +19,8 @@ Metric names and labels (docs/metrics.md lists them with their meaning):
     fabric_messages_completed_total{engine,group}    ... that were delivered
     fabric_messages_failed_total{engine,group}       ... that failed
     fabric_messages_received_total{engine,group}     messages received
+    fabric_cuda_ipc_transfers_total{engine,group}    transfers over the CUDA IPC path
+    fabric_cuda_ipc_bytes_total{engine,group}        ... and their payload bytes
     fabric_immediates_received_total{engine}         immediates counted
     fabric_nic_up{engine,group,nic}                  1 while the NIC is up, 0 once marked down
 
@@ -52,6 +54,9 @@ GROUP_COUNTERS = [
     ("fabric_messages_completed", "messages_completed", "Sent messages that were delivered."),
     ("fabric_messages_failed", "messages_failed", "Sent messages that failed."),
     ("fabric_messages_received", "messages_received", "Messages received."),
+    ("fabric_cuda_ipc_transfers", "cuda_ipc_transfers",
+     "Accepted transfers with a destination written over the CUDA IPC path (same-host GPUs)."),
+    ("fabric_cuda_ipc_bytes", "cuda_ipc_bytes", "Payload bytes the CUDA IPC path moved."),
 ]
 
 

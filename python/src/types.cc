@@ -296,6 +296,11 @@ void bind_types(py::module_& m) {
       .def_readonly("messages_failed", &GroupStats::messages_failed, "Of those, failed.")
       .def_readonly("messages_received", &GroupStats::messages_received,
                     "Messages handed to the group's receive handler (or recv()).")
+      .def_readonly("cuda_ipc_transfers", &GroupStats::cuda_ipc_transfers,
+                    "Of the accepted transfers, those with a destination written over the CUDA "
+                    "IPC path (same-host GPU peers).")
+      .def_readonly("cuda_ipc_bytes", &GroupStats::cuda_ipc_bytes,
+                    "Payload bytes the CUDA IPC path moved for them.")
       .def(
           "__repr__",
           [](const GroupStats& g) {
@@ -331,6 +336,8 @@ void bind_types(py::module_& m) {
                     "How CUDA memory registered on the group moves: 'staged' or "
                     "'direct (FI_HMEM)'.")
       .def_readonly("cuda", &GroupInfo::cuda, "Whether a CUDA device is present.")
+      .def_readonly("cuda_ipc", &GroupInfo::cuda_ipc,
+                    "The CUDA IPC path for same-host GPU peers: 'auto', 'on' or 'off'.")
       .def(
           "__repr__",
           [](const GroupInfo& g) {
@@ -470,6 +477,26 @@ void bind_config(py::module_& m) {
       .def_readwrite("gpu_direct", &Config::gpu_direct,
                      "Let providers that reach GPU memory themselves (FI_HMEM) register it "
                      "directly; otherwise GPU memory is staged.")
+      .def_property(
+          "cuda_ipc",
+          [](const Config& c) {
+            return std::string(c.cuda_ipc == Config::CudaIpc::kOn    ? "on"
+                               : c.cuda_ipc == Config::CudaIpc::kOff ? "off"
+                                                                     : "auto");
+          },
+          [](Config& c, const std::string& mode) {
+            if (mode == "auto") {
+              c.cuda_ipc = Config::CudaIpc::kAuto;
+            } else if (mode == "on") {
+              c.cuda_ipc = Config::CudaIpc::kOn;
+            } else if (mode == "off") {
+              c.cuda_ipc = Config::CudaIpc::kOff;
+            } else {
+              throw py::value_error("Config.cuda_ipc is 'auto', 'on' or 'off', not '" + mode + "'");
+            }
+          },
+          "Same-host GPU to GPU over CUDA IPC: 'auto' (wherever possible), 'on' (a GPU write "
+          "that cannot take it raises Unsupported) or 'off'.")
       .def_readwrite("max_wr_bytes", &Config::max_wr_bytes,
                      "Writes larger than this are split into several work requests.")
       .def_readwrite("faults", &Config::faults, "Fault injection (tests only; off by default).")

@@ -6,7 +6,8 @@
 //                 | u64 start time | u64 instance
 //   RemoteMemory: u32 magic "FBLM" | u8 version | u64 base | u64 length
 //                 | u32 len + Address | u8 rails (= the address's NICs) | per rail: u64 addr, u64
-//                 key
+//                 key | (version 2) u64 staged region | (version 3) u8 has CUDA IPC (0 or 1)
+//                 | (when 1) 16 bytes GPU UUID | u64 IPC region (non-zero)
 #include "fabric/address.h"
 
 #include <fmt/format.h>
@@ -196,12 +197,13 @@ struct RemoteMemory::Data {
   uint64_t length;
   std::vector<Rail> rails;
   uint64_t staged_region;
+  std::optional<CudaIpc> cuda_ipc;
 };
 
 RemoteMemory::RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails,
-                           uint64_t staged_region)
+                           uint64_t staged_region, std::optional<CudaIpc> cuda_ipc)
     : data_(std::make_shared<const Data>(
-          Data{std::move(owner), base, length, std::move(rails), staged_region})) {}
+          Data{std::move(owner), base, length, std::move(rails), staged_region, cuda_ipc})) {}
 
 const Address& RemoteMemory::owner() const {
   static const Address kEmpty;
@@ -220,17 +222,22 @@ const std::vector<RemoteMemory::Rail>& RemoteMemory::rails() const {
 uint64_t RemoteMemory::staged_region() const {
   return data_ ? data_->staged_region : 0;
 }
+const std::optional<RemoteMemory::CudaIpc>& RemoteMemory::cuda_ipc() const {
+  static const std::optional<CudaIpc> kNone;
+  return data_ ? data_->cuda_ipc : kNone;
+}
 
 bool operator==(const RemoteMemory& a, const RemoteMemory& b) {
   if (a.data_ == b.data_) return true;
   return a.owner() == b.owner() && a.base() == b.base() && a.length() == b.length() &&
-         a.rails() == b.rails() && a.staged_region() == b.staged_region();
+         a.rails() == b.rails() && a.staged_region() == b.staged_region() &&
+         a.cuda_ipc() == b.cuda_ipc();
 }
 
 Bytes RemoteMemory::encode() const {
   detail::ByteWriter w;
   w.u32(kMemoryMagic);
-  w.u8(kVersion);
+  w.u8(cuda_ipc() ? kVersion : 2);
   w.u64(base());
   w.u64(length());
   Bytes addr = owner().encode();
@@ -242,6 +249,11 @@ Bytes RemoteMemory::encode() const {
     w.u64(rail.key);
   }
   w.u64(staged_region());
+  if (cuda_ipc()) {
+    w.u8(1);
+    w.bytes(cuda_ipc()->device);
+    w.u64(cuda_ipc()->region);
+  }
   return w.take();
 }
 
@@ -252,7 +264,7 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   uint8_t version = 0;
   if (!r.u32(magic) || magic != kMemoryMagic) return malformed(kWhat, "bad magic");
   if (!r.u8(version)) return malformed(kWhat, "truncated before version");
-  if (version != 1 && version != kVersion) {
+  if (version < 1 || version > kVersion) {
     return malformed(kWhat,
                      fmt::format("version {} (this build reads 1 to {})", version, kVersion));
   }
@@ -280,10 +292,25 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   }
   uint64_t staged = 0;
   if (version >= 2 && !r.u64(staged)) return malformed(kWhat, "truncated before staged region");
+  std::optional<CudaIpc> ipc;
+  if (version >= 3) {
+    uint8_t has_ipc = 0;
+    if (!r.u8(has_ipc) || has_ipc > 1) return malformed(kWhat, "bad CUDA IPC flag");
+    if (has_ipc == 1) {
+      CudaIpc c;
+      Bytes uuid;
+      if (!r.bytes(c.device.size(), uuid) || !r.u64(c.region)) {
+        return malformed(kWhat, "truncated CUDA IPC section");
+      }
+      if (c.region == 0) return malformed(kWhat, "CUDA IPC section names region 0");
+      std::copy(uuid.begin(), uuid.end(), c.device.begin());
+      ipc = c;
+    }
+  }
   if (r.remaining() != 0) {
     return malformed(kWhat, fmt::format("{} trailing bytes", r.remaining()));
   }
-  return RemoteMemory(std::move(*owner), base, length, std::move(rails), staged);
+  return RemoteMemory(std::move(*owner), base, length, std::move(rails), staged, ipc);
 }
 
 Result<RemoteMemory> RemoteMemory::from_hex(std::string_view hex) {

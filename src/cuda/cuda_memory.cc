@@ -6,6 +6,7 @@
 #include <deque>
 #include <mutex>
 
+#include "cuda/copy_kernels.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_memory.h"
 
@@ -70,6 +71,47 @@ class CudaCopier final : public Copier {
             : cudaMemcpyAsync(device_ptr, host_ptr, bytes, cudaMemcpyHostToDevice, stream_);
     if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync", err);
     return Status::ok();
+  }
+
+  Status copy_device(std::byte* dst, const std::byte* src, uint64_t bytes) override {
+    if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
+      return cuda_error("cudaSetDevice", err);
+    }
+    if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
+        err != cudaSuccess) {
+      return cuda_error("cudaMemcpyAsync (device to device)", err);
+    }
+    return Status::ok();
+  }
+
+  // Ranges up to this size go into the batch kernel; larger ones to the copy engines.
+  static constexpr uint64_t kKernelMaxBytes = 256 * 1024;
+
+  Status copy_device_batch(std::span<const DeviceCopy> copies) override {
+    if (copies.size() < 2) return Copier::copy_device_batch(copies);
+    if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
+      return cuda_error("cudaSetDevice", err);
+    }
+    std::vector<CopyRange> batch;
+    batch.reserve(std::min<size_t>(copies.size(), kMaxBatchRanges));
+    auto flush = [&]() -> Status {
+      if (batch.empty()) return Status::ok();
+      cudaError_t err =
+          launch_batch_copy(batch.data(), static_cast<uint32_t>(batch.size()), stream_);
+      batch.clear();
+      return err == cudaSuccess ? Status::ok() : cuda_error("the batch copy kernel", err);
+    };
+    for (const DeviceCopy& c : copies) {
+      if (c.bytes > kKernelMaxBytes) {
+        if (Status s = copy_device(c.dst, c.src, c.bytes); !s) return s;
+        continue;
+      }
+      batch.push_back({c.dst, c.src, c.bytes});
+      if (batch.size() == kMaxBatchRanges) {
+        if (Status s = flush(); !s) return s;
+      }
+    }
+    return flush();
   }
 
   Status fence(uint64_t token) override {

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "fabric/status.h"
@@ -67,6 +68,22 @@ class Copier {
 
   // `device_ptr` is the device side, `host_ptr` the pinned host side.
   virtual Status copy(void* device_ptr, std::byte* host_ptr, uint64_t bytes, Direction dir) = 0;
+  // Device to device (the CUDA IPC path): both addresses are device memory mapped in this
+  // process, `src` possibly a peer process's memory mapped by ipc_open (cuda/ipc.h).
+  virtual Status copy_device(std::byte* dst, const std::byte* src, uint64_t bytes) = 0;
+  // Several device-to-device copies at once. The CUDA copier does small ones (a paged write's
+  // pages) in one kernel launch per up to 1024; by default, one copy_device each.
+  struct DeviceCopy {
+    std::byte* dst;
+    const std::byte* src;
+    uint64_t bytes;
+  };
+  virtual Status copy_device_batch(std::span<const DeviceCopy> copies) {
+    for (const DeviceCopy& c : copies) {
+      if (Status s = copy_device(c.dst, c.src, c.bytes); !s) return s;
+    }
+    return Status::ok();
+  }
   virtual Status fence(uint64_t token) = 0;
   // Appends completed fences to `done`; returns how many it appended.
   virtual size_t poll(std::vector<Done>& done) = 0;

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "cuda/device_memory.h"
+#include "cuda/ipc.h"
 #include "fabric/testing.h"
 
 namespace fabric {
@@ -105,8 +106,11 @@ bool fake_lookup(const void* ptr, uint64_t length, bool& fits) {
 
 namespace {
 
-// Copies at once with memcpy through the backing mapping, and reports each fence on the poll
-// after the one that follows it, so the engine sees copies pending as it would with a GPU.
+// Copies between device and host at once with memcpy through the backing mapping, and reports
+// each fence on the poll after the one that follows it, so the engine sees copies pending as it
+// would with a GPU. Device-to-device copies (the CUDA IPC path) happen only when their fence
+// completes, so an engine that counted an immediate before its copies' fence would be caught
+// with the bytes still missing.
 class FakeCopier final : public Copier {
  public:
   Status copy(void* device_ptr, std::byte* host_ptr, uint64_t bytes, Direction dir) override {
@@ -123,13 +127,27 @@ class FakeCopier final : public Copier {
     }
     return Status::ok();
   }
+  Status copy_device(std::byte* dst, const std::byte* src, uint64_t bytes) override {
+    std::byte* to = backing_of(dst, bytes);
+    std::byte* from = backing_of(src, bytes);
+    if (to == nullptr || from == nullptr) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("fake device copy of {} bytes from {} to {}: not fake device "
+                                "memory",
+                                bytes, static_cast<const void*>(src), static_cast<void*>(dst)));
+    }
+    pending_.push_back({to, from, bytes});
+    return Status::ok();
+  }
   Status fence(uint64_t token) override {
-    fences_.push_back({token, false});
+    fences_.push_back({token, false, std::move(pending_)});
+    pending_.clear();
     return Status::ok();
   }
   size_t poll(std::vector<Done>& done) override {
     size_t n = 0;
     while (!fences_.empty() && fences_.front().seen) {
+      run(fences_.front().copies);
       done.push_back({fences_.front().token, Status::ok()});
       fences_.pop_front();
       ++n;
@@ -138,17 +156,114 @@ class FakeCopier final : public Copier {
     return n;
   }
   size_t outstanding() const override { return fences_.size(); }
-  void drain() override { fences_.clear(); }
+  void drain() override {
+    for (auto& f : fences_) run(f.copies);
+    run(pending_);
+    fences_.clear();
+    pending_.clear();
+  }
 
  private:
+  struct DeviceCopy {
+    std::byte* to;
+    const std::byte* from;
+    uint64_t bytes;
+  };
+  static void run(const std::vector<DeviceCopy>& copies) {
+    for (const DeviceCopy& c : copies) std::memmove(c.to, c.from, c.bytes);
+  }
   struct Fence {
     uint64_t token;
     bool seen;
+    std::vector<DeviceCopy> copies;  // device-to-device copies that complete with it
   };
   std::deque<Fence> fences_;
+  std::vector<DeviceCopy> pending_;
 };
 
 }  // namespace
+
+// The double's CUDA IPC export: the address of its allocation, mappable only in this process
+// (where it is the same address).
+Result<IpcExport> fake_ipc_export(void* ptr, uint64_t length) {
+  const auto* p = static_cast<const std::byte*>(ptr);
+  std::lock_guard lock(registry_mu());
+  auto& r = registry();
+  auto it = r.upper_bound(p);
+  if (it == r.begin()) {
+    return Status(ErrorCode::kUnsupported, "not fake device memory");
+  }
+  --it;
+  const uint64_t off = static_cast<uint64_t>(p - it->first);
+  if (off >= it->second.size || length > it->second.size - off) {
+    return Status(ErrorCode::kUnsupported, "not fake device memory");
+  }
+  IpcExport e;
+  e.kind = IpcExport::Kind::kFake;
+  const auto base = reinterpret_cast<uint64_t>(it->first);
+  e.handle.resize(sizeof(base));
+  std::memcpy(e.handle.data(), &base, sizeof(base));
+  e.offset = off;
+  return e;
+}
+
+Result<std::byte*> fake_ipc_open(const IpcExport& e) {
+  uint64_t base = 0;
+  if (e.handle.size() != sizeof(base)) {
+    return Status(ErrorCode::kRemoteAccess, "malformed fake CUDA IPC handle");
+  }
+  std::memcpy(&base, e.handle.data(), sizeof(base));
+  auto* p = reinterpret_cast<std::byte*>(base);
+  std::lock_guard lock(registry_mu());
+  if (registry().count(p) == 0) {
+    return Status(ErrorCode::kRemoteAccess,
+                  fmt::format("fake device allocation {:#x} is not mapped in this process (freed, "
+                              "or exported by another process)",
+                              base));
+  }
+  return p;
+}
+
+Result<IpcExport> ipc_export(const PointerInfo& memory, void* ptr, uint64_t length) {
+  switch (memory.kind) {
+    case MemoryKind::kFake:
+      return fake_ipc_export(ptr, length);
+    case MemoryKind::kCuda:
+      return cuda_ipc_export(memory.device, ptr, length);
+    case MemoryKind::kHost:
+      break;
+  }
+  return Status(ErrorCode::kUnsupported, "host memory has no CUDA IPC export");
+}
+
+bool ipc_reachable(const PointerInfo& local, const DeviceUuid& peer) {
+  switch (local.kind) {
+    case MemoryKind::kFake:
+      return peer == DeviceUuid{};
+    case MemoryKind::kCuda:
+      return cuda_ipc_reachable(local.device, peer);
+    case MemoryKind::kHost:
+      break;
+  }
+  return false;
+}
+
+Result<std::byte*> ipc_open(const IpcExport& e, const PointerInfo& into, const Origin& writer) {
+  if (e.kind == IpcExport::Kind::kFake && into.kind == MemoryKind::kFake) return fake_ipc_open(e);
+  if ((e.kind == IpcExport::Kind::kCuda || e.kind == IpcExport::Kind::kCudaVmm) &&
+      into.kind == MemoryKind::kCuda) {
+    return cuda_ipc_open(e, into.device, writer);
+  }
+  return Status(ErrorCode::kUnsupported,
+                fmt::format("a CUDA IPC export of kind {} cannot be mapped for memory of kind {}",
+                            static_cast<int>(e.kind), static_cast<int>(into.kind)));
+}
+
+void ipc_close(const IpcExport& e, const Origin& writer) {
+  if (e.kind == IpcExport::Kind::kCuda || e.kind == IpcExport::Kind::kCudaVmm) {
+    cuda_ipc_close(e, writer);
+  }
+}
 
 Result<std::unique_ptr<Copier>> make_fake_copier() {
   return std::unique_ptr<Copier>(new FakeCopier());

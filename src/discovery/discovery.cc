@@ -242,11 +242,11 @@ std::string to_json(const MachineInfo& m, const EngineProbe* engine) {
     const GroupInfo& i = engine->info;
     e = fmt::format(
         R"({{"ok":true,"requested_provider":{},"requested_nics":{},"provider":{},"nics":{},)"
-        R"("cpu":{},"delivery_complete":{},"gpu_memory":{},"cuda":{},"address":{},)"
-        R"("address_hex":{}}})",
+        R"("cpu":{},"delivery_complete":{},"gpu_memory":{},"cuda":{},"cuda_ipc":{},)"
+        R"("address":{},"address_hex":{}}})",
         json_string(engine->requested_provider), json_strings(engine->requested_nics),
         json_string(i.provider), json_strings(i.nics), i.cpu, i.delivery_complete,
-        json_string(i.gpu_memory), i.cuda, json_string(engine->address),
+        json_string(i.gpu_memory), i.cuda, json_string(i.cuda_ipc), json_string(engine->address),
         json_string(engine->address_hex));
   } else if (engine != nullptr) {
     e = fmt::format(
@@ -344,6 +344,10 @@ std::string to_text(const MachineInfo& m, const EngineProbe* engine) {
   out += fmt::format("  delivery_complete  {}\n", e.info.delivery_complete ? "yes" : "no");
   out += fmt::format("  GPU memory         {} (CUDA device here: {})\n", e.info.gpu_memory,
                      e.info.cuda ? "yes" : "no");
+  out += fmt::format(
+      "  CUDA IPC           {} (same-host GPU peers: copied GPU to GPU by the destination's "
+      "owner{})\n",
+      e.info.cuda_ipc, e.info.cuda ? "" : "; no CUDA device here");
   out += fmt::format("  address            {}\n", e.address);
   out += fmt::format("  address hex        {}\n", e.address_hex);
   return out;

@@ -85,6 +85,20 @@ Status Config::apply_env_overrides() {
     if (Status s = parse_int("FABRIC_WEIGHTED_SHARDING", v, 0, 1, n); !s) return s;
     weighted_sharding = n != 0;
   }
+  if (const char* v = std::getenv("FABRIC_CUDA_IPC"); v && *v) {
+    const std::string_view text = v;
+    if (text == "auto") {
+      cuda_ipc = CudaIpc::kAuto;
+    } else if (text == "on") {
+      cuda_ipc = CudaIpc::kOn;
+    } else if (text == "off") {
+      cuda_ipc = CudaIpc::kOff;
+    } else {
+      return Status(
+          ErrorCode::kInvalidArgument,
+          fmt::format("environment variable FABRIC_CUDA_IPC='{}' is not auto, on or off", text));
+    }
+  }
   return Status::ok();
 }
 

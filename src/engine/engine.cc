@@ -16,6 +16,7 @@
 #include "cuda/device_memory.h"
 #include "engine/callback_thread.h"
 #include "engine/imm_counters.h"
+#include "engine/ipc_select.h"
 #include "engine/messages.h"
 #include "engine/plan.h"
 #include "engine/stats_counters.h"
@@ -138,6 +139,19 @@ class EngineImpl {
   }
   Op zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const Address& peer, uint32_t imm);
   TransferId hand_over(uint32_t group, std::unique_ptr<Transfer> t);
+  // The CUDA IPC path or the fabric for a write from `src` into `dst` (docs/cuda-ipc.md).
+  engine::IpcRoute ipc_route(const LocalRegion& src, const RemoteMemory& dst,
+                             uint32_t group) const {
+    return engine::choose_route(
+        config_.cuda_ipc, addresses_[group].origin(), src.memory, src.ipc ? &*src.ipc : nullptr,
+        src.ipc_why, dst,
+        [&src](const cuda::DeviceUuid& peer) { return cuda::ipc_reachable(src.memory, peer); });
+  }
+  static Status ipc_rejected(std::string_view what, const engine::IpcRoute& route) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("{}: Config::cuda_ipc is on, but the CUDA IPC path is impossible: {}",
+                              what, route.why));
+  }
 
   const Config config_;
   uint64_t tag_ = 0;  // distinguishes this engine's handles from another engine's
@@ -278,6 +292,7 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
     }
     info.cpu = cpu;
     info.gpu_memory = direct ? "direct (FI_HMEM)" : "staged";
+    info.cuda_ipc = engine::cuda_ipc_mode_name(config.cuda_ipc);
     e->direct_.push_back(direct);
 
     engine::WorkerServices services{
@@ -476,11 +491,23 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uin
   region->worker = w;
   region->regs = std::move(*regs);
   region->mirror = std::move(mirror);
+  // The CUDA IPC path: device memory is exported for same-host peers (docs/cuda-ipc.md).
+  std::optional<RemoteMemory::CudaIpc> ipc_section;
+  if (memory->kind != cuda::MemoryKind::kHost && config_.cuda_ipc != Config::CudaIpc::kOff) {
+    auto exported = cuda::ipc_export(*memory, ptr, length);
+    if (exported) {
+      region->ipc = std::move(*exported);
+      ipc_section = RemoteMemory::CudaIpc{region->ipc->device, region->id};
+    } else {
+      region->ipc_why = exported.status().message();
+      detail::log().debug("register_memory: no CUDA IPC export: {}", region->ipc_why);
+    }
+  }
   std::vector<RemoteMemory::Rail> rails;
   for (const auto& r : region->regs) rails.push_back({r->remote_addr(), r->remote_key()});
   Registration out{MemoryHandle{region->id},
                    RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length,
-                                std::move(rails), region->staged() ? region->id : 0)};
+                                std::move(rails), region->staged() ? region->id : 0, ipc_section)};
   std::lock_guard rl(regions_mu_);
   regions_.emplace(region->id, std::move(region));
   return out;
@@ -655,6 +682,13 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
   auto t = new_transfer(std::move(cb));
   t->src = std::move(*src);
   t->dsts.push_back(w.dst);
+  const engine::IpcRoute route = ipc_route(*t->src, w.dst, group);
+  if (route.kind == engine::IpcRoute::Kind::kRejected) return ipc_rejected("single write", route);
+  if (route.kind == engine::IpcRoute::Kind::kIpc) {
+    engine::add_ipc_range(*t, 0, w.src_offset, w.dst_offset, w.length);
+    if (w.imm) engine::add_ipc_imm(*t, 0, *w.imm, 1);
+    return hand_over(group, std::move(t));
+  }
   add_writes(*t, *t->src, w.src_offset, 0, w.dst_offset, shards, w.imm, group);
   return hand_over(group, std::move(t));
 }
@@ -704,6 +738,32 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
   t->src = std::move(*src);
   t->dsts.push_back(w.dst);
   const RemoteMemory& dst = t->dsts.back();
+  const engine::IpcRoute route = ipc_route(*t->src, dst, group);
+  if (route.kind == engine::IpcRoute::Kind::kRejected) return ipc_rejected("paged write", route);
+  if (route.kind == engine::IpcRoute::Kind::kIpc) {
+    if (w.imm && w.src_pages.size() > engine::Commit::kMaxImmTimes) {
+      return Status(
+          ErrorCode::kOutOfRange,
+          fmt::format("paged write: {} pages with an immediate over CUDA IPC (at most {})",
+                      w.src_pages.size(), engine::Commit::kMaxImmTimes));
+    }
+    for (size_t i = 0; i < w.src_pages.size(); ++i) {
+      uint64_t so = 0, d_off = 0;
+      if (Status s =
+              page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset, t->src->length, so);
+          !s) {
+        return s;
+      }
+      if (Status s = page_offset("dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset, dst.length(),
+                                 d_off);
+          !s) {
+        return s;
+      }
+      engine::add_ipc_range(*t, 0, so, d_off, w.page_bytes);
+    }
+    if (w.imm) engine::add_ipc_imm(*t, 0, *w.imm, w.src_pages.size());
+    return hand_over(group, std::move(t));
+  }
   t->ops.resize(w.src_pages.size());
   for (const engine::Run& run : engine::split_even_up(
            w.src_pages.size(), workers_[group]->up_nics(), next_rotation(group), weights(group))) {
@@ -806,6 +866,15 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
     const ScatterTarget& tg = sc.targets[i];
     t->dsts.push_back(tg.dst);
     const uint32_t dst_index = static_cast<uint32_t>(t->dsts.size() - 1);
+    const engine::IpcRoute route = ipc_route(*t->src, tg.dst, group);
+    if (route.kind == engine::IpcRoute::Kind::kRejected) {
+      return ipc_rejected(fmt::format("scatter target {}", i), route);
+    }
+    if (route.kind == engine::IpcRoute::Kind::kIpc) {
+      engine::add_ipc_range(*t, dst_index, tg.src_offset, tg.dst_offset, tg.length);
+      if (sc.imm) engine::add_ipc_imm(*t, dst_index, *sc.imm, 1);
+      continue;
+    }
     const Routing routing = sc.sharding == Scatter::Sharding::kByBytes
                                 ? Routing::sharded(0)
                                 : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));

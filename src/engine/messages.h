@@ -13,6 +13,7 @@
 // copies), and answers with an Ack. The writer's transfer completes on the last Ack.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "common/codec.h"
+#include "cuda/ipc.h"
 #include "fabric/address.h"
 #include "fabric/status.h"
 
@@ -97,6 +99,17 @@ struct Range {
   uint64_t length;
 };
 
+// The CUDA IPC path (docs/cuda-ipc.md): a Commit that carries the writer's exported source. The
+// owner maps it (once per writer allocation, cached), copies each range GPU to GPU from the
+// source offset into its region, and only then counts the immediate and acknowledges.
+struct IpcSource {
+  cuda::IpcExport exported;       // the writer's source allocation
+  uint64_t region = 0;            // the writer's source registration id (for logs)
+  uint64_t length = 0;            // the source registration's length: offsets past it are refused
+  std::vector<uint64_t> offsets;  // per range of the Commit: where its bytes start in the source
+  friend bool operator==(const IpcSource&, const IpcSource&) = default;
+};
+
 struct Commit {
   uint64_t transfer = 0;  // the writer's transfer id, echoed in the Ack
   Bytes reply_to;         // the writer's group Address (encoded): the Ack may use any rail
@@ -105,6 +118,7 @@ struct Commit {
   uint32_t imm = 0;
   uint64_t imm_times = 0;  // arrivals of imm to count once the ranges are in device memory
   std::vector<Range> ranges;
+  std::optional<IpcSource> ipc;  // the CUDA IPC path: copy from here, not from the mirror
 
   // Fixed bytes of the message before the ranges, plus the reply address.
   static constexpr uint64_t kFixedBytes = kMessageHeaderBytes + 8 + 4 + 8 + 1 + 4 + 8 + 4;
@@ -112,6 +126,11 @@ struct Commit {
   // Most arrivals one Commit may ask the owner to count (a paged write counts one per page).
   // The owner tallies them one by one, so a corrupt count must not make it loop for ever.
   static constexpr uint64_t kMaxImmTimes = uint64_t{1} << 24;
+  // The CUDA IPC trailer after the ranges: flag, kind, handle length + handle (at most
+  // cuda::IpcExport::kMaxHandleBytes), allocation offset, GPU UUID, source region, source
+  // length, then one source offset per range.
+  static constexpr uint64_t kIpcFixedBytes = 1 + 1 + 1 + 8 + 16 + 8 + 8;
+  static constexpr uint64_t kIpcRangeBytes = 8;
 
   Bytes encode() const {
     detail::ByteWriter w;
@@ -128,6 +147,17 @@ struct Commit {
       w.u64(r.offset);
       w.u64(r.length);
     }
+    if (ipc) {
+      w.u8(1);
+      w.u8(static_cast<uint8_t>(ipc->exported.kind));
+      w.u8(static_cast<uint8_t>(ipc->exported.handle.size()));
+      w.bytes(ipc->exported.handle);
+      w.u64(ipc->exported.offset);
+      w.bytes(ipc->exported.device);
+      w.u64(ipc->region);
+      w.u64(ipc->length);
+      for (uint64_t o : ipc->offsets) w.u64(o);
+    }
     return w.take();
   }
 
@@ -139,7 +169,7 @@ struct Commit {
     uint8_t has_imm = 0;
     if (!r.u64(c.transfer) || !r.u32(name_len) || !r.bytes(name_len, c.reply_to) ||
         !r.u64(c.region) || !r.u8(has_imm) || !r.u32(c.imm) || !r.u64(c.imm_times) ||
-        !r.u32(count) || r.remaining() != uint64_t{count} * kRangeBytes ||
+        !r.u32(count) || r.remaining() < uint64_t{count} * kRangeBytes ||
         c.imm_times > kMaxImmTimes) {
       return std::nullopt;
     }
@@ -147,6 +177,23 @@ struct Commit {
     c.ranges.resize(count);
     for (Range& range : c.ranges) {
       if (!r.u64(range.offset) || !r.u64(range.length)) return std::nullopt;
+    }
+    if (r.remaining() == 0) return c;
+    uint8_t flag = 0, kind = 0, handle_len = 0;
+    IpcSource& s = c.ipc.emplace();
+    Bytes uuid;
+    if (!r.u8(flag) || flag != 1 || !r.u8(kind) || kind == 0 ||
+        kind > static_cast<uint8_t>(cuda::IpcExport::Kind::kCudaVmm) || !r.u8(handle_len) ||
+        handle_len > cuda::IpcExport::kMaxHandleBytes || !r.bytes(handle_len, s.exported.handle) ||
+        !r.u64(s.exported.offset) || !r.bytes(s.exported.device.size(), uuid) || !r.u64(s.region) ||
+        !r.u64(s.length) || r.remaining() != uint64_t{count} * kIpcRangeBytes) {
+      return std::nullopt;
+    }
+    s.exported.kind = static_cast<cuda::IpcExport::Kind>(kind);
+    std::copy(uuid.begin(), uuid.end(), s.exported.device.begin());
+    s.offsets.resize(count);
+    for (uint64_t& o : s.offsets) {
+      if (!r.u64(o)) return std::nullopt;
     }
     return c;
   }

@@ -29,6 +29,15 @@ class StatsCounters {
       send = send || op.kind == Op::Kind::kSend;
       bytes += op.length;
     }
+    if (!t.ipc.empty()) {
+      uint64_t ipc_bytes = 0;
+      for (const IpcDst& d : t.ipc) {
+        for (const Range& r : d.ranges) ipc_bytes += r.length;
+      }
+      bytes += ipc_bytes;
+      g.cuda_ipc_transfers.fetch_add(1, std::memory_order_relaxed);
+      g.cuda_ipc_bytes.fetch_add(ipc_bytes, std::memory_order_relaxed);
+    }
     if (send) {
       g.messages_sent.fetch_add(1, std::memory_order_relaxed);
     } else {
@@ -69,7 +78,8 @@ class StatsCounters {
       s.groups.push_back({g.transfers_submitted.load(r), g.transfers_completed.load(r),
                           g.transfers_failed.load(r), g.bytes_submitted.load(r),
                           g.messages_sent.load(r), g.messages_completed.load(r),
-                          g.messages_failed.load(r), g.messages_received.load(r)});
+                          g.messages_failed.load(r), g.messages_received.load(r),
+                          g.cuda_ipc_transfers.load(r), g.cuda_ipc_bytes.load(r)});
     }
     return s;
   }
@@ -78,7 +88,7 @@ class StatsCounters {
   struct Group {
     std::atomic<uint64_t> transfers_submitted{0}, transfers_completed{0}, transfers_failed{0},
         bytes_submitted{0}, messages_sent{0}, messages_completed{0}, messages_failed{0},
-        messages_received{0};
+        messages_received{0}, cuda_ipc_transfers{0}, cuda_ipc_bytes{0};
   };
   struct Box {
     Callbacks inner;

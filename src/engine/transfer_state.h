@@ -7,9 +7,12 @@
 #include <functional>
 #include <list>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "cuda/device_memory.h"
+#include "cuda/ipc.h"
 #include "engine/messages.h"
 #include "fabric/address.h"
 #include "fabric/transfer.h"
@@ -39,6 +42,11 @@ struct LocalRegion {
   Worker* worker = nullptr;
   std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;  // one per NIC, of `host`
   std::unique_ptr<cuda::HostBuffer> mirror;                          // staged only
+  // The CUDA IPC path (docs/cuda-ipc.md): the region's export, for device memory CUDA could
+  // export (else empty, and ipc_why says why), made at registration unless Config::cuda_ipc is
+  // off.
+  std::optional<cuda::IpcExport> ipc;
+  std::string ipc_why;
   // Set by unregister_memory: runs once the provider registrations are closed (after the last
   // holder let go), so that unregister returns only when no remote write can land any more.
   std::function<void()> on_released;
@@ -115,6 +123,17 @@ struct StagedDst {
   uint64_t imm_times = 0;
 };
 
+// One destination of a transfer that goes over the CUDA IPC path: its owner copies each range
+// GPU to GPU from this engine's exported source, then counts the immediate (docs/cuda-ipc.md).
+struct IpcDst {
+  uint32_t dst_index = 0;
+  std::vector<Range> ranges;          // in the destination region
+  std::vector<uint64_t> src_offsets;  // per range: where its bytes start in the source region
+  bool has_imm = false;
+  uint32_t imm = 0;
+  uint64_t imm_times = 0;
+};
+
 // A group of ops whose source is staged, released for posting once their device-to-host
 // copies have completed. Its address is the copier's token.
 struct Gate {
@@ -146,6 +165,9 @@ struct Transfer {
   std::list<Bytes> control_msgs;  // their bytes
   std::list<CommitSend> commits;  // their state until acknowledged
   std::list<Gate> gates;
+  // The CUDA IPC path: destinations filled by their owners' copies (no ops); their Commits are
+  // sent when the transfer starts.
+  std::vector<IpcDst> ipc;
   // Failover: copies of ops given up on a NIC marked down, re-posted on a surviving NIC.
   std::list<Op> retries;
   // An engine-internal probe of a NIC marked down (its index), else -1.

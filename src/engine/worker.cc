@@ -386,6 +386,7 @@ void Worker::start_transfer(std::unique_ptr<Transfer> owned) {
   } else {
     for (Op& op : t.ops) enqueue(op);
   }
+  if (!t.ipc.empty()) send_ipc_commits(t, false);  // the CUDA IPC path (ipc_worker.cc)
   if (--t.pending == 0) advance(t);
 }
 
@@ -684,6 +685,7 @@ void Worker::advance(Transfer& t) {
   // immediates), and immediates that follow the data of multi-piece writes.
   bool more = !t.deferred_started && !t.deferred.empty();
   for (const StagedDst& sd : t.staged) more |= !sd.unflushed.empty() || sd.has_imm;
+  more |= ipc_left(t);
   if (!more) {
     finish(t);
     return;
@@ -697,6 +699,7 @@ void Worker::advance(Transfer& t) {
   for (uint32_t i = 0; i < t.staged.size(); ++i) {
     if (!t.staged[i].unflushed.empty() || t.staged[i].has_imm) flush_commits(t, i, true);
   }
+  if (ipc_left(t)) send_ipc_commits(t, true);
   if (!t.deferred_started && !t.deferred.empty()) {
     t.deferred_started = true;
     t.pending += t.deferred.size();
@@ -732,6 +735,7 @@ void Worker::watch_peers() {
   const auto now = now_;
   if (now < next_watch_) return;
   next_watch_ = now + std::chrono::milliseconds(10);
+  sweep_ipc();
   if (!awaiting_acks_.empty()) watch_acks();
   watch_nics();
   for (auto& d : domains_) {
@@ -1434,6 +1438,10 @@ void Worker::handle_commit(const MessageHeader& header, std::span<const std::byt
   while (commit_order_.size() > kMaxCommitRecords) {
     commit_records_.erase(commit_order_.front());
     commit_order_.pop_front();
+  }
+  if (job.commit.ipc) {  // the CUDA IPC path (ipc_worker.cc)
+    start_ipc_copy(job);
+    return;
   }
   if (job.commit.region == 0) {
     // A reliable immediate (Config::reliable_imm) for host memory: the writes it follows have

@@ -18,6 +18,7 @@
 
 #include "engine/callback_thread.h"
 #include "engine/imm_counters.h"
+#include "engine/ipc_imports.h"
 #include "engine/messages.h"
 #include "engine/rate_meter.h"
 #include "engine/transfer_state.h"
@@ -202,6 +203,7 @@ class Worker {
     uint32_t reply_domain = 0;  // the NIC its latest copy arrived on: the Ack goes back there
     std::shared_ptr<LocalRegion> region;
     Status status;
+    IpcImports::Lease lease;  // the CUDA IPC path: the writer's mapped source, while copying
   };
   // Commits counted, by (sender, sequence), so that a copy sent again is acknowledged with the
   // first one's result instead of being counted twice. Bounded (kMaxCommitRecords, oldest
@@ -321,6 +323,12 @@ class Worker {
   void check_done(Transfer& t);
   // Fails the suspects of a queue and the work queued behind them with `error`.
   void fail_suspects(PeerQueue& q, const Status& error);
+  // The CUDA IPC path (ipc_worker.cc, docs/cuda-ipc.md).
+  void send_ipc_commits(Transfer& t, bool final);
+  static bool ipc_left(const Transfer& t);
+  void start_ipc_copy(CommitJob& job);
+  Result<cuda::Copier*> ipc_copier(const cuda::PointerInfo& device);
+  void sweep_ipc();
   void begin_stop();
   void finish_stop();
   void idle(bool active);
@@ -336,6 +344,12 @@ class Worker {
   std::shared_ptr<MessageHandler> user_handler_;             // null until set_receive_handler
   std::unique_ptr<SendPool> send_pool_;
   std::vector<CopierEntry> copiers_;
+  // The CUDA IPC path: peers' exports mapped here (created on first use), the copiers its
+  // copies spread over (also listed in copiers_), and the next sweep of idle mappings.
+  std::unique_ptr<IpcImports> ipc_imports_;
+  std::vector<std::pair<cuda::PointerInfo, cuda::Copier*>> ipc_copiers_;
+  size_t ipc_turn_ = 0;
+  std::chrono::steady_clock::time_point next_ipc_sweep_;
   std::unique_ptr<std::atomic<bool>[]> nic_up_;        // published to submitting threads
   std::unique_ptr<std::atomic<uint64_t>[]> nic_rate_;  // RateMeter estimates, likewise
   uint32_t failover_salt_ = 0;

@@ -30,16 +30,24 @@ std::unique_ptr<DeviceBuffer> make_device_buffer(TransferEngine& e, uint64_t n) 
   return b;
 }
 
+// The staged path itself: CUDA IPC off, or same-host device-to-device writes would take that
+// path instead (tests/conformance/cuda_ipc_test.cc runs them with it on).
+Config staged_config(const Backend& b, int nics = 1) {
+  Config c = make_config(b, nics);
+  c.cuda_ipc = Config::CudaIpc::kOff;
+  return c;
+}
+
 class Staged : public ::testing::TestWithParam<Backend> {
  protected:
   void open(int nics) {
-    auto ea = TransferEngine::create(make_config(GetParam(), nics));
+    auto ea = TransferEngine::create(staged_config(GetParam(), nics));
     if (!ea && ea.status().code() == ErrorCode::kUnsupported) {
       skip_reason_ = ea.status().to_string();
       return;
     }
     ASSERT_TRUE(ea) << ea.status().to_string();
-    auto eb = TransferEngine::create(make_config(GetParam(), nics));
+    auto eb = TransferEngine::create(staged_config(GetParam(), nics));
     ASSERT_TRUE(eb) << eb.status().to_string();
     a_ = std::move(*ea);
     b_ = std::move(*eb);
@@ -191,7 +199,7 @@ TEST_P(Staged, PagedWritesWithManyCommitMessages) {
 }
 
 TEST_P(Staged, ScatterFromDeviceToStagedAndHostPeers) {
-  auto ec = TransferEngine::create(make_config(GetParam()));
+  auto ec = TransferEngine::create(staged_config(GetParam()));
   ASSERT_TRUE(ec) << ec.status().to_string();
   std::unique_ptr<TransferEngine> c = std::move(*ec);
   constexpr uint64_t n = (uint64_t{2} << 20) + 999;
@@ -281,7 +289,7 @@ TEST_P(Staged, UnregisteredStagedDestinationFails) {
 // unregistered. Here device memory registered on a second group is released like any other:
 // writes to it work until unregister_memory, and are refused after.
 TEST_P(Staged, DeviceMemoryOnASecondGroupIsReleasedOnUnregister) {
-  Config two = make_config(GetParam());
+  Config two = staged_config(GetParam());
   two.groups.push_back(two.groups[0]);
   auto made = TransferEngine::create(two);
   ASSERT_TRUE(made) << made.status().to_string();

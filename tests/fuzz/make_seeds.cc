@@ -1,6 +1,7 @@
 // Writes the seed corpora of the fuzz targets, made by the real encoders, into DIR/<target>/:
 //   fuzz_make_seeds tests/fuzz/corpus
 // The seeds are checked in; rerun this after a wire format changes.
+#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -59,6 +60,11 @@ int main(int argc, char** argv) {
   v1[4] = std::byte{1};
   v1.resize(v1.size() - 8);
   write(root / "descriptor", "tcp_1rail_v1", v1);
+  std::array<std::byte, 16> gpu{};
+  gpu.fill(std::byte{0x5a});
+  const RemoteMemory m3(shm2, 0x1000, 4096, {{0x1000, 3}, {0x1000, 4}}, 9,
+                        RemoteMemory::CudaIpc{gpu, 0x1234});
+  write(root / "descriptor", "shm_2rail_cuda_ipc", m3.encode());
 
   engine::Commit commit;
   commit.transfer = 17;
@@ -69,6 +75,16 @@ int main(int argc, char** argv) {
   commit.imm_times = 3;
   commit.ranges = {{0, 4096}, {8192, 100}};
   write(root / "messages", "commit", commit.encode());
+  engine::IpcSource& ipc = commit.ipc.emplace();
+  ipc.exported.kind = cuda::IpcExport::Kind::kCuda;
+  ipc.exported.handle.assign(64, std::byte{0x11});
+  ipc.exported.offset = 512;
+  ipc.exported.device = gpu;
+  ipc.region = 6;
+  ipc.length = 1 << 20;
+  ipc.offsets = {0, 4096};
+  write(root / "messages", "commit_cuda_ipc", commit.encode());
+  commit.ipc.reset();
   commit.ranges.clear();
   commit.region = 0;
   write(root / "messages", "commit_reliable_imm", commit.encode());

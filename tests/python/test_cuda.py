@@ -1,4 +1,5 @@
-"""CUDA tensors between two processes, through the engine's staged path (pinned host mirrors):
+"""CUDA tensors between two processes, through the engine's CUDA IPC path (same host, GPU to
+GPU) where both sides are CUDA memory and the staged path (pinned host mirrors) otherwise:
 every operation with GPU memory on one or both sides, data checked on the device, immediates
 counted only once the data is in GPU memory. Skipped without a CUDA build and a CUDA device."""
 
@@ -33,6 +34,24 @@ def test_cuda_tensor_registration_takes_the_groups_gpu_path(engine):
         assert reg.length == 4096
     with engine.register(torch.zeros(4096, dtype=torch.uint8).pin_memory()) as pinned:
         assert not pinned.descriptor.staged, "pinned host memory is reachable directly"
+
+
+def test_cuda_tensors_take_the_cuda_ipc_path_with_no_code_change(engine, peer):
+    """The peer is another process on this host: GPU to GPU goes over CUDA IPC (the peer copies
+    from this process's exported tensor), unless the engine's Config.cuda_ipc is off."""
+    assert engine.group_info().cuda_ipc in ("auto", "on", "off")
+    before = engine.stats().groups[0].cuda_ipc_transfers
+    src = cuda_pattern(1 << 20, seed=11)
+    reg = engine.register(src)
+    dst = peer.call("alloc_cuda", "ipc", 1 << 20)
+    engine.write(reg, dst, 1 << 20, imm=1500).wait(TIMEOUT)
+    assert peer.call("wait_imm", 1500, 1, TIMEOUT)
+    assert peer.call("read", "ipc") == src.cpu().numpy().tobytes()
+    after = engine.stats().groups[0]
+    expected = 0 if engine.group_info().cuda_ipc == "off" else 1
+    assert after.cuda_ipc_transfers - before == expected
+    if expected:
+        assert after.cuda_ipc_bytes >= 1 << 20
 
 
 @pytest.mark.parametrize("size", [1, 4097, (1 << 20) + 13, 32 << 20])

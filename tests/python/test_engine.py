@@ -60,6 +60,19 @@ def test_config_fields_and_keywords():
         c.spin_time = "soon"
 
 
+def test_cuda_ipc_mode_in_config_info_and_stats():
+    c = fabric_lib.Config(provider="tcp", nics=["lo"], cpu=fabric_lib.GroupConfig.CPU_NONE)
+    assert c.cuda_ipc == "auto"
+    c.cuda_ipc = "off"
+    assert c.cuda_ipc == "off"
+    with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
+        c.cuda_ipc = "yes"
+    with fabric_lib.TransferEngine(c) as e:
+        assert e.group_info().cuda_ipc == "off"
+        g = e.stats().groups[0]
+        assert g.cuda_ipc_transfers == 0 and g.cuda_ipc_bytes == 0
+
+
 def test_env_overrides(monkeypatch):
     monkeypatch.setenv("FABRIC_PROVIDER", "shm")
     monkeypatch.setenv("FABRIC_NICS", "a,b")

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -38,8 +39,11 @@ class PeerProcess {
     posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
     posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
     std::vector<std::string> args = options.prefix;
-    args.insert(args.end(), {FABRIC_TEST_PEER, b.provider, b.reorder ? "1" : "0",
-                             std::to_string(buffer_bytes)});
+    // FABRIC_TEST_PEER_BIN: the peer binary where it is not at its build path (a test bundle
+    // copied to a GPU machine, tools/gpu/bundle.sh).
+    const char* bin = std::getenv("FABRIC_TEST_PEER_BIN");
+    args.insert(args.end(), {bin != nullptr && *bin != 0 ? bin : FABRIC_TEST_PEER, b.provider,
+                             b.reorder ? "1" : "0", std::to_string(buffer_bytes)});
     if (!options.nics.empty()) args.push_back(options.nics);
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());

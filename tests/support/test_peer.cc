@@ -7,7 +7,11 @@
 //   write DESC_HEX SRC DST LEN IMM     single write from the buffer into DESC, then report
 //   messages COUNT                     wait (30 s at most) until COUNT distinct messages "msg K"
 //                                      arrived; report distinct, duplicate and malformed ones
+//   unregister                         unregister the buffer (its descriptor goes stale)
+//   spam N DESC_HEX SRC DST LEN IMM    submit N single writes into DESC and report at once
 //   quit
+// With FABRIC_TEST_PEER_MEMORY=cuda (CUDA builds) the buffer is CUDA memory (cudaMalloc): the
+// GPU tests of the CUDA IPC path (tests/gpu/cuda_ipc_cuda_test.cc).
 #include <condition_variable>
 #include <cstdio>
 #include <iostream>
@@ -18,6 +22,9 @@
 
 #include "fabric/fabric.h"
 #include "test_support.h"
+#ifdef FABRIC_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 using namespace fabric;
 
@@ -41,7 +48,34 @@ int main(int argc, char** argv) {
   }
   auto& engine = **created;
   std::vector<std::byte> buf(size);
-  auto reg = engine.register_memory(buf.data(), size);
+  std::byte* mem = buf.data();  // what is registered: buf, or CUDA memory mirrored by buf
+  const char* kind = std::getenv("FABRIC_TEST_PEER_MEMORY");
+  const bool gpu = kind != nullptr && std::string(kind) == "cuda";
+#ifdef FABRIC_WITH_CUDA
+  void* device = nullptr;
+  if (gpu) {
+    if (cudaMalloc(&device, size) != cudaSuccess || cudaMemset(device, 0, size) != cudaSuccess) {
+      std::cout << "error cudaMalloc of " << size << " bytes failed" << std::endl;
+      return 1;
+    }
+    mem = static_cast<std::byte*>(device);
+  }
+  // buf <-> the CUDA memory, around fill and checksum.
+  auto to_device = [&] {
+    if (gpu) cudaMemcpy(mem, buf.data(), size, cudaMemcpyHostToDevice);
+  };
+  auto from_device = [&] {
+    if (gpu) cudaMemcpy(buf.data(), mem, size, cudaMemcpyDeviceToHost);
+  };
+#else
+  if (gpu) {
+    std::cout << "error FABRIC_TEST_PEER_MEMORY=cuda in a build without CUDA" << std::endl;
+    return 1;
+  }
+  auto to_device = [] {};
+  auto from_device = [] {};
+#endif
+  auto reg = engine.register_memory(mem, size);
   if (!reg) {
     std::cout << "error " << reg.status().to_string() << std::endl;
     return 1;
@@ -88,6 +122,7 @@ int main(int argc, char** argv) {
       uint64_t seed = 0;
       in >> seed;
       fabric::testing::fill_pattern(buf.data(), size, seed);
+      to_device();
       sync_with_worker();
       std::cout << "filled" << std::endl;
     } else if (cmd == "expect") {
@@ -106,6 +141,7 @@ int main(int argc, char** argv) {
       // Before the read as well: a transport whose worker copies the bytes in itself (shm)
       // wrote them on the worker thread.
       sync_with_worker();
+      from_device();
       const uint64_t sum = fabric::testing::fnv1a(buf.data() + off, len);
       sync_with_worker();
       std::cout << "checksum " << sum << std::endl;
@@ -133,6 +169,24 @@ int main(int argc, char** argv) {
                            [&] { return distinct.size() >= count; });
       std::cout << "messages " << distinct.size() << " " << duplicates << " " << malformed
                 << std::endl;
+    } else if (cmd == "unregister") {
+      Status s = engine.unregister_memory(reg->handle);
+      std::cout << (s ? std::string("unregistered") : "error " + s.to_string()) << std::endl;
+    } else if (cmd == "spam") {
+      std::string hex;
+      uint64_t n = 0, src = 0, dst = 0, len = 0;
+      uint32_t imm = 0;
+      in >> n >> hex >> src >> dst >> len >> imm;
+      auto bytes = from_hex(hex);
+      auto desc = bytes ? RemoteMemory::decode(*bytes) : Result<RemoteMemory>(bytes.status());
+      if (!desc) {
+        std::cout << "error " << desc.status().to_string() << std::endl;
+        continue;
+      }
+      for (uint64_t i = 0; i < n; ++i) {
+        (void)engine.submit(SingleWrite{reg->handle, src, *desc, dst, len, imm, {}}, {});
+      }
+      std::cout << "submitted" << std::endl;
     } else if (cmd == "quit") {
       break;
     } else {

@@ -10,8 +10,11 @@ cd "$(dirname "$0")/../.."
 [ -x build/bin/fabric_gpu_tests ] || { echo "build first (make build, with nvcc present)"; exit 1; }
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 rm -rf .gpu && mkdir -p .gpu/lib .gpu/include .gpu/bin
-cp build/bin/fabric_gpu_tests build/bin/fabric-bench-gpu build/bin/fabric-bench-uvm .gpu/
-strip .gpu/fabric_gpu_tests .gpu/fabric-bench-gpu .gpu/fabric-bench-uvm
+# fabric_test_peer: the other process of the CUDA IPC tests (run_tests.sh points
+# FABRIC_TEST_PEER_BIN at it).
+cp build/bin/fabric_gpu_tests build/bin/fabric-bench-gpu build/bin/fabric-bench-uvm \
+  build/bin/fabric_test_peer .gpu/
+strip .gpu/fabric_gpu_tests .gpu/fabric-bench-gpu .gpu/fabric-bench-uvm .gpu/fabric_test_peer
 # The KV-cache GPU pipeline (fabric::kv), when built.
 if [ -x build/bin/fabric-kv-gpu ]; then cp build/bin/fabric-kv-gpu .gpu/ && strip .gpu/fabric-kv-gpu; fi
 cp build/lib/libfabriclib.a .gpu/ && strip --strip-debug .gpu/libfabriclib.a

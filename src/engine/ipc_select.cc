@@ -1,0 +1,87 @@
+// choose_route: the CUDA IPC path or the fabric, per destination.
+#include "engine/ipc_select.h"
+
+namespace fabric::engine {
+
+IpcRoute choose_route(Config::CudaIpc mode, const Origin& self, const cuda::PointerInfo& src_memory,
+                      const cuda::IpcExport* src_export, const std::string& src_why,
+                      const RemoteMemory& dst,
+                      const std::function<bool(const cuda::DeviceUuid&)>& reachable) {
+  if (mode == Config::CudaIpc::kOff) return {IpcRoute::Kind::kFabric, "CUDA IPC is off"};
+  const bool src_device = src_memory.kind != cuda::MemoryKind::kHost;
+  const bool dst_device = dst.cuda_ipc().has_value() || dst.staged_region() != 0;
+  // Host to host: the fabric, whatever the mode (the path moves GPU memory only). The common
+  // case of every submission: no reason spelled out (no allocation).
+  if (!src_device && !dst_device) return {IpcRoute::Kind::kFabric, {}};
+  auto no = [&](std::string why) {
+    return IpcRoute{
+        mode == Config::CudaIpc::kOn ? IpcRoute::Kind::kRejected : IpcRoute::Kind::kFabric,
+        std::move(why)};
+  };
+  if (!src_device) return no("the source is host memory");
+  if (src_export == nullptr) return no("the source has no CUDA IPC export: " + src_why);
+  if (!dst.cuda_ipc()) {
+    return no(
+        "the destination's descriptor has no CUDA IPC section (host memory, memory CUDA could not "
+        "export, or an owner with CUDA IPC off)");
+  }
+  const Origin& owner = dst.owner().origin();
+  if (!self.same_host(owner)) return no("the destination's owner runs on another host");
+  if (src_export->kind == cuda::IpcExport::Kind::kCuda && self.same_process(owner)) {
+    return no("the destination's owner is this process (CUDA IPC maps another process's memory)");
+  }
+  if (!reachable(dst.cuda_ipc()->device)) {
+    return no("the source's GPU cannot reach the destination's GPU (no peer access)");
+  }
+  return {IpcRoute::Kind::kIpc, {}};
+}
+
+namespace {
+
+IpcDst& ipc_dst(Transfer& t, uint32_t dst_index) {
+  for (IpcDst& d : t.ipc) {
+    if (d.dst_index == dst_index) return d;
+  }
+  IpcDst& d = t.ipc.emplace_back();
+  d.dst_index = dst_index;
+  return d;
+}
+
+}  // namespace
+
+void add_ipc_range(Transfer& t, uint32_t dst_index, uint64_t src_offset, uint64_t dst_offset,
+                   uint64_t length) {
+  IpcDst& d = ipc_dst(t, dst_index);
+  if (length == 0) return;
+  if (!d.ranges.empty()) {
+    Range& last = d.ranges.back();
+    if (last.offset + last.length == dst_offset &&
+        d.src_offsets.back() + last.length == src_offset) {
+      last.length += length;
+      return;
+    }
+  }
+  d.ranges.push_back({dst_offset, length});
+  d.src_offsets.push_back(src_offset);
+}
+
+void add_ipc_imm(Transfer& t, uint32_t dst_index, uint32_t imm, uint64_t times) {
+  IpcDst& d = ipc_dst(t, dst_index);
+  d.has_imm = true;
+  d.imm = imm;
+  d.imm_times += times;
+}
+
+const char* cuda_ipc_mode_name(Config::CudaIpc mode) {
+  switch (mode) {
+    case Config::CudaIpc::kAuto:
+      return "auto";
+    case Config::CudaIpc::kOn:
+      return "on";
+    case Config::CudaIpc::kOff:
+      return "off";
+  }
+  return "?";
+}
+
+}  // namespace fabric::engine

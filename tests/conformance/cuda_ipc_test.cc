@@ -1,0 +1,285 @@
+// Conformance of the CUDA IPC path (docs/cuda-ipc.md) on the GPU-memory test double
+// (FakeDeviceBuffer, fabric/testing.h): two engines of this process, over every backend, with
+// Config::cuda_ipc at its default. The double's device addresses fault on any direct access, so a
+// byte that did not move by the owner's device-to-device copy would crash the test. The same
+// path with CUDA memory between two processes runs in tests/gpu/cuda_ipc_cuda_test.cc.
+#include <numeric>
+#include <random>
+
+#include "fabric/testing.h"
+#include "test_support.h"
+
+namespace fabric::testing {
+namespace {
+
+struct DeviceBuffer {
+  std::unique_ptr<FakeDeviceBuffer> memory;
+  Registration reg;
+  std::span<std::byte> bytes() const { return memory->contents(); }
+};
+
+std::unique_ptr<DeviceBuffer> make_device_buffer(TransferEngine& e, uint64_t n) {
+  auto b = std::make_unique<DeviceBuffer>();
+  auto m = FakeDeviceBuffer::create(n);
+  EXPECT_TRUE(m) << m.status().to_string();
+  if (!m) return b;
+  b->memory = std::move(*m);
+  auto r = e.register_memory(b->memory->device_ptr(), n);
+  EXPECT_TRUE(r) << r.status().to_string();
+  if (r) b->reg = *r;
+  return b;
+}
+
+class CudaIpcPath : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    auto ea = TransferEngine::create(make_config(GetParam()));
+    if (!ea && ea.status().code() == ErrorCode::kUnsupported) {
+      GTEST_SKIP() << "provider not available: " << ea.status().to_string();
+    }
+    ASSERT_TRUE(ea) << ea.status().to_string();
+    auto eb = TransferEngine::create(make_config(GetParam()));
+    ASSERT_TRUE(eb) << eb.status().to_string();
+    a_ = std::move(*ea);
+    b_ = std::move(*eb);
+  }
+
+  // Expects `imm` `count` times at b, checking at that moment that `want` is already in `got`.
+  Probe expect_data(uint32_t imm, std::span<const std::byte> want, std::span<const std::byte> got,
+                    uint64_t count = 1) {
+    Probe arrived;
+    Status s = b_->expect_imm(imm, count, [cb = arrived.callbacks(), want, got] {
+      if (std::memcmp(want.data(), got.data(), want.size()) == 0) {
+        cb.on_done();
+      } else {
+        cb.on_error(Status(ErrorCode::kInternal, "immediate counted before the data landed"));
+      }
+    });
+    EXPECT_TRUE(s) << s.to_string();
+    return arrived;
+  }
+  uint64_t ipc_transfers() const { return a_->stats().groups[0].cuda_ipc_transfers; }
+
+  std::unique_ptr<TransferEngine> a_;
+  std::unique_ptr<TransferEngine> b_;
+};
+
+TEST_P(CudaIpcPath, DeviceDescriptorsCarryTheSectionAndTheModeIsShown) {
+  auto host = make_buffer(*b_, 4096);
+  auto dev = make_device_buffer(*b_, 4096);
+  EXPECT_FALSE(host->reg.descriptor.cuda_ipc());
+  ASSERT_TRUE(dev->reg.descriptor.cuda_ipc());
+  EXPECT_NE(dev->reg.descriptor.cuda_ipc()->region, 0u);
+  auto back = RemoteMemory::decode(dev->reg.descriptor.encode());
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(*back, dev->reg.descriptor);
+  EXPECT_EQ(a_->group_info().cuda_ipc, "auto");
+}
+
+// Device to device: every size goes over the path (counted in stats), the immediate after the
+// bytes; device to host and host to device keep the fabric.
+TEST_P(CudaIpcPath, SingleWritesBetweenDevicesTakeThePath) {
+  const std::vector<uint64_t> sizes = {1, 4097, (uint64_t{1} << 20) + 13, (uint64_t{5} << 20) + 7};
+  uint32_t imm = 500;
+  for (uint64_t n : sizes) {
+    SCOPED_TRACE(::testing::Message() << n << " bytes");
+    auto src = make_device_buffer(*a_, n + 3);
+    auto dst = make_device_buffer(*b_, n + 5);
+    fill_pattern(src->bytes().data(), n + 3, n);
+    Probe arrived = expect_data(imm, src->bytes().subspan(3, n), dst->bytes().subspan(5, n));
+    const uint64_t before = ipc_transfers();
+    Probe done;
+    ASSERT_TRUE(a_->submit(
+        SingleWrite{src->reg.handle, 3, dst->reg.descriptor, 5, n, imm, Routing::sharded()},
+        done.callbacks()));
+    ASSERT_TRUE(done.wait()) << done.wait().to_string();
+    EXPECT_EQ(0, std::memcmp(src->bytes().data() + 3, dst->bytes().data() + 5, n));
+    Status landed = arrived.wait();
+    ASSERT_TRUE(landed) << landed.to_string();
+    EXPECT_EQ(ipc_transfers(), before + 1);
+    ++imm;
+  }
+  EXPECT_EQ(a_->stats().groups[0].cuda_ipc_bytes,
+            std::accumulate(sizes.begin(), sizes.end(), uint64_t{0}));
+  // Host memory on either side: the fabric (staged at the device end).
+  auto src_h = make_buffer(*a_, 8192);
+  auto dst_d = make_device_buffer(*b_, 8192);
+  fill_pattern(src_h->bytes.data(), 8192, 77);
+  const uint64_t before = ipc_transfers();
+  Probe host_to_dev;
+  ASSERT_TRUE(a_->submit(SingleWrite{src_h->reg.handle, 0, dst_d->reg.descriptor, 0, 8192, {}, {}},
+                         host_to_dev.callbacks()));
+  ASSERT_TRUE(host_to_dev.wait());
+  EXPECT_EQ(0, std::memcmp(src_h->bytes.data(), dst_d->bytes().data(), 8192));
+  EXPECT_EQ(ipc_transfers(), before);
+}
+
+// Pages in a random order, one arrival per page, all counted only once every page is in place;
+// 20 000 scattered pages need several Commits and an immediate that follows them.
+TEST_P(CudaIpcPath, PagedWritesCountOnePerPage) {
+  for (const auto& [page, pages] :
+       std::vector<std::pair<uint64_t, uint32_t>>{{4096, 512}, {64, 20000}}) {
+    SCOPED_TRACE(::testing::Message() << pages << " pages of " << page);
+    const uint64_t n = page * pages;
+    auto src = make_device_buffer(*a_, n);
+    auto dst = make_device_buffer(*b_, n);
+    fill_pattern(src->bytes().data(), n, page);
+    std::vector<uint32_t> src_pages(pages), dst_pages(pages);
+    std::iota(src_pages.begin(), src_pages.end(), 0);
+    std::shuffle(src_pages.begin(), src_pages.end(), std::mt19937(7));
+    std::iota(dst_pages.begin(), dst_pages.end(), 0);
+    std::shuffle(dst_pages.begin(), dst_pages.end(), std::mt19937(8));
+    std::vector<std::byte> want(n);
+    for (uint32_t i = 0; i < pages; ++i) {
+      std::memcpy(want.data() + dst_pages[i] * page, src->bytes().data() + src_pages[i] * page,
+                  page);
+    }
+    const uint32_t imm = 600 + pages;
+    Probe arrived = expect_data(imm, want, dst->bytes(), pages);
+    Probe done;
+    ASSERT_TRUE(a_->submit(PagedWrite{src->reg.handle, dst->reg.descriptor, page, src_pages, page,
+                                      0, dst_pages, page, 0, imm},
+                           done.callbacks()));
+    ASSERT_TRUE(done.wait(60s)) << done.wait().to_string();
+    Status landed = arrived.wait(60s);
+    ASSERT_TRUE(landed) << landed.to_string();
+    EXPECT_EQ(b_->imm_count(imm), pages);
+  }
+}
+
+// One scatter to a device destination (the path) and a host destination (the fabric) of two
+// peers: each gets its bytes and its immediate.
+TEST_P(CudaIpcPath, ScatterMixesThePathAndTheFabric) {
+  auto ec = TransferEngine::create(make_config(GetParam()));
+  ASSERT_TRUE(ec) << ec.status().to_string();
+  std::unique_ptr<TransferEngine> c = std::move(*ec);
+  auto src = make_device_buffer(*a_, 1 << 20);
+  fill_pattern(src->bytes().data(), 1 << 20, 5);
+  auto dev = make_device_buffer(*b_, 1 << 20);
+  auto host = make_buffer(*c, 1 << 20);
+  auto group = a_->add_peer_group({b_->address(), c->address()});
+  ASSERT_TRUE(group);
+  Probe done;
+  ASSERT_TRUE(a_->submit(
+      Scatter{src->reg.handle,
+              *group,
+              {{dev->reg.descriptor, 300000, 0, 100}, {host->reg.descriptor, 400000, 300000, 7}},
+              71,
+              Scatter::Sharding::kByBytes},
+      done.callbacks()));
+  ASSERT_TRUE(done.wait()) << done.wait().to_string();
+  EXPECT_TRUE(b_->wait_imm(71, 1, 20s));
+  EXPECT_TRUE(c->wait_imm(71, 1, 20s));
+  EXPECT_EQ(0, std::memcmp(dev->bytes().data() + 100, src->bytes().data(), 300000));
+  EXPECT_EQ(0, std::memcmp(host->bytes.data() + 7, src->bytes().data() + 300000, 400000));
+  EXPECT_EQ(ipc_transfers(), 1u);
+}
+
+// Imm-only and barrier carry no GPU bytes: they keep the fabric, and work beside the path.
+TEST_P(CudaIpcPath, ImmOnlyAndBarrierBesideThePath) {
+  auto group = a_->add_peer_group({b_->address()});
+  ASSERT_TRUE(group);
+  Counter c;
+  ASSERT_TRUE(a_->submit(ImmWrite{b_->address(), 81, 0, 0}, c.callbacks()));
+  ASSERT_TRUE(a_->submit(Barrier{*group, 82, 0, 0}, c.callbacks()));
+  ASSERT_TRUE(c.wait_total(2));
+  EXPECT_EQ(c.done(), 2);
+  EXPECT_TRUE(b_->wait_imm(81, 1, 20s));
+  EXPECT_TRUE(b_->wait_imm(82, 1, 20s));
+}
+
+// Unregister on the owner's side: a later write fails alone with a clear error, nothing lands
+// and nothing is counted; the writer's next write to a live region works.
+TEST_P(CudaIpcPath, AWriteToAnUnregisteredRegionFailsClearly) {
+  auto src = make_device_buffer(*a_, 65536);
+  fill_pattern(src->bytes().data(), 65536, 9);
+  auto dst = make_device_buffer(*b_, 65536);
+  Probe first;
+  ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, 4096, 90, {}},
+                         first.callbacks()));
+  ASSERT_TRUE(first.wait());  // the owner has the writer's allocation mapped now
+  ASSERT_TRUE(b_->unregister_memory(dst->reg.handle));
+  std::fill(dst->bytes().begin(), dst->bytes().end(), std::byte{0});
+  Probe after;
+  ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, 65536, 91, {}},
+                         after.callbacks()));
+  Status s = after.wait();
+  EXPECT_EQ(s.code(), ErrorCode::kRemoteAccess) << s.to_string();
+  EXPECT_NE(s.message().find("unregistered"), std::string::npos) << s.to_string();
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(b_->imm_count(91), 0u);
+  EXPECT_TRUE(std::all_of(dst->bytes().begin(), dst->bytes().end(),
+                          [](std::byte b) { return b == std::byte{0}; }));
+  auto live = make_device_buffer(*b_, 4096);
+  Probe ok;
+  ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, live->reg.descriptor, 0, 4096, 92, {}},
+                         ok.callbacks()));
+  EXPECT_TRUE(ok.wait());
+}
+
+// unregister_memory is a barrier while writes stream in: once it returns, no byte of the region
+// changes any more, however many writes were in flight.
+TEST_P(CudaIpcPath, UnregisterIsABarrierUnderLoad) {
+  constexpr uint64_t kBytes = 256 * 1024;
+  auto src = make_device_buffer(*a_, kBytes);
+  fill_pattern(src->bytes().data(), kBytes, 11);
+  auto dst = make_device_buffer(*b_, kBytes);
+  Counter c;
+  constexpr int kWrites = 300;
+  for (int i = 0; i < kWrites; ++i) {
+    ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, kBytes, 93, {}},
+                           c.callbacks()));
+    if (i == kWrites / 3) {
+      ASSERT_TRUE(b_->unregister_memory(dst->reg.handle));
+    }
+  }
+  // After unregister returned: wipe, then let every write finish; none may land.
+  std::fill(dst->bytes().begin(), dst->bytes().end(), std::byte{0});
+  ASSERT_TRUE(c.wait_total(kWrites, 60s));
+  EXPECT_GT(c.failed(), 0);
+  EXPECT_EQ(c.first_error().code(), ErrorCode::kRemoteAccess) << c.first_error().to_string();
+  EXPECT_TRUE(std::all_of(dst->bytes().begin(), dst->bytes().end(),
+                          [](std::byte b) { return b == std::byte{0}; }));
+  EXPECT_EQ(b_->imm_count(93), static_cast<uint64_t>(c.done()));
+}
+
+// The Config override: off keeps device-to-device writes on the fabric (staged); on rejects a
+// write that cannot take the path, naming why, and posts nothing.
+TEST_P(CudaIpcPath, TheOverrideForcesEitherWay) {
+  Config off = make_config(GetParam());
+  off.cuda_ipc = Config::CudaIpc::kOff;
+  auto eo = TransferEngine::create(off);
+  ASSERT_TRUE(eo) << eo.status().to_string();
+  auto src = make_device_buffer(**eo, 8192);
+  fill_pattern(src->bytes().data(), 8192, 3);
+  EXPECT_FALSE(src->reg.descriptor.cuda_ipc());  // nothing exported when off
+  auto dst = make_device_buffer(*b_, 8192);
+  Probe staged;
+  ASSERT_TRUE((*eo)->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, 8192, 94, {}},
+                            staged.callbacks()));
+  ASSERT_TRUE(staged.wait()) << staged.wait().to_string();
+  EXPECT_EQ(0, std::memcmp(src->bytes().data(), dst->bytes().data(), 8192));
+  EXPECT_EQ((*eo)->stats().groups[0].cuda_ipc_transfers, 0u);
+  EXPECT_EQ((*eo)->group_info().cuda_ipc, "off");
+
+  Config on = make_config(GetParam());
+  on.cuda_ipc = Config::CudaIpc::kOn;
+  auto en = TransferEngine::create(on);
+  ASSERT_TRUE(en) << en.status().to_string();
+  auto host_src = make_buffer(**en, 8192);
+  Probe never;
+  auto rejected =
+      (*en)->submit(SingleWrite{host_src->reg.handle, 0, dst->reg.descriptor, 0, 8192, 95, {}},
+                    never.callbacks());
+  ASSERT_FALSE(rejected);
+  EXPECT_EQ(rejected.status().code(), ErrorCode::kUnsupported);
+  EXPECT_NE(rejected.status().message().find("host memory"), std::string::npos)
+      << rejected.status().to_string();
+  EXPECT_EQ(never.calls(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, CudaIpcPath, ::testing::ValuesIn(all_backends()),
+                         backend_name);
+
+}  // namespace
+}  // namespace fabric::testing

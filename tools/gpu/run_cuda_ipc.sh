@@ -1,0 +1,54 @@
+#!/bin/bash
+# On a GPU machine, from the repository root, with a bundle made by tools/gpu/bundle.sh in
+# BUNDLE (default .gpu): the CUDA IPC path's GPU tests (two processes; on a one-GPU machine
+# both on that GPU; with two GPUs, again with the peer on GPU 1), fabric-bench-gpu over the path
+# and over the staged path (and GPU 0 -> GPU 1 where there are two), and the Python
+# CUDA-tensor tests when PYTHON=1 (the module is built there, as run_python.sh does). Output
+# goes to stdout and, when OUT is set, to files under it.
+BUNDLE=${BUNDLE:-.gpu}
+ROOT=$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LD_LIBRARY_PATH=$ROOT/$BUNDLE/lib:$LD_LIBRARY_PATH PYTHONUNBUFFERED=1
+export FABRIC_TEST_PEER_BIN=$ROOT/$BUNDLE/fabric_test_peer
+OUT=${OUT:-/tmp/cuda-ipc-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -4
+cd "$BUNDLE" || exit 1
+echo "== fabric_gpu_tests (CUDA IPC and staged) =="
+timeout 240 ./fabric_gpu_tests --gtest_filter='*CudaIpcCuda*:*StagedCuda*' >"$OUT/gpu_tests.log" 2>&1
+echo "exit $?"
+grep -aE "^\[ *(OK|FAILED|PASSED|SKIPPED) |Failure|Expected|Which is|actual|error" "$OUT/gpu_tests.log" | head -80
+for args in "--provider shm" "--provider shm --staged"; do
+  echo "== fabric-bench-gpu $args --op staged --iters 11 =="
+  timeout 120 ./fabric-bench-gpu $args --op staged --iters 11 2>&1 | tee -a "$OUT/bench.txt"
+done
+# Two GPUs or more: the peer process on GPU 1, so that the copies cross NVLink.
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  echo "== fabric_gpu_tests, the peer on GPU 1 =="
+  FABRIC_TEST_IPC_PEER_DEVICES=1,0 timeout 240 ./fabric_gpu_tests --gtest_filter='*CudaIpcCuda*' \
+    >"$OUT/gpu_tests_2gpu.log" 2>&1
+  echo "exit $?"
+  grep -aE "^\[ *(OK|FAILED|PASSED|SKIPPED) |Failure" "$OUT/gpu_tests_2gpu.log" | head -40
+  echo "== fabric-bench-gpu --provider shm --op staged --iters 11 --peer-gpu 1 =="
+  timeout 120 ./fabric-bench-gpu --provider shm --op staged --iters 11 --peer-gpu 1 2>&1 |
+    tee -a "$OUT/bench.txt"
+fi
+cd "$ROOT" || exit 1
+[ "${PYTHON:-0}" = 1 ] || exit 0
+echo "== Python: build the module, run tests/python/test_cuda.py =="
+EXT=$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")
+SRC=${PYSRC:-.}
+mkdir -p /tmp/pkg/fabric_lib /tmp/obj
+cp $SRC/python/fabric_lib/*.py $SRC/python/fabric_lib/*.pyi $SRC/python/fabric_lib/py.typed /tmp/pkg/fabric_lib/
+FL="-O2 -std=c++20 -fPIC -fvisibility=hidden -DFABRIC_VERSION=\"0.1.0\" -DFABRIC_WITH_CUDA=1 -I$SRC/include -I$SRC/src -I$BUNDLE/include -I/usr/local/cuda/include $(python3 -m pybind11 --includes)"
+for f in $SRC/python/src/*.cc; do c++ $FL -c $f -o /tmp/obj/$(basename $f).o & done
+wait
+c++ -shared /tmp/obj/*.o $BUNDLE/libfabrickvetcd.a $BUNDLE/libfabrickv.a $BUNDLE/libfabriclib.a \
+  $BUNDLE/libcudart_static.a -L$BUNDLE/lib -l:libfabric.so.1 -l:libhwloc.so.15 -l:libfmt.so.9 \
+  -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt -o /tmp/pkg/fabric_lib/_fabric_lib$EXT || exit 1
+PYTHONPATH=/tmp/pkg timeout 240 python3 -m pytest -v -rs -p no:cacheprovider \
+  $SRC/tests/python/test_cuda.py >"$OUT/pytest.log" 2>&1
+echo "pytest exit $?"
+grep -E "PASSED|FAILED|SKIPPED|^E " "$OUT/pytest.log" | head -60
+tail -3 "$OUT/pytest.log"
