@@ -191,17 +191,21 @@ void Worker::stop() {
   }
 }
 
+void Worker::wake() {
+  // One wake-up per sleep: the caller that clears the flag writes, the others need not.
+  if (sleeping_.load() && sleeping_.exchange(false)) {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(event_fd_, &one, sizeof(one));
+  }
+}
+
 void Worker::submit(std::unique_ptr<Transfer> transfer) {
   {
     std::lock_guard lock(inbox_mu_);
     inbox_transfers_.push_back(std::move(transfer));
     inbox_nonempty_.store(true);
   }
-  // One wake-up per sleep: the submitter that clears the flag writes, the others need not.
-  if (sleeping_.load() && sleeping_.exchange(false)) {
-    uint64_t one = 1;
-    [[maybe_unused]] ssize_t n = ::write(event_fd_, &one, sizeof(one));
-  }
+  wake();
 }
 
 void Worker::run_on_worker(std::function<void()> fn) {
@@ -217,11 +221,7 @@ void Worker::run_on_worker(std::function<void()> fn) {
     fn();  // not running: nothing else touches the domains
     return;
   }
-  // One wake-up per sleep: the submitter that clears the flag writes, the others need not.
-  if (sleeping_.load() && sleeping_.exchange(false)) {
-    uint64_t one = 1;
-    [[maybe_unused]] ssize_t n = ::write(event_fd_, &one, sizeof(one));
-  }
+  wake();
 }
 
 void Worker::release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs,

@@ -254,6 +254,8 @@ class Worker {
 
   Worker(uint32_t group, const Config& config, int cpu);
   void run_on_worker(std::function<void()> fn);
+  // Wakes a sleeping worker thread: one eventfd write per sleep, whoever clears the flag.
+  void wake();
   void run();
   // One pass of the loop: true when it did something; `finished` once a stop has completed.
   bool pass(bool& finished);
