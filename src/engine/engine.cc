@@ -15,17 +15,16 @@
 
 #include "cuda/device_memory.h"
 #include "engine/callback_thread.h"
+#include "engine/domain_group.h"
 #include "engine/imm_counters.h"
 #include "engine/ipc_select.h"
 #include "engine/messages.h"
+#include "engine/op_builder.h"
 #include "engine/plan.h"
 #include "engine/stats_counters.h"
 #include "engine/transfer_state.h"
 #include "engine/worker.h"
 #include "topology/topology.h"
-#include "transport/fault/fault_domain.h"
-#include "transport/libfabric/lf_domain.h"
-#include "transport/open_domain.h"
 
 namespace fabric {
 
@@ -178,8 +177,9 @@ class EngineImpl {
   std::atomic<bool> closing_{false};
   bool closed_ = false;
 
-  mutable std::mutex regions_mu_;
-  std::unordered_map<uint64_t, std::shared_ptr<LocalRegion>> regions_;
+  // Declared after workers_, so destroyed before them: a LocalRegion's destructor hands its
+  // registrations to its worker. The workers' threads have stopped by then (close()).
+  engine::RegionTable regions_;
   mutable std::mutex groups_mu_;
   // Shared, so a scatter or barrier takes a reference, not a copy of every member.
   std::unordered_map<uint64_t, std::shared_ptr<const std::vector<Address>>> peer_groups_;
@@ -225,84 +225,16 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
 
   const std::vector<int> allowed = topology::allowed_cpus();
   for (uint32_t g = 0; g < config.groups.size(); ++g) {
-    const GroupConfig& gc = config.groups[g];
-    std::vector<std::string> nics = gc.nics.empty() ? std::vector<std::string>{""} : gc.nics;
-    std::vector<std::unique_ptr<transport::Domain>> domains;
-    GroupInfo info;
-    bool direct = false;
-    // Opens the group's NICs, asking for FI_HMEM or not.
-    auto open_nics = [&](bool gpu_direct) -> Status {
-      domains.clear();
-      info = GroupInfo{};
-      for (size_t i = 0; i < nics.size(); ++i) {
-        auto d = transport::open_domain(config, nics[i], gpu_direct);
-        if (!d) {
-          return Status(d.status().code(),
-                        fmt::format("group {} NIC {}: {}", g, i, d.status().message()));
-        }
-        info.nics.push_back((*d)->info().name);
-        if (info.provider.empty()) info.provider = (*d)->info().provider;
-        info.delivery_complete =
-            (i == 0 ? true : info.delivery_complete) && (*d)->info().delivery_complete;
-        direct = (i == 0 ? true : direct) && (*d)->info().hmem;
-        domains.push_back(std::move(*d));
-      }
-      return Status::ok();
-    };
-    if (Status s = open_nics(config.gpu_direct); !s) return s;
-    info.cuda = cuda::cuda_available();
-    // A provider may claim FI_HMEM yet be unable to register CUDA memory (a libfabric built
-    // without working CUDA support): register a small device buffer once to find out, and if
-    // it cannot, reopen the NICs without FI_HMEM (which costs host transfers a memory-type
-    // check per operation on some providers).
-    if (direct && info.cuda) {
-      auto probe = cuda::cuda_device_alloc(4096);
-      std::string why = probe ? "" : probe.status().message();
-      for (auto& d : domains) {
-        if (!probe || !why.empty()) break;
-        auto reg = d->register_memory(*probe, 4096);
-        if (!reg) why = fmt::format("'{}': {}", d->info().name, reg.status().message());
-      }
-      if (probe) cuda::cuda_device_free(*probe);
-      if (!why.empty()) {
-        detail::log().info(
-            "group {}: the provider advertises FI_HMEM but cannot register CUDA memory ({}); "
-            "staging GPU memory instead",
-            g, why);
-        if (Status s = open_nics(false); !s) return s;
-        info.cuda = true;
-        direct = false;
-      }
-    }
-    if (config.faults.enabled) {
-      for (size_t i = 0; i < domains.size(); ++i) {
-        domains[i] = std::make_unique<transport::FaultDomain>(std::move(domains[i]), config.faults,
-                                                              g * 64 + i);
-      }
-    }
-    int cpu = -1;
-    if (gc.cpu >= 0) {
-      cpu = gc.cpu;
-    } else if (gc.cpu == GroupConfig::kCpuAuto) {
-      topology::NicPlacement p = topology::find_nic(info.nics[0]);
-      if (p.numa_node >= 0 && !p.cpus.empty()) cpu = p.cpus[g % p.cpus.size()];
-    }
-    if (cpu >= 0 && std::find(allowed.begin(), allowed.end(), cpu) == allowed.end()) {
-      return invalid(fmt::format("group {}: CPU {} is not available to this process", g, cpu));
-    }
-    info.cpu = cpu;
-    info.gpu_memory = direct ? "direct (FI_HMEM)" : "staged";
-    info.cuda_ipc = engine::cuda_ipc_mode_name(config.cuda_ipc);
-    e->direct_.push_back(direct);
+    auto group = engine::open_domain_group(config, g, allowed);
+    if (!group) return group.status();
+    GroupInfo info = std::move(group->info);
+    const int cpu = group->cpu;
+    std::vector<std::unique_ptr<transport::Domain>> domains = std::move(group->domains);
+    e->direct_.push_back(group->direct);
 
     engine::WorkerServices services{
         e->callbacks_.get(), &e->imms_,
-        [raw = e.get()](std::vector<uint32_t>& imms) { raw->on_unexpected(imms); },
-        [raw = e.get()](uint64_t id) -> std::shared_ptr<LocalRegion> {
-          std::lock_guard lock(raw->regions_mu_);
-          auto it = raw->regions_.find(id);
-          return it == raw->regions_.end() ? nullptr : it->second;
-        }};
+        [raw = e.get()](std::vector<uint32_t>& imms) { raw->on_unexpected(imms); }, &e->regions_};
     auto w = engine::Worker::create(g, config, cpu, std::move(domains), std::move(services));
     if (!w) return w.status();
     std::vector<NicAddress> nic_addrs;
@@ -398,14 +330,13 @@ Result<std::shared_ptr<LocalRegion>> EngineImpl::find_region(MemoryHandle handle
     return Status(ErrorCode::kNotFound,
                   fmt::format("memory handle {:#x} was not made by this engine", handle.id));
   }
-  std::lock_guard lock(regions_mu_);
-  auto it = regions_.find(handle.id);
-  if (it == regions_.end()) {
+  std::shared_ptr<LocalRegion> region = regions_.find(handle.id);
+  if (!region) {
     return Status(
         ErrorCode::kNotFound,
         fmt::format("memory handle {:#x} is not registered (it was unregistered)", handle.id));
   }
-  return it->second;
+  return region;
 }
 
 std::unique_ptr<Transfer> EngineImpl::new_transfer(Callbacks cb) {
@@ -508,8 +439,7 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uin
   Registration out{MemoryHandle{region->id},
                    RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length,
                                 std::move(rails), region->staged() ? region->id : 0, ipc_section)};
-  std::lock_guard rl(regions_mu_);
-  regions_.emplace(region->id, std::move(region));
+  regions_.add(std::move(region));
   return out;
 }
 
@@ -519,11 +449,12 @@ Status EngineImpl::unregister_memory(MemoryHandle handle) {
   {
     auto found = find_region(handle);
     if (!found) return found.status();
-    std::lock_guard lock(regions_mu_);
-    auto it = regions_.find(handle.id);
-    if (it == regions_.end()) return found.status();
-    region = std::move(it->second);
-    regions_.erase(it);
+    region = regions_.take(handle.id);
+    if (!region) {  // another thread unregistered it meanwhile
+      return Status(
+          ErrorCode::kNotFound,
+          fmt::format("memory handle {:#x} is not registered (it was unregistered)", handle.id));
+    }
   }
   // A barrier: the provider registrations are closed on the worker once no accepted transfer
   // holds the region any more (each completes or fails within its own bounds), and only then
@@ -583,27 +514,13 @@ void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_of
   const uint64_t chunk = src.staged() || staged_dst ? config_.staging_chunk_bytes : UINT64_MAX;
   size_t pieces = 0;
   for (const engine::Shard& s : shards) {
-    const uint32_t rail = engine::remote_rail(s.domain, dst.rails().size());
     uint64_t done = 0;
     do {
       const uint64_t offset = s.offset + done;
       const uint64_t length = std::min(chunk, s.length - done);
-      Op op;
-      op.transfer = &t;
-      op.domain = s.domain;
-      op.peer = &dst.owner().nics()[rail].name;
-      op.owner = &dst.owner();
-      op.dst_mem = &dst;
-      op.length = length;
-      if (length == 0) {  // a zero-byte write still names a valid local buffer (EFA)
-        op.local = workers_[group]->scratch_local(s.domain);
-        op.local_desc = workers_[group]->scratch_desc(s.domain);
-      } else {
-        op.local = src.host + src_offset + offset;
-        op.local_desc = src.regs[s.domain]->local_desc();
-      }
-      op.remote_addr = dst.rails()[rail].addr + dst_offset + offset;
-      op.remote_key = dst.rails()[rail].key;
+      Op op = engine::write_op(t, s.domain, dst, dst_offset + offset,
+                               src.host + src_offset + offset, src.regs[s.domain]->local_desc(),
+                               length, workers_[group]->scratch(s.domain));
       if (staged_dst) {
         op.dst_index = dst_index;
         op.dst_offset = dst_offset + offset;
@@ -627,10 +544,11 @@ void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_of
   }
   // Several pieces: the immediate follows them all, on the first piece's rail.
   Op op = t.ops[t.ops.size() - pieces];
+  const engine::Scratch scratch = workers_[group]->scratch(op.domain);
   op.length = 0;
   op.dst_index = Op::kNoDst;
-  op.local = workers_[group]->scratch_local(op.domain);
-  op.local_desc = workers_[group]->scratch_desc(op.domain);
+  op.local = scratch.local;
+  op.local_desc = scratch.desc;
   op.has_imm = true;
   op.imm = *imm;
   t.deferred.push_back(op);
@@ -638,17 +556,7 @@ void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_of
 
 Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const Address& peer,
                              uint32_t imm) {
-  const NicAddress& nic = peer.nics()[engine::remote_rail(domain, peer.num_nics())];
-  Op op;
-  op.transfer = &t;
-  op.domain = domain;
-  op.peer = &nic.name;
-  op.owner = &peer;
-  op.length = 0;
-  op.local = workers_[group]->scratch_local(domain);
-  op.local_desc = workers_[group]->scratch_desc(domain);
-  op.remote_addr = nic.scratch_addr;
-  op.remote_key = nic.scratch_key;
+  Op op = engine::scratch_op(t, domain, peer, workers_[group]->scratch(domain));
   op.has_imm = true;
   op.imm = imm;
   return op;
@@ -767,7 +675,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
   t->ops.resize(w.src_pages.size());
   for (const engine::Run& run : engine::split_even_up(
            w.src_pages.size(), workers_[group]->up_nics(), next_rotation(group), weights(group))) {
-    const uint32_t rail = engine::remote_rail(run.domain, dst.rails().size());
+    void* const local_desc = t->src->regs[run.domain]->local_desc();
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t so = 0, d_off = 0;
       if (Status s =
@@ -780,17 +688,9 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
           !s) {
         return s;
       }
-      Op& op = t->ops[i];
-      op.transfer = t.get();
-      op.domain = run.domain;
-      op.peer = &dst.owner().nics()[rail].name;
-      op.owner = &dst.owner();
-      op.dst_mem = &dst;
-      op.local = t->src->host + so;
-      op.length = w.page_bytes;
-      op.local_desc = t->src->regs[run.domain]->local_desc();
-      op.remote_addr = dst.rails()[rail].addr + d_off;
-      op.remote_key = dst.rails()[rail].key;
+      // page_bytes > 0: no scratch buffer needed.
+      Op& op = t->ops[i] = engine::write_op(*t, run.domain, dst, d_off, t->src->host + so,
+                                            local_desc, w.page_bytes, engine::Scratch{});
       if (dst.staged_region() != 0) {  // the owner counts one arrival per page after its copy
         op.dst_index = 0;
         op.dst_offset = d_off;
@@ -948,15 +848,7 @@ Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const 
   t->message.insert(t->message.end(), message.begin(), message.end());
   // Over the first NIC that is up; every NIC of the peer has receive buffers.
   const uint32_t nic = engine::failover_nic(0, workers_[group]->up_nics(), 0);
-  Op op;
-  op.transfer = t.get();
-  op.kind = Op::Kind::kSend;
-  op.domain = nic;
-  op.peer = &t->peers[0].nics()[engine::remote_rail(nic, t->peers[0].num_nics())].name;
-  op.owner = &t->peers[0];
-  op.message = &t->message;
-  op.length = t->message.size();
-  t->ops.push_back(op);
+  t->ops.push_back(engine::send_op(*t, nic, t->peers[0], t->message));
   return hand_over(group, std::move(t));
 }
 

@@ -106,7 +106,7 @@ Result<cuda::Copier*> Worker::ipc_copier(const cuda::PointerInfo& device) {
 void Worker::start_ipc_copy(CommitJob& job) {
   const Commit& c = job.commit;
   const IpcSource& src = *c.ipc;
-  job.region = services_.find_region ? services_.find_region(c.region) : nullptr;
+  job.region = services_.regions ? services_.regions->find(c.region) : nullptr;
   if (!job.region || job.region->worker != this || !job.region->ipc) {
     job.status = Status(ErrorCode::kRemoteAccess,
                         fmt::format("CUDA IPC destination region {:#x} is not registered on this "

@@ -172,15 +172,7 @@ void Worker::check_peer(DomainState& d, PeerQueue& q) {
     if (owner.nics()[i].name == *suspect.peer) rail = i;
   }
   const NicAddress& peer = owner.nics()[rail];
-  Op& op = t->ops.emplace_back();
-  op.transfer = t.get();
-  op.domain = nic;
-  op.owner = &owner;
-  op.peer = &peer.name;
-  op.local = scratch_local(nic);
-  op.local_desc = scratch_desc(nic);
-  op.remote_addr = peer.scratch_addr;
-  op.remote_key = peer.scratch_key;
+  Op& op = t->ops.emplace_back(scratch_op(*t, nic, owner, peer, scratch(nic)));
   t->pending = 1;
   q.check = &op;
   q.check_posted = false;

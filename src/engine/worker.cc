@@ -893,34 +893,7 @@ void Worker::reroute_messages(uint32_t nic, PeerQueue& q) {
 }
 
 void Worker::retarget(Op& op, uint32_t to) {
-  if (to == op.domain) return;
-  const Address& owner = *op.owner;
-  if (op.kind == Op::Kind::kSend) {  // its buffer's descriptor is taken when it is posted
-    op.peer = &owner.nics()[remote_rail(to, owner.num_nics())].name;
-    op.domain = to;
-    if (op.commit != nullptr) op.commit->domain = to;
-    return;
-  }
-  if (op.dst_mem != nullptr) {
-    const auto& rails = op.dst_mem->rails();
-    const uint32_t from = remote_rail(op.domain, rails.size());
-    const uint32_t rail = remote_rail(to, rails.size());
-    op.remote_addr = op.remote_addr - rails[from].addr + rails[rail].addr;
-    op.remote_key = rails[rail].key;
-    op.peer = &op.dst_mem->owner().nics()[rail].name;
-  } else {
-    const NicAddress& nic = owner.nics()[remote_rail(to, owner.num_nics())];
-    op.remote_addr = nic.scratch_addr;
-    op.remote_key = nic.scratch_key;
-    op.peer = &nic.name;
-  }
-  if (op.length == 0) {
-    op.local = scratch_local(to);
-    op.local_desc = scratch_desc(to);
-  } else {
-    op.local_desc = op.transfer->src->regs[to]->local_desc();
-  }
-  op.domain = to;
+  engine::retarget(op, to, scratch(to));
 }
 
 void Worker::watch_nics() {
@@ -1100,17 +1073,7 @@ void Worker::probe(uint32_t nic) {
   t->id = kInternalTransfer | next_internal_++;
   t->probe_nic = static_cast<int>(nic);
   t->peers.push_back(d.probe_owner);
-  const NicAddress& peer = t->peers[0].nics()[remote_rail(nic, t->peers[0].num_nics())];
-  Op op;
-  op.transfer = t.get();
-  op.domain = nic;
-  op.owner = &t->peers[0];
-  op.peer = &peer.name;
-  op.local = scratch_local(nic);
-  op.local_desc = scratch_desc(nic);
-  op.remote_addr = peer.scratch_addr;
-  op.remote_key = peer.scratch_key;
-  t->ops.push_back(op);
+  t->ops.push_back(scratch_op(*t, nic, t->peers[0], scratch(nic)));
   d.probing = true;
   start_transfer(std::move(t));
 }
@@ -1393,15 +1356,8 @@ void Worker::flush_commits(Transfer& t, uint32_t dst_index, bool final) {
 void Worker::resend_commit(CommitSend& cs, uint32_t to) {
   Transfer& t = *cs.transfer;
   const Address& owner = *cs.owner;
-  Op& op = t.control.emplace_back();
-  op.transfer = &t;
-  op.kind = Op::Kind::kSend;
+  Op& op = t.control.emplace_back(send_op(t, to, owner, *cs.message));
   op.commit = &cs;
-  op.domain = to;
-  op.owner = &owner;
-  op.peer = &owner.nics()[remote_rail(to, owner.num_nics())].name;
-  op.message = cs.message;
-  op.length = cs.message->size();
   ++t.pending;
   ++cs.live;
   cs.domain = to;
@@ -1452,7 +1408,7 @@ void Worker::handle_commit(const MessageHeader& header, std::span<const std::byt
     commit_done(job);
     return;
   }
-  job.region = services_.find_region ? services_.find_region(job.commit.region) : nullptr;
+  job.region = services_.regions ? services_.regions->find(job.commit.region) : nullptr;
   if (!job.region || job.region->worker != this || !job.region->staged()) {
     job.status = Status(ErrorCode::kRemoteAccess,
                         fmt::format("staged region {:#x} is not registered on this group (was "
@@ -1562,16 +1518,7 @@ void Worker::send_internal(Address owner, uint32_t domain, Bytes message) {
   t->id = kInternalTransfer | next_internal_++;
   t->peers.push_back(std::move(owner));
   t->message = std::move(message);
-  const Address& to = t->peers[0];
-  Op op;
-  op.transfer = t.get();
-  op.kind = Op::Kind::kSend;
-  op.domain = domain;
-  op.owner = &to;
-  op.peer = &to.nics()[remote_rail(domain, to.num_nics())].name;
-  op.message = &t->message;
-  op.length = t->message.size();
-  t->ops.push_back(op);
+  t->ops.push_back(send_op(*t, domain, t->peers[0], t->message));
   start_transfer(std::move(t));
 }
 

@@ -20,7 +20,9 @@
 #include "engine/imm_counters.h"
 #include "engine/ipc_imports.h"
 #include "engine/messages.h"
+#include "engine/op_builder.h"
 #include "engine/rate_meter.h"
+#include "engine/regions.h"
 #include "engine/transfer_state.h"
 #include "fabric/config.h"
 #include "transport/domain.h"
@@ -82,8 +84,9 @@ struct WorkerServices {
   ImmCounters* imms;
   // Called on the worker with immediates that arrived with no expectation.
   std::function<void(std::vector<uint32_t>&)> on_unexpected;
-  // The engine's registration of an id (staged-path Commits name their region), or null.
-  std::function<std::shared_ptr<LocalRegion>(uint64_t id)> find_region;
+  // The engine's registrations (staged-path and CUDA IPC Commits name their region); outlives
+  // the worker's thread.
+  const RegionTable* regions = nullptr;
 };
 
 // True on a worker thread (of any engine): the engine's blocking calls refuse to run there.
@@ -109,8 +112,10 @@ class Worker {
   // The scratch buffer of NIC i, for the group address.
   uint64_t scratch_addr(uint32_t i) const { return domains_[i].scratch->remote_addr(); }
   uint64_t scratch_key(uint32_t i) const { return domains_[i].scratch->remote_key(); }
-  void* scratch_local(uint32_t i) { return domains_[i].scratch_buf.get(); }
-  void* scratch_desc(uint32_t i) const { return domains_[i].scratch->local_desc(); }
+  // NIC i's scratch buffer: the local side of zero-byte writes.
+  Scratch scratch(uint32_t i) {
+    return {domains_[i].scratch_buf.get(), domains_[i].scratch->local_desc()};
+  }
   int cpu() const { return cpu_; }
   // The group's own address, named in Commits so that the owner can acknowledge over any rail.
   // Set by the engine before start().

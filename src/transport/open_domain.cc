@@ -16,11 +16,12 @@ bool verbs_built() {
 #endif
 }
 
-Result<std::unique_ptr<Domain>> open_domain(const Config& config, const std::string& nic,
-                                            bool gpu_direct) {
-  if (config.provider == kVerbsProvider) {
+Result<std::unique_ptr<Domain>> open_domain(const TransportOptions& options,
+                                            const std::string& nic) {
+  const bool gpu_direct = options.gpu_direct;
+  if (options.provider == kVerbsProvider) {
 #ifdef FABRIC_WITH_VERBS
-    auto d = VerbsDomain::open(nic, config.verbs, gpu_direct);
+    auto d = VerbsDomain::open(nic, options.verbs, gpu_direct);
     if (!d) return d.status();
     return std::unique_ptr<Domain>(std::move(*d));
 #else
@@ -30,14 +31,14 @@ Result<std::unique_ptr<Domain>> open_domain(const Config& config, const std::str
                   "was configured)");
 #endif
   }
-  if (config.provider == kShmFabricProvider) {
+  if (options.provider == kShmFabricProvider) {
     auto d = ShmDomain::open(nic);
     if (!d) return d.status();
     return std::unique_ptr<Domain>(std::move(*d));
   }
   // libfabric's shm provider stays reachable under its own name (the raw baseline's).
   const std::string provider =
-      config.provider == kOfiShmProvider ? std::string("shm") : config.provider;
+      options.provider == kOfiShmProvider ? std::string("shm") : options.provider;
   auto d = LfDomain::open(provider, nic, gpu_direct);
   if (!d) return d.status();
   return std::unique_ptr<Domain>(std::move(*d));

@@ -22,7 +22,14 @@ inline constexpr const char* kOfiShmProvider = "ofi_shm";
 // Whether this build has the verbs backend (libibverbs found at configure time).
 bool verbs_built();
 
-Result<std::unique_ptr<Domain>> open_domain(const Config& config, const std::string& nic,
-                                            bool gpu_direct);
+// What the transport needs of the engine's Config to open a NIC, and nothing more.
+struct TransportOptions {
+  std::string provider;     // Config::provider
+  VerbsConfig verbs;        // Config::verbs (the verbs backend only)
+  bool gpu_direct = false;  // ask for GPU memory registration (FI_HMEM, or peer memory on verbs)
+};
+
+Result<std::unique_ptr<Domain>> open_domain(const TransportOptions& options,
+                                            const std::string& nic);
 
 }  // namespace fabric::transport
