@@ -351,6 +351,7 @@ bool Worker::pass(bool& finished) {
   if (!copiers_.empty()) active |= poll_copies();
   for (auto& d : domains_) active |= post_some(d);
   watch_peers();
+  active |= drain_ready();
   if (!jobs_.empty()) run_jobs();
   finished = stopping_ && (posted_ == abandoned_ || now_ >= stop_deadline_);
   return active;
@@ -380,14 +381,14 @@ void Worker::start_transfer(std::unique_ptr<Transfer> owned) {
     return;
   }
   if (!t.message.empty()) stamp(t.message);
-  t.pending = t.ops.size() + 1;  // +1 holds the transfer open while its ops are queued
+  t.pending = t.ops.size();
   if (t.src && t.src->staged()) {
     stage_sources(t);  // ops are queued as their device-to-host copies complete
   } else {
     for (Op& op : t.ops) enqueue(op);
   }
   if (!t.ipc.empty()) send_ipc_commits(t, false);  // the CUDA IPC path (ipc_worker.cc)
-  if (--t.pending == 0) advance(t);
+  if (t.ops.empty()) make_ready(t);                // else the last op to complete does
 }
 
 void Worker::enqueue(Op& op) {
@@ -650,7 +651,7 @@ void Worker::complete_op(Op& op, const Status& status) {
     if (!status.is_ok()) {
       // Another copy may still be (or have been) delivered and acknowledged.
       if (cs.acked || cs.live > 0) {
-        if (--t.pending == 0) advance(t);
+        settle(t);
         return;
       }
       const uint32_t to = other_up_nic(op.domain);
@@ -662,7 +663,7 @@ void Worker::complete_op(Op& op, const Status& status) {
             group_, domains_[op.domain].domain->info().name, status.message(),
             domains_[to].domain->info().name);
         resend_commit(cs, to);
-        if (--t.pending == 0) advance(t);
+        settle(t);
         return;
       }
       cs.acked = true;  // given up: its Ack will never come
@@ -672,7 +673,7 @@ void Worker::complete_op(Op& op, const Status& status) {
   }
   if (!status.is_ok() && t.error.is_ok()) t.error = status;
   if (status.is_ok() && op.dst_index != Op::kNoDst) record_staged(op);
-  if (--t.pending == 0) advance(t);
+  settle(t);
 }
 
 void Worker::advance(Transfer& t) {
@@ -695,7 +696,6 @@ void Worker::advance(Transfer& t) {
     finish(t);
     return;
   }
-  t.pending = 1;  // holds the transfer while its last messages are queued
   for (uint32_t i = 0; i < t.staged.size(); ++i) {
     if (!t.staged[i].unflushed.empty() || t.staged[i].has_imm) flush_commits(t, i, true);
   }
@@ -705,7 +705,23 @@ void Worker::advance(Transfer& t) {
     t.pending += t.deferred.size();
     for (Op& op : t.deferred) enqueue(op);
   }
-  if (--t.pending == 0) advance(t);
+  // Nothing went out after all (every Commit and op failed at once): look again next drain.
+  if (t.pending == 0 && t.acks == 0) make_ready(t);
+}
+
+bool Worker::drain_ready() {
+  if (ready_.empty()) return false;
+  // Advancing may make transfers ready again (a deferred immediate failing at once): those wait
+  // for the next round, a few rounds per pass at most, so that a pass always ends.
+  for (int round = 0; round < 4 && !ready_.empty(); ++round) {
+    ready_batch_.swap(ready_);
+    for (TransferId id : ready_batch_) {
+      auto it = live_.find(id);
+      if (it != live_.end() && !it->second->finished) advance(*it->second);
+    }
+    ready_batch_.clear();
+  }
+  return true;
 }
 
 void Worker::finish(Transfer& t) {
@@ -1272,11 +1288,8 @@ bool Worker::poll_copies() {
 }
 
 void Worker::gate_done(Gate& gate, const Status& status) {
-  // The last op may finish the transfer (and free the gate): read the gate first.
-  Transfer* t = gate.transfer;
-  const size_t first = gate.first, count = gate.count;
-  for (size_t k = 0; k < count; ++k) {
-    Op& op = t->ops[first + k];
+  for (size_t k = 0; k < gate.count; ++k) {
+    Op& op = gate.transfer->ops[gate.first + k];
     if (!status.is_ok()) {
       complete_op(op, Status(status.code(), fmt::format("staging {} bytes from device memory: {}",
                                                         op.length, status.message())));
@@ -1509,7 +1522,7 @@ void Worker::handle_ack(std::span<const std::byte> body) {
   }
   if (--t.acks == 0) {
     std::erase(awaiting_acks_, &t);
-    advance(t);
+    if (t.pending == 0) make_ready(t);
   }
 }
 
@@ -1544,13 +1557,11 @@ void Worker::watch_acks() {
       auto it = live_.find(id);
       if (it == live_.end() || it->second->finished) continue;
       Transfer& t = *it->second;
-      ++t.pending;  // holds t while copies are queued
       for (CommitSend& cs : t.commits) {
         if (cs.acked || cs.live > 0 || now_ - cs.sent <= resend_after) continue;
         resend_commit(cs, other_up_nic(cs.domain));
         ++resent;
       }
-      if (--t.pending == 0) advance(t);
     }
     if (resent > 0) {
       detail::log().warn(
@@ -1569,7 +1580,7 @@ void Worker::watch_acks() {
     t->acks = 0;
     forget_commits(*t);
     std::erase(awaiting_acks_, t);
-    advance(*t);
+    if (t->pending == 0) make_ready(*t);
   }
 }
 

@@ -276,6 +276,18 @@ class Worker {
   void release_send_slot(Op& op);
   // The next NIC that is up other than `nic` (rotating), or `nic` when there is none.
   uint32_t other_up_nic(uint32_t nic);
+  // Completions are reported upward as events, not calls: an op or an Ack that leaves its
+  // transfer with nothing outstanding puts the transfer's id on ready_ (settle, make_ready), and
+  // the loop advances the transfers there once per pass (drain_ready). So nothing deep in
+  // enqueue, a completion or a resend ever advances, finishes or frees a transfer under its
+  // caller.
+  void settle(Transfer& t) {
+    if (--t.pending == 0) make_ready(t);
+  }
+  void make_ready(Transfer& t) { ready_.push_back(t.id); }
+  bool drain_ready();
+  // Called by drain_ready with nothing outstanding: what is left (Commits, deferred
+  // immediates) goes out, or the transfer finishes. Calling it again changes nothing.
   void advance(Transfer& t);
   void finish(Transfer& t);
   void on_recv(const transport::Completion& c, uint32_t domain);
@@ -377,6 +389,10 @@ class Worker {
 
   // Worker-thread state.
   std::unordered_map<TransferId, std::unique_ptr<Transfer>> live_;
+  // Transfers with nothing outstanding, to advance (an id may be there twice, or name a
+  // transfer gone since: drain_ready skips those); ready_batch_ keeps its capacity.
+  std::vector<TransferId> ready_;
+  std::vector<TransferId> ready_batch_;
   size_t posted_ = 0;     // work requests in the provider's hands
   size_t abandoned_ = 0;  // of those, given up on (dead peers)
   std::chrono::steady_clock::time_point next_watch_;

@@ -298,12 +298,20 @@ class Sender {
     for (int r = 0; r < kReceivers; ++r) refresh(r);
     killed_ = true;
     const auto delay = std::chrono::milliseconds(20 + pick(0, 80));  // rng_ is this thread's
-    std::thread killer([this, delay] {
+    std::atomic<bool> dead{false};
+    std::thread killer([this, delay, &dead] {
       std::this_thread::sleep_for(delay);
       ::kill(victim_, SIGKILL);
+      dead.store(true);
     });
-    for (auto until = Clock::now() + half; Clock::now() < until && next_ < limit;) {
+    // At least one whole round after the kill: its transfers towards the victim must fail (a
+    // round in flight at the kill may see all of them done first, on a slow machine).
+    bool round_after_kill = false;
+    for (auto until = Clock::now() + half;
+         (Clock::now() < until || !round_after_kill) && next_ < limit;) {
+      const bool after = dead.load();
       round(kRound);
+      round_after_kill |= after;
     }
     killer.join();
   }
@@ -488,6 +496,7 @@ class Sender {
     for (const Record& rec : recs) {
       if (rec.state != Record::State::kDone) continue;
       for (int r = 0; r < kReceivers; ++r) {
+        if (rec.after_kill && r == kVictim) continue;  // it may have died before counting them
         while (sh_[r]->imms[rec.imm].load() < rec.arrivals[r] && Clock::now() < until) {
           std::this_thread::sleep_for(std::chrono::microseconds(200));
         }
