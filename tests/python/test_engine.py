@@ -298,6 +298,39 @@ def test_caller_progress_group_is_driven_by_progress(provider):
             assert not a.progress(5), "no group 5"
 
 
+def test_callbacks_on_worker_run_on_the_groups_worker_thread(provider):
+    """Config.callbacks_on_worker: on_done runs on the worker thread (fabric-w0), and a call
+    there that would wait for the worker raises InvalidArgument instead of deadlocking."""
+    config = make_config(provider)
+    config.callbacks_on_worker = True
+    assert config.callbacks_on_worker
+    with open_engine_or_skip(provider) as b:
+        try:
+            a = fabric_lib.TransferEngine(config)
+        except fabric_lib.Unsupported as e:
+            pytest.skip(f"provider {provider} not available here: {e}")
+        with a:
+            src = a.register(np.full(4096, 5, dtype=np.uint8))
+            dst_array = np.zeros(4096, dtype=np.uint8)
+            dst = b.register(dst_array)
+            seen = {}
+
+            def on_done():
+                tid = threading.get_native_id()
+                seen["thread"] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+                try:
+                    a.register(np.zeros(64, dtype=np.uint8))
+                    seen["register"] = "returned"
+                except fabric_lib.InvalidArgument as e:
+                    seen["register"] = str(e)
+
+            a.write(src, dst.descriptor, imm=62, on_done=on_done).result(TIMEOUT)
+            assert b.wait_imm(62, 1, TIMEOUT)
+            assert (dst_array == 5).all()
+            assert seen["thread"] == "fabric-w0"
+            assert "worker" in seen["register"], seen["register"]
+
+
 # --- futures and immediates ---------------------------------------------------------------------
 
 
