@@ -500,9 +500,9 @@ void bind_config(py::module_& m) {
       .def_readwrite(
           "callbacks_on_worker", &Config::callbacks_on_worker,
           "Run completion callbacks on the group's worker thread instead of the callback thread "
-          "(no thread hop; a slow callback delays the group's transfers). Calls that would wait "
-          "for the worker (register, unregister, wait_imm with a timeout) raise InvalidArgument "
-          "there.")
+          "(no thread hop; a slow callback, or one waiting for the GIL, delays the group's "
+          "transfers). There, register and unregister raise InvalidArgument, and wait_imm "
+          "returns at once whether the count is reached.")
       .def_readwrite("max_wr_bytes", &Config::max_wr_bytes,
                      "Writes larger than this are split into several work requests.")
       .def_readwrite("faults", &Config::faults, "Fault injection (tests only; off by default).")
