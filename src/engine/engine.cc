@@ -648,6 +648,15 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
   const RemoteMemory& dst = t->dsts.back();
   const engine::IpcRoute route = ipc_route(*t->src, dst, group);
   if (route.kind == engine::IpcRoute::Kind::kRejected) return ipc_rejected("paged write", route);
+  // Page i's offsets in the source and in the destination, checked.
+  auto page_offsets = [&](size_t i, uint64_t& so, uint64_t& d_off) -> Status {
+    if (Status s =
+            page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset, t->src->length, so);
+        !s) {
+      return s;
+    }
+    return page_offset("dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset, dst.length(), d_off);
+  };
   if (route.kind == engine::IpcRoute::Kind::kIpc) {
     if (w.imm && w.src_pages.size() > engine::Commit::kMaxImmTimes) {
       return Status(
@@ -657,16 +666,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
     }
     for (size_t i = 0; i < w.src_pages.size(); ++i) {
       uint64_t so = 0, d_off = 0;
-      if (Status s =
-              page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset, t->src->length, so);
-          !s) {
-        return s;
-      }
-      if (Status s = page_offset("dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset, dst.length(),
-                                 d_off);
-          !s) {
-        return s;
-      }
+      if (Status s = page_offsets(i, so, d_off); !s) return s;
       engine::add_ipc_range(*t, 0, so, d_off, w.page_bytes);
     }
     if (w.imm) engine::add_ipc_imm(*t, 0, *w.imm, w.src_pages.size());
@@ -678,16 +678,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
     void* const local_desc = t->src->regs[run.domain]->local_desc();
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t so = 0, d_off = 0;
-      if (Status s =
-              page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset, t->src->length, so);
-          !s) {
-        return s;
-      }
-      if (Status s = page_offset("dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset, dst.length(),
-                                 d_off);
-          !s) {
-        return s;
-      }
+      if (Status s = page_offsets(i, so, d_off); !s) return s;
       // page_bytes > 0: no scratch buffer needed.
       Op& op = t->ops[i] = engine::write_op(*t, run.domain, dst, d_off, t->src->host + so,
                                             local_desc, w.page_bytes, engine::Scratch{});

@@ -70,16 +70,7 @@ void Worker::send_ipc_commits(Transfer& t, bool final) {
         c.imm_times = d.imm_times;
         d.has_imm = false;
       }
-      Bytes& msg = t.control_msgs.emplace_back(c.encode());
-      CommitSend& cs = t.commits.emplace_back();
-      cs.transfer = &t;
-      cs.seq = stamp(msg);
-      cs.message = &msg;
-      cs.owner = &dst.owner();
-      unacked_.emplace(cs.seq, &cs);
-      if (t.acks++ == 0) awaiting_acks_.push_back(&t);
-      t.ack_deadline = now_ + config_.peer_timeout;
-      resend_commit(cs, message_nic());
+      send_commit(t, c, dst.owner());
     } while (pos < d.ranges.size());
     d.ranges.clear();
     d.src_offsets.clear();

@@ -1351,19 +1351,23 @@ void Worker::flush_commits(Transfer& t, uint32_t dst_index, bool final) {
       c.imm_times = sd.imm_times;
       sd.has_imm = false;
     }
-    Bytes& msg = t.control_msgs.emplace_back(c.encode());
-    CommitSend& cs = t.commits.emplace_back();
-    cs.transfer = &t;
-    cs.seq = stamp(msg);
-    cs.message = &msg;
-    cs.owner = &dst.owner();
-    unacked_.emplace(cs.seq, &cs);
-    if (t.acks++ == 0) awaiting_acks_.push_back(&t);
-    t.ack_deadline = now_ + config_.peer_timeout;
-    resend_commit(cs, message_nic());
+    send_commit(t, c, dst.owner());
   } while (pos < sd.unflushed.size());
   sd.unflushed.clear();
   sd.unflushed_bytes = 0;
+}
+
+void Worker::send_commit(Transfer& t, const Commit& c, const Address& owner) {
+  Bytes& msg = t.control_msgs.emplace_back(c.encode());
+  CommitSend& cs = t.commits.emplace_back();
+  cs.transfer = &t;
+  cs.seq = stamp(msg);
+  cs.message = &msg;
+  cs.owner = &owner;
+  unacked_.emplace(cs.seq, &cs);
+  if (t.acks++ == 0) awaiting_acks_.push_back(&t);
+  t.ack_deadline = now_ + config_.peer_timeout;
+  resend_commit(cs, message_nic());
 }
 
 void Worker::resend_commit(CommitSend& cs, uint32_t to) {

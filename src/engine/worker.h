@@ -312,6 +312,9 @@ class Worker {
   void handle_ack(std::span<const std::byte> body);
   void send_internal(Address owner, uint32_t domain, Bytes message);
   // Queues a copy of a Commit on NIC `to` (failover, or its Ack overdue).
+  // Sends Commit `c` of `t` to `owner` over the message NIC and awaits its Ack (staged and
+  // CUDA IPC paths alike).
+  void send_commit(Transfer& t, const Commit& c, const Address& owner);
   void resend_commit(CommitSend& cs, uint32_t to);
   void forget_commits(Transfer& t);
   void watch_acks();
