@@ -7,6 +7,9 @@
 //   --op pipeline  a kernel "computes" L layers (a timed spin), bumping a UvmWatcher after each;
 //                  the watcher callback ships that layer's pages to the peer. Reports how much of
 //                  the transfer time hides under compute.
+//   --op nvlink    GPU to GPU over the CUDA IPC path (gpu_nvlink.cc): single writes of 4 KiB
+//                  to 1 GiB and paged writes against cudaMemcpyPeerAsync, and the latency of a
+//                  write with an immediate to the peer's callback (ping-pong).
 //
 // With the CUDA IPC path (docs/cuda-ipc.md, on unless --staged) the same rows measure it, and
 // single writes by size plus three ways of copying pages are measured against device-to-device
@@ -30,32 +33,30 @@
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cuda_check.h"
 #include "fabric/fabric.h"
 #include "fabric/uvm_watcher.h"
+#include "gpu_common.h"
 #include "gpu_kernels.h"
+#include "gpu_nvlink.h"
 
 namespace {
 
+using namespace bench_gpu;
 using Clock = std::chrono::steady_clock;
-
-template <typename T>
-T must(fabric::Result<T> r, const char* what) {
-  if (!r) {
-    std::fprintf(stderr, "%s: %s\n", what, r.status().to_string().c_str());
-    std::exit(1);
-  }
-  return std::move(*r);
-}
 
 // --staged turns the direct (FI_HMEM) path off, so both paths can be measured where a provider
 // offers it; it travels to the serving process through this variable.
 bool g_staged = false;
 // --peer-gpu: the destination's GPU (the serving process's); the writer uses GPU 0.
 int g_peer_gpu = 0;
+// --serve-on-worker: the serving process runs its callbacks on its worker
+// (Config::callbacks_on_worker), so a ping is answered without a thread hop.
+bool g_serve_on_worker = false;
 
 fabric::Config config_for(const std::string& provider) {
   fabric::Config c;
@@ -68,117 +69,86 @@ fabric::Config config_for(const std::string& provider) {
   return c;
 }
 
-// A transfer's completion, waited on by the benchmark thread.
-struct Waiter {
-  std::mutex mu;
-  std::condition_variable cv;
-  int done = 0;
-  int failed = 0;
-  fabric::Callbacks callbacks() {
-    return {[this] { add(false); },
-            [this](const fabric::Status& s) {
-              std::fprintf(stderr, "transfer failed: %s\n", s.to_string().c_str());
-              add(true);
-            }};
-  }
-  void add(bool bad) {
-    std::lock_guard l(mu);
-    ++done;
-    failed += bad ? 1 : 0;
-    cv.notify_all();
-  }
-  void wait(int n) {
-    std::unique_lock l(mu);
-    cv.wait(l, [&] { return done >= n; });
-    if (failed) std::exit(1);
-  }
-  void reset() {
-    std::lock_guard l(mu);
-    done = failed = 0;
-  }
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
+// The serving process: owns a destination buffer on --peer-gpu, prints its descriptor, then
+// takes requests on stdin, one a line:
+//   sum OFFSET LENGTH   answers a checksum of that many device bytes
+//   pong HEX BYTES      from now on answers each arrival of the immediate kPing, from the
+//                       callback that sees it, with a write of BYTES from its buffer to the
+//                       descriptor HEX with the immediate kPong (an imm-only write to HEX's
+//                       owner when BYTES is 0), and notes the arrival's time; answers "ok"
+//   times               answers the noted arrival times (steady clock, ns) and forgets them
+//   quit                ends
 int serve(const std::string& provider, uint64_t bytes) {
   CUDA_OK(cudaSetDevice(g_peer_gpu));
-  auto engine = must(fabric::TransferEngine::create(config_for(provider)), "engine");
+  fabric::Config config = config_for(provider);
+  config.callbacks_on_worker = g_serve_on_worker;
+  auto engine = must(fabric::TransferEngine::create(config), "engine");
   void* dst = nullptr;
   CUDA_OK(cudaMalloc(&dst, bytes));
   CUDA_OK(cudaMemset(dst, 0, bytes));
   auto reg = must(engine->register_memory(dst, bytes), "register");
   std::printf("%s\n", reg.descriptor.to_hex().c_str());
   std::fflush(stdout);
-  // Requests on stdin: "sum OFFSET LENGTH" answers a checksum of device bytes; "quit" ends.
-  std::string cmd;
-  while (std::cin >> cmd && cmd != "quit") {
-    uint64_t off = 0, len = 0;
-    std::cin >> off >> len;
-    std::vector<uint8_t> host(len);
-    CUDA_OK(cudaMemcpy(host.data(), static_cast<uint8_t*>(dst) + off, len, cudaMemcpyDeviceToHost));
-    uint64_t sum = 1469598103934665603ull;
-    for (uint8_t b : host) sum = (sum ^ b) * 1099511628211ull;
-    std::printf("%llu\n", static_cast<unsigned long long>(sum));
+  std::mutex mu;  // arrivals
+  std::vector<int64_t> arrivals;
+  fabric::RemoteMemory back;
+  uint64_t back_bytes = 0;
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string cmd;
+    in >> cmd;
+    if (cmd == "quit") break;
+    if (cmd == "sum") {
+      uint64_t off = 0, len = 0;
+      in >> off >> len;
+      std::printf("%llu\n", static_cast<unsigned long long>(
+                                host_checksum(static_cast<uint8_t*>(dst) + off, len)));
+    } else if (cmd == "pong") {
+      std::string hex;
+      in >> hex >> back_bytes;
+      back = must(fabric::RemoteMemory::from_hex(hex), "pong descriptor");
+      engine->set_unexpected_imm_handler([&, handle = reg.handle](uint32_t imm) {
+        if (imm != kPing) return;
+        const int64_t t = Clock::now().time_since_epoch().count();
+        {
+          std::lock_guard l(mu);
+          arrivals.push_back(t);
+        }
+        auto r = back_bytes ? engine->submit(
+                                  fabric::SingleWrite{handle, 0, back, 0, back_bytes, kPong, {}},
+                                  fabric::Callbacks{})
+                            : engine->submit(fabric::ImmWrite{back.owner(), kPong}, {});
+        if (!r) std::fprintf(stderr, "pong: %s\n", r.status().to_string().c_str());
+      });
+      std::printf("ok\n");
+    } else if (cmd == "times") {
+      std::lock_guard l(mu);
+      std::string out;
+      for (int64_t t : arrivals) out += std::to_string(t) + " ";
+      arrivals.clear();
+      std::printf("%s\n", out.c_str());
+    }
     std::fflush(stdout);
   }
+  engine->set_unexpected_imm_handler(nullptr);
   engine->close();
   cudaFree(dst);
   return 0;
 }
 
-struct Peer {
-  FILE* to = nullptr;
-  FILE* from = nullptr;
-  pid_t pid = -1;
-  std::string line() {
-    char buf[1 << 16];
-    if (!std::fgets(buf, sizeof(buf), from)) {
-      std::fprintf(stderr, "the serving process ended early\n");
-      std::exit(1);
-    }
-    std::string s(buf);
-    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
-    return s;
-  }
-  uint64_t checksum(uint64_t off, uint64_t len) {
-    std::fprintf(to, "sum %llu %llu\n", static_cast<unsigned long long>(off),
-                 static_cast<unsigned long long>(len));
-    std::fflush(to);
-    return std::stoull(line());
-  }
-};
-
-Peer spawn(const std::string& provider, uint64_t bytes) {
-  int in[2], out[2];
-  if (pipe(in) != 0 || pipe(out) != 0) std::exit(1);
-  pid_t pid = fork();
-  if (pid == 0) {
-    dup2(in[0], 0);
-    dup2(out[1], 1);
-    close(in[1]);
-    close(out[0]);
-    std::string b = std::to_string(bytes), gpu = std::to_string(g_peer_gpu);
-    std::vector<const char*> args = {"fabric-bench-gpu", "--serve", "--provider", provider.c_str(),
-                                     "--bytes",          b.c_str(), "--peer-gpu", gpu.c_str()};
-    if (g_staged) args.push_back("--staged");
-    args.push_back(nullptr);
-    execv("/proc/self/exe", const_cast<char* const*>(args.data()));
-    _exit(127);
-  }
-  close(in[0]);
-  close(out[1]);
-  return {fdopen(in[1], "w"), fdopen(out[0], "r"), pid};
-}
-
-uint64_t host_checksum(const void* dev, uint64_t len) {
-  std::vector<uint8_t> host(len);
-  CUDA_OK(cudaMemcpy(host.data(), dev, len, cudaMemcpyDeviceToHost));
-  uint64_t sum = 1469598103934665603ull;
-  for (uint8_t b : host) sum = (sum ^ b) * 1099511628211ull;
-  return sum;
+// The serving process's command line.
+std::vector<std::string> serve_args(const std::string& provider, uint64_t bytes, bool on_worker) {
+  std::vector<std::string> args = {"--serve",
+                                   "--provider",
+                                   provider,
+                                   "--bytes",
+                                   std::to_string(bytes),
+                                   "--peer-gpu",
+                                   std::to_string(g_peer_gpu)};
+  if (g_staged) args.push_back("--staged");
+  if (on_worker) args.push_back("--serve-on-worker");
+  return args;
 }
 
 }  // namespace
@@ -190,7 +160,7 @@ int main(int argc, char** argv) {
   uint64_t bytes = 64ull << 20;
   int iters = 20, layers = 32;
   uint64_t layer_pages = 32;
-  app.add_option("--op", op, "staged, pipeline or all");
+  app.add_option("--op", op, "staged, pipeline, all (both), or nvlink");
   app.add_option("--provider", provider, "libfabric provider (shm or tcp)");
   app.add_option("--iters", iters, "timed repetitions per row (median reported)");
   app.add_option("--layers", layers, "pipeline: layers");
@@ -201,6 +171,8 @@ int main(int argc, char** argv) {
   app.add_option("--peer-gpu", g_peer_gpu,
                  "the destination's GPU (default 0: both processes on one GPU)");
   app.add_option("--bytes", bytes, "internal: destination buffer size");
+  app.add_flag("--serve-on-worker", g_serve_on_worker,
+               "internal: the destination process runs callbacks on its worker");
   CLI11_PARSE(app, argc, argv);
   if (serve_mode) return serve(provider, bytes);
 
@@ -209,8 +181,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "no CUDA device: fabric-bench-gpu runs on GPU machines only\n");
     return 2;
   }
+  if (op == "nvlink") {
+    NvlinkSetup setup;
+    setup.provider = provider;
+    setup.peer_gpu = g_peer_gpu;
+    setup.iters = iters;
+    setup.config = [&] { return config_for(provider); };
+    setup.spawn = [&](uint64_t n, bool on_worker) {
+      return spawn(serve_args(provider, n, on_worker));
+    };
+    return run_nvlink(setup);
+  }
   constexpr uint64_t kBuf = 64ull << 20;
-  Peer peer = spawn(provider, kBuf);
+  Peer peer = spawn(serve_args(provider, kBuf, false));
   auto dst = must(fabric::RemoteMemory::from_hex(peer.line()), "descriptor");
   auto engine = must(fabric::TransferEngine::create(config_for(provider)), "engine");
   uint8_t* src = nullptr;

@@ -6,7 +6,18 @@
 // KvPrefiller::watch_layers turns each bump into that layer's paged writes. The decoder checks
 // every byte (copied back from the GPU) when a request is ready; a table compares per-layer
 // transfer and compute.
+//
+// --decode-gpu N runs the decode rank in a second process on GPU N (0 or another GPU of the
+// machine): GPU pages then move between two processes of one host, over the engine's CUDA IPC
+// path (docs/cuda-ipc.md; NVLink between two GPUs). The decode process reports each request's
+// ready time (the steady clock is one clock for every process of a machine) and whether its
+// bytes were exact. Both processes take the engine's environment overrides (FABRIC_CUDA_IPC=off:
+// the staged path between them, for comparison).
 #include <cuda_runtime.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <csignal>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
@@ -15,6 +26,9 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <sstream>
+#include <string>
+#include <thread>
 
 #include "cuda_check.h"
 #include "fabric/fabric.h"
@@ -47,6 +61,98 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
 }
 
+// Reads one line from fd (no stdio buffering: the fd is a pipe shared across fork).
+bool read_line(int fd, std::string& line) {
+  line.clear();
+  char c;
+  while (read(fd, &c, 1) == 1) {
+    if (c == '\n') return true;
+    line += c;
+  }
+  return false;
+}
+
+void write_line(int fd, const std::string& line) {
+  const std::string out = line + "\n";
+  if (write(fd, out.data(), out.size()) != static_cast<ssize_t>(out.size())) std::exit(1);
+}
+
+// The decode rank in a process of its own (--decode-gpu): reads the prefill rank's address on
+// `in`, pulls every request, checks each one's bytes, and writes "id ready_ns ok" per request on
+// `out`, then "end".
+int decode_process(const KvLayout& L, const std::string& provider, int gpu, uint32_t requests,
+                   uint32_t n, uint32_t tp, int in, int out) {
+  CUDA_OK(cudaSetDevice(gpu));
+  Config c;
+  c.provider = provider;
+  c.groups = {GroupConfig{}};
+  c.groups[0].nics = {provider == "shm" ? "shm" : "lo"};
+  if (Status st = c.apply_env_overrides(); !st) return fmt::print("{}\n", st.to_string()), 1;
+  auto de = TransferEngine::create(c);
+  if (!de) return fmt::print(stderr, "decode engine: {}\n", de.status().to_string()), 1;
+  void* ddst = nullptr;
+  CUDA_OK(cudaMalloc(&ddst, L.region_bytes()));
+  CUDA_OK(cudaMemset(ddst, 0, L.region_bytes()));
+  auto dreg = (*de)->register_memory(ddst, L.region_bytes());
+  if (!dreg) return fmt::print(stderr, "register: {}\n", dreg.status().to_string()), 1;
+  auto decoder = KvDecoder::create(**de, L, *dreg);
+  if (!decoder) return 1;
+  std::string line;
+  if (!read_line(in, line)) return 1;
+  auto prefill = Address::from_hex(line);
+  if (!prefill) return fmt::print(stderr, "prefill address: {}\n", prefill.status().to_string()), 1;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<RequestId, std::pair<int64_t, std::vector<uint32_t>>> ready;
+  uint32_t ended = 0;
+  for (RequestId id = 1; id <= requests; ++id) {
+    DecodeRequest rq;
+    rq.id = id;
+    for (uint32_t k = 0; k < n; ++k) rq.pages.push_back(static_cast<uint32_t>((id - 1) * n + k));
+    rq.prefill_ranks.assign(tp, *prefill);
+    rq.on_ready = [&](RequestId id, std::span<const uint32_t> got) {
+      const int64_t t = now_ns();
+      std::lock_guard lock(mu);
+      ready[id] = {t, std::vector<uint32_t>(got.begin(), got.end())};
+      ++ended;
+      cv.notify_all();
+    };
+    rq.on_error = [&](RequestId id, const Status& s) {
+      fmt::print(stderr, "request {} failed: {}\n", id, s.to_string());
+      std::lock_guard lock(mu);
+      ++ended;
+      cv.notify_all();
+    };
+    auto r = (*decoder)->submit(std::move(rq));
+    if (!r) return fmt::print(stderr, "submit: {}\n", r.status().to_string()), 1;
+  }
+  {
+    std::unique_lock lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(120), [&] { return ended == requests; });
+  }
+  std::vector<std::byte> host(L.page_bytes());
+  std::lock_guard lock(mu);
+  for (auto& [id, r] : ready) {
+    bool ok = true;
+    for (uint32_t l = 0; l < L.num_layers && ok; ++l)
+      for (uint32_t k = 0; k < r.second.size() && ok; ++k) {
+        CUDA_OK(cudaMemcpy(host.data(), static_cast<char*>(ddst) + L.page_offset(l, r.second[k]),
+                           L.page_bytes(), cudaMemcpyDeviceToHost));
+        for (uint64_t i = 0; i < L.page_bytes(); ++i)
+          if (static_cast<uint8_t>(host[i]) != fill_byte(i, seed_of(id, l, k))) {
+            ok = false;
+            break;
+          }
+      }
+    write_line(out, fmt::format("{} {} {}", id, r.first, ok ? 1 : 0));
+  }
+  write_line(out, "end");
+  decoder->reset();
+  (*de)->close();
+  CUDA_OK(cudaFree(ddst));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -60,6 +166,10 @@ int main(int argc, char** argv) {
   app.add_option("--requests", requests, "requests (computed one after the other)");
   app.add_option("--tp", tp, "TP size of both instances (rank 0 is simulated)");
   app.add_option("--compute-ms", compute_ms, "GPU compute per layer (a spin kernel)");
+  int decode_gpu = -1;
+  app.add_option("--decode-gpu", decode_gpu,
+                 "run the decode rank in a second process on this GPU (default: one process, "
+                 "both ranks on GPU 0)");
   CLI11_PARSE(app, argc, argv);
 
   KvLayout L;
@@ -71,48 +181,87 @@ int main(int argc, char** argv) {
   const uint32_t n = (tokens + 127) / 128;
   L.num_pages = n * requests;
 
+  // The decode rank's side: a process forked before this one touches CUDA, or a thread. Leaving
+  // early closes the pipe to it, so it stops waiting for the prefill rank's address.
+  struct DecodeSide {
+    int to = -1, from = -1;
+    pid_t pid = -1;
+    std::thread thread;
+    ~DecodeSide() {
+      if (to >= 0) close(to);
+      if (thread.joinable()) thread.join();
+      if (from >= 0) close(from);
+    }
+  } side;
+  int& to_decode = side.to;
+  int& from_decode = side.from;
+  pid_t& decode_pid = side.pid;
+  if (decode_gpu >= 0) {
+    int down[2], up[2];
+    if (pipe(down) != 0 || pipe(up) != 0) return 1;
+    decode_pid = fork();
+    if (decode_pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // not left behind if this process dies
+      close(down[1]);
+      close(up[0]);
+      _exit(decode_process(L, provider, decode_gpu, requests, n, tp, down[0], up[1]));
+    }
+    close(down[0]);
+    close(up[1]);
+    to_decode = down[1];
+    from_decode = up[0];
+  }
+
   auto watchers = UvmWatchers::create();
   if (!watchers) {
     fmt::print("no CUDA here: {}\n", watchers.status().to_string());
     return 0;
   }
+  // Without --decode-gpu the decode rank is a thread of this process, on GPU 0.
+  if (decode_gpu < 0) {
+    int down[2], up[2];
+    if (pipe(down) != 0 || pipe(up) != 0) return 1;
+    to_decode = down[1];
+    from_decode = up[0];
+    side.thread = std::thread([&, in = down[0], out = up[1]] {
+      if (decode_process(L, provider, 0, requests, n, tp, in, out) != 0) write_line(out, "end");
+      close(in);
+      close(out);
+    });
+  }
   Config c;
   c.provider = provider;
   c.groups = {GroupConfig{}};
   c.groups[0].nics = {provider == "shm" ? "shm" : "lo"};
+  if (Status st = c.apply_env_overrides(); !st) return fmt::print("{}\n", st.to_string()), 1;
   auto pe = TransferEngine::create(c);
-  auto de = TransferEngine::create(c);
-  if (!pe || !de) {
-    fmt::print("engine: {}\n", (!pe ? pe.status() : de.status()).to_string());
+  if (!pe) {
+    fmt::print("engine: {}\n", pe.status().to_string());
     return 1;
   }
-  void *psrc = nullptr, *ddst = nullptr;
+  void* psrc = nullptr;
   CUDA_OK(cudaMalloc(&psrc, L.region_bytes()));
-  CUDA_OK(cudaMalloc(&ddst, L.region_bytes()));
-  CUDA_OK(cudaMemset(ddst, 0, L.region_bytes()));
   auto preg = (*pe)->register_memory(psrc, L.region_bytes());
-  auto dreg = (*de)->register_memory(ddst, L.region_bytes());
-  if (!preg || !dreg) {
-    fmt::print("register: {}\n", (!preg ? preg.status() : dreg.status()).to_string());
+  if (!preg) {
+    fmt::print("register: {}\n", preg.status().to_string());
     return 1;
   }
   auto prefiller = KvPrefiller::create(**pe, L, *preg);
-  auto decoder = KvDecoder::create(**de, L, *dreg);
-  if (!prefiller || !decoder) return 1;
-  fmt::print("{} ({}), KV pages in GPU memory: {}\n", provider, (*pe)->group_info().provider,
-             (*pe)->group_info().gpu_memory);
+  if (!prefiller) return 1;
+  write_line(to_decode, (*pe)->address().to_hex());
+  fmt::print("{} ({}), KV pages in GPU memory: {}; decode rank {}\n", provider,
+             (*pe)->group_info().provider, (*pe)->group_info().gpu_memory,
+             decode_gpu < 0 ? std::string("in this process, GPU 0")
+                            : fmt::format("in another process, GPU {} (CUDA IPC {})", decode_gpu,
+                                          (*pe)->group_info().cuda_ipc));
 
   struct Stats {
     std::vector<int64_t> done, written;
     int64_t ready = 0;
     bool ok = false;
-    std::vector<uint32_t> got;  // the pages, verified after the run
   };
   std::mutex mu;
-  std::condition_variable cv;
   std::map<RequestId, Stats> stats;
-  int ended = 0;
-  std::vector<std::byte> host(L.page_bytes());
   cudaStream_t stream;
   // Non-blocking: a copy on the legacy default stream must not wait for the queued compute.
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -139,28 +288,6 @@ int main(int argc, char** argv) {
     });
     if (!w) return fmt::print("watch: {}\n", w.status().to_string()), 1;
     watches.push_back(*w);
-    DecodeRequest rq;
-    rq.id = id;
-    rq.pages = pages;
-    rq.prefill_ranks.assign(tp, (*pe)->address());
-    rq.on_ready = [&](RequestId id, std::span<const uint32_t> got) {
-      // Verified after the run: a synchronous copy here would queue behind all the compute
-      // still enqueued on the GPU and stall this callback thread.
-      const int64_t t = now_ns();
-      std::lock_guard lock(mu);
-      stats[id].ready = t;
-      stats[id].got.assign(got.begin(), got.end());
-      ++ended;
-      cv.notify_all();
-    };
-    rq.on_error = [&](RequestId id, const Status& s) {
-      fmt::print("request {} failed: {}\n", id, s.to_string());
-      std::lock_guard lock(mu);
-      ++ended;
-      cv.notify_all();
-    };
-    auto r = (*decoder)->submit(std::move(rq));
-    if (!r) return fmt::print("submit: {}\n", r.status().to_string()), 1;
     // The GPU "computes" the request: per layer, its KV pages, the rest of the layer, a bump.
     for (uint32_t l = 0; l < layers; ++l) {
       for (uint32_t k = 0; k < n; ++k) {
@@ -171,25 +298,29 @@ int main(int argc, char** argv) {
       CUDA_OK(launch_bump(watches.back().device_word, l + 1, stream));
     }
   }
-  {
-    std::unique_lock lock(mu);
-    cv.wait_for(lock, std::chrono::seconds(120), [&] { return ended == int(requests); });
+  // The decode rank's report: "id ready_ns ok" per request that became ready, then "end" (it
+  // gives up after 120 s).
+  for (std::string line; read_line(from_decode, line) && line != "end";) {
+    std::istringstream in(line);
+    RequestId id = 0;
+    int64_t ready = 0;
+    int ok = 0;
+    in >> id >> ready >> ok;
+    std::lock_guard lock(mu);
+    if (stats.count(id)) {
+      stats[id].ready = ready;
+      stats[id].ok = ok == 1;
+    }
+  }
+  close(to_decode);
+  to_decode = -1;
+  if (side.thread.joinable()) side.thread.join();
+  if (decode_pid > 0) {
+    int status = 0;
+    waitpid(decode_pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) fmt::print("the decode process failed\n");
   }
   CUDA_OK(cudaStreamSynchronize(stream));
-  for (auto& [id, s] : stats) {
-    if (s.ready == 0) continue;
-    s.ok = true;
-    for (uint32_t l = 0; l < layers && s.ok; ++l)
-      for (uint32_t k = 0; k < s.got.size() && s.ok; ++k) {
-        CUDA_OK(cudaMemcpy(host.data(), static_cast<char*>(ddst) + L.page_offset(l, s.got[k]),
-                           L.page_bytes(), cudaMemcpyDeviceToHost));
-        for (uint64_t i = 0; i < L.page_bytes(); ++i)
-          if (static_cast<uint8_t>(host[i]) != fill_byte(i, seed_of(id, l, k))) {
-            s.ok = false;
-            break;
-          }
-      }
-  }
   // The table.
   std::vector<double> xfer, exposed, ttft, colo;
   double hidden = 0, busy_total = 0;
@@ -249,11 +380,8 @@ int main(int argc, char** argv) {
   fmt::print("| requests byte-exact / ended / submitted | {} / {} / {} |\n", ok, ttft.size(),
              requests);
   for (auto& w : watches) (*watchers)->unwatch(w).ignore();
-  decoder->reset();
   prefiller->reset();
   (*pe)->close();
-  (*de)->close();
   CUDA_OK(cudaFree(psrc));
-  CUDA_OK(cudaFree(ddst));
   return ok == int(requests) ? 0 : 1;
 }
