@@ -2,8 +2,10 @@
 // against cudaMemcpyPeerAsync between the same two GPUs in this process, in one run:
 //
 //   single writes   4 KiB to 1 GiB; a window of writes in flight (up to 64, 256 MiB at most)
-//                   against the same copies queued on one stream; and one write alone,
-//                   submit to on_done, against one copy and its synchronisation;
+//                   against the same copies queued on one stream of GPU 0 (pushed) and, for
+//                   reference, of the peer GPU (pulled, as the engine's owner copies are); and
+//                   one write alone, submit to on_done, against one copy and its
+//                   synchronisation;
 //   paged writes    4 KiB x 4096, 64 KiB x 512 and 64 KiB x 4096 pages in a shuffled order
 //                   against one copy of the same bytes;
 //   ping-pong       a 4 KiB write with an immediate; the serving process answers each from the
@@ -44,12 +46,14 @@ struct Bench {
   fabric::MemoryHandle src_handle;
   uint8_t* src = nullptr;        // GPU 0, registered
   uint8_t* peer_copy = nullptr;  // on the peer GPU, the baselines' destination
-  cudaStream_t stream{};
+  cudaStream_t stream{};         // GPU 0's: the copy pushed by the source's GPU
+  cudaStream_t pull_stream{};    // the peer GPU's: pulled, as the engine's owner copies are
   Waiter w;
 
-  void copy_peer(uint64_t off, uint64_t n) {
-    CUDA_OK(cudaMemcpyPeerAsync(peer_copy + off, setup.peer_gpu, src + off, 0, n, stream));
+  void copy_peer(uint64_t off, uint64_t n, cudaStream_t s) {
+    CUDA_OK(cudaMemcpyPeerAsync(peer_copy + off, setup.peer_gpu, src + off, 0, n, s));
   }
+  void copy_peer(uint64_t off, uint64_t n) { copy_peer(off, n, stream); }
 
   void verify(Peer& peer, uint64_t off, uint64_t n, const char* what) {
     if (peer.checksum(off, n) != host_checksum(src + off, n)) {
@@ -60,14 +64,14 @@ struct Bench {
 
   void single_rows(Peer& peer, const fabric::RemoteMemory& dst, uint64_t buf) {
     constexpr uint64_t kWindowBytes = 256ull << 20;
-    std::printf("\n%-14s %6s %12s %12s %7s %12s %12s\n", "single write", "window", "ours GB/s",
-                "peer GB/s", "ratio", "one: ours us", "one: peer us");
+    std::printf("\n%-14s %6s %12s %12s %7s %12s %12s %10s\n", "single write", "window", "ours GB/s",
+                "peer GB/s", "ratio", "one: ours us", "one: peer us", "pull GB/s");
     for (uint64_t n :
          {4ull << 10, 64ull << 10, 1ull << 20, 16ull << 20, 256ull << 20, 1ull << 30}) {
       if (n > buf) continue;
       const int window = static_cast<int>(std::clamp<uint64_t>(kWindowBytes / n, 1, 64));
       auto offset = [&](int i) { return uint64_t(i) * n + n <= buf ? uint64_t(i) * n : 0; };
-      std::vector<double> ours, base, one_ours, one_base;
+      std::vector<double> ours, base, one_ours, one_base, pull;
       for (int it = 0; it <= setup.iters; ++it) {  // the first round warms up
         w.reset();
         auto t0 = Clock::now();
@@ -94,7 +98,12 @@ struct Bench {
         copy_peer(0, n);
         CUDA_OK(cudaStreamSynchronize(stream));
         const double t_one_base = seconds_since(t0);
+        t0 = Clock::now();
+        for (int i = 0; i < window; ++i) copy_peer(offset(i), n, pull_stream);
+        CUDA_OK(cudaStreamSynchronize(pull_stream));
+        const double t_pull = seconds_since(t0);
         if (it == 0) continue;
+        pull.push_back(t_pull);
         ours.push_back(t_ours);
         base.push_back(t_base);
         one_ours.push_back(t_one);
@@ -103,8 +112,9 @@ struct Bench {
       verify(peer, offset(window - 1), n, "single write");
       const double bytes = double(n) * window;
       const double o = bytes / median(ours) / 1e9, b = bytes / median(base) / 1e9;
-      std::printf("%-14s %6d %12.2f %12.2f %7.2f %12.1f %12.1f\n", fmt_bytes(n).c_str(), window, o,
-                  b, o / b, median(one_ours) * 1e6, median(one_base) * 1e6);
+      std::printf("%-14s %6d %12.2f %12.2f %7.2f %12.1f %12.1f %10.2f\n", fmt_bytes(n).c_str(),
+                  window, o, b, o / b, median(one_ours) * 1e6, median(one_base) * 1e6,
+                  bytes / median(pull) / 1e9);
     }
   }
 
@@ -252,8 +262,11 @@ int run_nvlink(const NvlinkSetup& setup) {
   CUDA_OK(cudaDeviceSynchronize());
   auto reg = must(engine->register_memory(src, kBuf), "register");
   auto pong_reg = must(engine->register_memory(pong, 1 << 20), "register");
-  Bench b{setup, *engine, reg.handle, src, peer_copy, {}, {}};
+  Bench b{setup, *engine, reg.handle, src, peer_copy, {}, {}, {}};
   CUDA_OK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaSetDevice(setup.peer_gpu));
+  CUDA_OK(cudaStreamCreateWithFlags(&b.pull_stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaSetDevice(0));
   cudaDeviceProp prop{};
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
   std::printf(

@@ -17,12 +17,12 @@ struct CopyRange {
   uint64_t bytes;
 };
 
-// Ranges one launch takes: its parameter is about 24 KiB (CUDA 12.1 and later pass up to
-// 32 764 bytes).
+// Ranges one launch takes: its parameter is then about 28 KiB (CUDA 12.1 and later pass up
+// to 32 764 bytes; launches of up to 4 or 64 ranges pass less).
 inline constexpr uint32_t kMaxBatchRanges = 1024;
 
-// Copies n (1..kMaxBatchRanges) ranges on `stream`, each by one thread block in 16-byte words
-// where both ends and the length allow it, else byte by byte.
+// Copies n (1..kMaxBatchRanges) ranges on `stream`, a thread block per 16 KiB of each range,
+// in 16-byte words where both ends and the length allow it, else byte by byte.
 cudaError_t launch_batch_copy(const CopyRange* ranges, uint32_t n, cudaStream_t stream);
 
 }  // namespace fabric::cuda

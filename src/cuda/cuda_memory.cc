@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 
@@ -84,11 +85,13 @@ class CudaCopier final : public Copier {
     return Status::ok();
   }
 
-  // Ranges up to this size go into the batch kernel; larger ones to the copy engines.
-  static constexpr uint64_t kKernelMaxBytes = 256 * 1024;
-
   Status copy_device_batch(std::span<const DeviceCopy> copies) override {
-    if (copies.size() < 2) return Copier::copy_device_batch(copies);
+    // Ranges up to this size go into the batch kernel, even one alone (a launch starts sooner
+    // than a copy engine's copy); larger ones to the copy engines.
+    static const uint64_t kernel_max_bytes = [] {
+      const char* v = std::getenv("FABRIC_CUDA_IPC_KERNEL_BYTES");
+      return v && *v ? std::strtoull(v, nullptr, 10) : uint64_t{256} * 1024;
+    }();
     if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
       return cuda_error("cudaSetDevice", err);
     }
@@ -102,7 +105,7 @@ class CudaCopier final : public Copier {
       return err == cudaSuccess ? Status::ok() : cuda_error("the batch copy kernel", err);
     };
     for (const DeviceCopy& c : copies) {
-      if (c.bytes > kKernelMaxBytes) {
+      if (c.bytes > kernel_max_bytes) {
         if (Status s = copy_device(c.dst, c.src, c.bytes); !s) return s;
         continue;
       }

@@ -10,7 +10,10 @@
 // region unregistered since is refused with kRemoteAccess: unregister_memory is a barrier), the
 // writer's allocation is mapped (cached in IpcImports), every range is copied GPU to GPU on one
 // of the worker's IPC streams, and once the copies' event has completed the immediate is
-// counted and the Commit acknowledged (Worker::commit_done, shared with the staged path).
+// counted and the Commit acknowledged (Worker::commit_done, shared with the staged path). The
+// Commits read in one pass are copied together: their ranges go into one batch per GPU
+// (IpcBatch), launched at the end of the pass (one kernel launch and one event for all the
+// small ranges), on the next stream in turn.
 #include <fmt/format.h>
 
 #include "common/log.h"
@@ -87,7 +90,7 @@ Result<cuda::Copier*> Worker::ipc_copier(const cuda::PointerInfo& device) {
     auto copier = cuda::Copier::create(device);
     if (!copier) return copier.status();
     cuda::Copier* raw = copier->get();
-    copiers_.push_back({device, std::move(*copier), true});  // poll_copies reports to commit_done
+    copiers_.push_back({device, std::move(*copier), Tokens::kIpcBatches});
     ipc_copiers_.emplace_back(device, raw);
     return raw;
   }
@@ -139,20 +142,48 @@ void Worker::start_ipc_copy(CommitJob& job) {
     return;
   }
   job.lease = *lease;
-  auto copier = ipc_copier(region.memory);
-  Status s = copier ? Status::ok() : copier.status();
-  const std::byte* from = (*lease)->base + src.exported.offset;
-  if (s.is_ok()) {
-    std::vector<cuda::Copier::DeviceCopy> copies(c.ranges.size());
-    for (size_t i = 0; i < c.ranges.size(); ++i) {
-      copies[i] = {region.ptr + c.ranges[i].offset, from + src.offsets[i], c.ranges[i].length};
-    }
-    s = (*copier)->copy_device_batch(copies);
+  // Into this pass's batch for the destination's GPU (a new one on the next copier in turn).
+  IpcBatch* batch = nullptr;
+  for (IpcBatch* b : ipc_open_) {
+    if (b->device.kind == region.memory.kind && b->device.device == region.memory.device) batch = b;
   }
-  if (s.is_ok()) s = (*copier)->fence(reinterpret_cast<uint64_t>(&job));
-  if (!s.is_ok()) {
-    job.status = s;
-    commit_done(job);
+  if (batch == nullptr) {
+    auto copier = ipc_copier(region.memory);
+    if (!copier) {
+      job.status = copier.status();
+      commit_done(job);
+      return;
+    }
+    auto owned = std::make_unique<IpcBatch>();
+    batch = owned.get();
+    batch->device = region.memory;
+    batch->copier = *copier;
+    ipc_batches_.emplace(batch, std::move(owned));
+    ipc_open_.push_back(batch);
+  }
+  const std::byte* from = (*lease)->base + src.exported.offset;
+  for (size_t i = 0; i < c.ranges.size(); ++i) {
+    batch->copies.push_back(
+        {region.ptr + c.ranges[i].offset, from + src.offsets[i], c.ranges[i].length});
+  }
+  batch->jobs.push_back(&job);
+}
+
+void Worker::flush_ipc_batches() {
+  for (IpcBatch* b : ipc_open_) {
+    Status s = b->copier->copy_device_batch(b->copies);
+    if (s.is_ok()) s = b->copier->fence(reinterpret_cast<uint64_t>(b));
+    b->copies.clear();
+    if (!s.is_ok()) ipc_batch_done(b, s);
+  }
+  ipc_open_.clear();
+}
+
+void Worker::ipc_batch_done(IpcBatch* batch, const Status& status) {
+  auto owned = ipc_batches_.extract(batch);
+  for (CommitJob* job : batch->jobs) {
+    if (!status.is_ok()) job->status = status;
+    commit_done(*job);
   }
 }
 

@@ -348,6 +348,7 @@ bool Worker::pass(bool& finished) {
   // polls (each of which runs the provider's progress), and polls then see it sooner.
   for (auto& d : domains_) active |= post_some(d);
   for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
+  if (!ipc_open_.empty()) flush_ipc_batches();  // the Commits those polls read
   if (!copiers_.empty()) active |= poll_copies();
   for (auto& d : domains_) active |= post_some(d);
   watch_peers();
@@ -1138,6 +1139,8 @@ void Worker::begin_stop() {
 void Worker::finish_stop() {
   // Copies still in flight point into transfers and regions: let them end first.
   for (CopierEntry& c : copiers_) c.copier->drain();
+  ipc_open_.clear();
+  ipc_batches_.clear();
   commit_jobs_.clear();
   awaiting_acks_.clear();
   if (posted_ > abandoned_) {
@@ -1222,21 +1225,21 @@ void Worker::idle(bool active) {
 
 namespace fabric::engine {
 
-Result<cuda::Copier*> Worker::copier_for(const cuda::PointerInfo& device, bool commits) {
+Result<cuda::Copier*> Worker::copier_for(const cuda::PointerInfo& device, Tokens tokens) {
   for (CopierEntry& c : copiers_) {
-    if (c.device.kind == device.kind && c.device.device == device.device && c.commits == commits) {
+    if (c.device.kind == device.kind && c.device.device == device.device && c.tokens == tokens) {
       return c.copier.get();
     }
   }
   auto copier = cuda::Copier::create(device);
   if (!copier) return copier.status();
-  copiers_.push_back({device, std::move(*copier), commits});
+  copiers_.push_back({device, std::move(*copier), tokens});
   return copiers_.back().copier.get();
 }
 
 void Worker::stage_sources(Transfer& t) {
   const LocalRegion& src = *t.src;
-  auto copier = copier_for(src.memory, false);
+  auto copier = copier_for(src.memory, Tokens::kGates);
   size_t i = 0;
   while (i < t.ops.size()) {
     if (t.ops[i].length == 0) {  // zero-byte writes read the scratch buffer
@@ -1273,9 +1276,11 @@ bool Worker::poll_copies() {
     copies_done_.clear();
     if (copiers_[e].copier->poll(copies_done_) == 0) continue;
     any = true;
-    const bool commits = copiers_[e].commits;
+    const Tokens tokens = copiers_[e].tokens;
     for (const cuda::Copier::Done& d : copies_done_) {
-      if (commits) {
+      if (tokens == Tokens::kIpcBatches) {
+        ipc_batch_done(reinterpret_cast<IpcBatch*>(d.token), d.status);
+      } else if (tokens == Tokens::kCommits) {
         auto* job = reinterpret_cast<CommitJob*>(d.token);
         if (!d.status.is_ok()) job->status = d.status;
         commit_done(*job);
@@ -1449,7 +1454,7 @@ void Worker::handle_commit(const MessageHeader& header, std::span<const std::byt
     commit_done(job);
     return;
   }
-  auto copier = copier_for(region.memory, true);
+  auto copier = copier_for(region.memory, Tokens::kCommits);
   Status s = copier ? Status::ok() : copier.status();
   for (const Range& r : job.commit.ranges) {
     if (!s.is_ok()) break;

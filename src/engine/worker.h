@@ -230,10 +230,22 @@ class Worker {
     uint64_t transfer = 0;  // the writer's, for the Ack
     Bytes reply;            // the writer's Address, encoded
   };
+  // What a copier's fence tokens point to: Gates (the staged path's host-bound copies),
+  // CommitJobs (its device-bound copies), or IpcBatches (the CUDA IPC path's owner copies).
+  enum class Tokens { kGates, kCommits, kIpcBatches };
   struct CopierEntry {
     cuda::PointerInfo device;
     std::unique_ptr<cuda::Copier> copier;
-    bool commits;  // tokens are CommitJobs (device-bound copies), else Gates
+    Tokens tokens;
+  };
+  // The CUDA IPC path's owner copies of the Commits read in one pass, for one GPU: launched
+  // together at the end of the pass (one kernel launch and one event for all their small
+  // ranges), acknowledged together once the event has completed.
+  struct IpcBatch {
+    cuda::PointerInfo device;
+    cuda::Copier* copier = nullptr;
+    std::vector<cuda::Copier::DeviceCopy> copies;
+    std::vector<CommitJob*> jobs;
   };
   // Registered send buffers, in chunks of `per_chunk` slots. A send abandoned on a NIC that
   // died keeps its slot until that NIC's provider lets go of it, which may take minutes: the
@@ -299,7 +311,7 @@ class Worker {
   // The first NIC that is up (messages go there), or 0 when none is.
   uint32_t message_nic() const;
   // Staged path.
-  Result<cuda::Copier*> copier_for(const cuda::PointerInfo& device, bool commits);
+  Result<cuda::Copier*> copier_for(const cuda::PointerInfo& device, Tokens tokens);
   void stage_sources(Transfer& t);
   bool poll_copies();
   void gate_done(Gate& gate, const Status& status);
@@ -349,6 +361,8 @@ class Worker {
   void send_ipc_commits(Transfer& t, bool final);
   static bool ipc_left(const Transfer& t);
   void start_ipc_copy(CommitJob& job);
+  void flush_ipc_batches();
+  void ipc_batch_done(IpcBatch* batch, const Status& status);
   Result<cuda::Copier*> ipc_copier(const cuda::PointerInfo& device);
   void sweep_ipc();
   void begin_stop();
@@ -371,6 +385,8 @@ class Worker {
   std::unique_ptr<IpcImports> ipc_imports_;
   std::vector<std::pair<cuda::PointerInfo, cuda::Copier*>> ipc_copiers_;
   size_t ipc_turn_ = 0;
+  std::unordered_map<IpcBatch*, std::unique_ptr<IpcBatch>> ipc_batches_;  // open or copying
+  std::vector<IpcBatch*> ipc_open_;  // filled in this pass, launched at its end
   std::chrono::steady_clock::time_point next_ipc_sweep_;
   std::unique_ptr<std::atomic<bool>[]> nic_up_;        // published to submitting threads
   std::unique_ptr<std::atomic<uint64_t>[]> nic_rate_;  // RateMeter estimates, likewise

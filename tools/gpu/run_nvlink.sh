@@ -22,10 +22,17 @@ if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
   exit 2
 fi
 cd "$BUNDLE" || exit 1
-for provider in shm tcp; do
+# PROVIDERS: the engines' message transports; KERNEL_BYTES: values of
+# FABRIC_CUDA_IPC_KERNEL_BYTES to run shm with besides the default (docs/cuda-ipc.md).
+for provider in ${PROVIDERS:-shm tcp}; do
   echo "== fabric-bench-gpu --op nvlink --peer-gpu 1 --provider $provider --iters 11 =="
   timeout 240 ./fabric-bench-gpu --op nvlink --peer-gpu 1 --provider $provider --iters 11 2>&1 |
     tee "$OUT/nvlink_$provider.txt"
+done
+for k in ${KERNEL_BYTES:-}; do
+  echo "== FABRIC_CUDA_IPC_KERNEL_BYTES=$k fabric-bench-gpu --op nvlink --peer-gpu 1 --iters 11 =="
+  FABRIC_CUDA_IPC_KERNEL_BYTES=$k timeout 240 ./fabric-bench-gpu --op nvlink --peer-gpu 1 \
+    --provider shm --iters 11 2>&1 | tee "$OUT/nvlink_shm_kernel_$k.txt"
 done
 echo "== bench/nccl_p2p.py =="
 timeout 240 python3 "$ROOT/bench/nccl_p2p.py" --iters 11 2>&1 | tee "$OUT/nccl_p2p.txt"
