@@ -112,10 +112,10 @@ struct DispatchSendArgs {
 // experts in order, rows within an expert in no particular order. Rows from offsets[L] on are
 // left as they were.
 struct DispatchRecvArgs {
-  void* out_tokens = nullptr;      // [max_recv_rows, hidden] in config.dtype
-  float* out_scales = nullptr;     // fp8: [max_recv_rows, hidden / kScaleBlock]; bf16: null
-  float* out_weights = nullptr;    // [max_recv_rows]: the pair's top-k weight; or null
-  int32_t* out_source = nullptr;   // [max_recv_rows, 2]: source rank, token index; or null
+  void* out_tokens = nullptr;         // [max_recv_rows, hidden] in config.dtype
+  float* out_scales = nullptr;        // fp8: [max_recv_rows, hidden / kScaleBlock]; bf16: null
+  float* out_weights = nullptr;       // [max_recv_rows]: the pair's top-k weight; or null
+  int32_t* out_source = nullptr;      // [max_recv_rows, 2]: source rank, token index; or null
   int32_t* expert_counts = nullptr;   // [num_local_experts]
   int32_t* expert_offsets = nullptr;  // [num_local_experts + 1], or null
 };

@@ -86,8 +86,8 @@ class AllToAll::Impl {
   int device = 0;
   PeerHandle mine;
   // Members in creation order: the destructor releases them in reverse.
-  uint8_t* buffer = nullptr;           // this rank's exported buffer
-  uint8_t* scratch = nullptr;          // State, then the rows, then the per-expert arrays
+  uint8_t* buffer = nullptr;              // this rank's exported buffer
+  uint8_t* scratch = nullptr;             // State, then the rows, then the per-expert arrays
   device::ErrorReport* report = nullptr;  // pinned host memory, device-mapped
   device::ErrorReport* report_device = nullptr;
   std::vector<void*> opened;  // peers' buffers mapped here (null for this rank and unmapped)
@@ -124,9 +124,8 @@ class AllToAll::Impl {
       return cuda_error("cudaGetDeviceProperties", err);
     }
     if (cudaError_t err = cudaMalloc(&buffer, layout.buffer_bytes); err != cudaSuccess) {
-      return cuda_error(fmt::format("cudaMalloc of the {}-byte all-to-all buffer",
-                                    layout.buffer_bytes),
-                        err);
+      return cuda_error(
+          fmt::format("cudaMalloc of the {}-byte all-to-all buffer", layout.buffer_bytes), err);
     }
     // Scratch: State, the row sources, then expert offsets and cursors.
     const uint64_t rows_at = (sizeof(device::State) + 255) / 256 * 256;
@@ -205,8 +204,8 @@ class AllToAll::Impl {
     for (int r = 0; r < config.world_size; ++r) {
       auto h = decode_handle(handles[r]);
       if (!h) {
-        return Status(h.status().code(), fmt::format("connect: handle {}: {}", r,
-                                                     h.status().message()));
+        return Status(h.status().code(),
+                      fmt::format("connect: handle {}: {}", r, h.status().message()));
       }
       if (Status s = check_peer(mine, *h, r); !s) {
         return Status(s.code(), "connect: " + s.message());

@@ -23,9 +23,9 @@ constexpr int kWarp = 32;
 constexpr unsigned kAllLanes = 0xffffffffu;
 constexpr int kCopyThreads = 512;  // dispatch_send, dispatch_recv's copy, combine_send
 constexpr int kCopyWarps = kCopyThreads / kWarp;
-constexpr int kCountThreads = 1024;   // dispatch_recv's count (one block)
-constexpr int kReduceThreads = 256;   // combine_recv
-constexpr int kUnroll = 4;            // 16-byte words in flight per lane in a copy
+constexpr int kCountThreads = 1024;  // dispatch_recv's count (one block)
+constexpr int kReduceThreads = 256;  // combine_recv
+constexpr int kUnroll = 4;           // 16-byte words in flight per lane in a copy
 
 // --- memory access -----------------------------------------------------------------------------
 
@@ -174,8 +174,8 @@ __device__ bool last_block(uint32_t* blocks_done) {
 // that rank's dispatch area for this rank, at a slot taken from State::send_count. The last block
 // raises every rank's dispatch flag with the number of entries it got (0 included).
 __global__ void __launch_bounds__(kCopyThreads)
-    dispatch_send_kernel(const __grid_constant__ Params p, const uint8_t* tokens, const float* scales,
-                         const int64_t* topk_idx, const float* topk_weights,
+    dispatch_send_kernel(const __grid_constant__ Params p, const uint8_t* tokens,
+                         const float* scales, const int64_t* topk_idx, const float* topk_weights,
                          uint32_t num_tokens) {
   bool ok = false;
   const uint32_t round = begin(p, kDispatchSend, &ok);
@@ -187,8 +187,7 @@ __global__ void __launch_bounds__(kCopyThreads)
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   if (ok) {
     const uint32_t warps = gridDim.x * kCopyWarps;
-    for (uint32_t t = blockIdx.x * kCopyWarps + threadIdx.x / kWarp; t < num_tokens;
-         t += warps) {
+    for (uint32_t t = blockIdx.x * kCopyWarps + threadIdx.x / kWarp; t < num_tokens; t += warps) {
       int32_t expert = -1;
       float weight = 0.f;
       if (static_cast<uint32_t>(lane) < p.top_k) {
@@ -203,8 +202,7 @@ __global__ void __launch_bounds__(kCopyThreads)
       }
       const uint32_t rank_bit =
           expert >= 0 ? 1u << (static_cast<uint32_t>(expert) / p.num_local_experts) : 0u;
-      for (uint32_t dests = __reduce_or_sync(kAllLanes, rank_bit); dests != 0;
-           dests &= dests - 1) {
+      for (uint32_t dests = __reduce_or_sync(kAllLanes, rank_bit); dests != 0; dests &= dests - 1) {
         const int d = __ffs(static_cast<int>(dests)) - 1;
         uint32_t slot = 0;
         if (lane == 0) slot = atomicAdd(&p.state->send_count[d], 1u);
@@ -264,7 +262,8 @@ __device__ __forceinline__ int32_t local_expert(const Params& p, int32_t expert)
 // One block: waits for every source's flag of this round, counts the rows of each local expert
 // and lays them out (experts in order), for dispatch_copy_kernel.
 __global__ void __launch_bounds__(kCountThreads)
-    dispatch_count_kernel(const __grid_constant__ Params p, int32_t* expert_counts, int32_t* expert_offsets) {
+    dispatch_count_kernel(const __grid_constant__ Params p, int32_t* expert_counts,
+                          int32_t* expert_offsets) {
   __shared__ uint64_t s_flag[kMaxRanks];
   __shared__ uint32_t s_start[kMaxRanks + 1];
   __shared__ uint32_t s_rows[kMaxLocalExperts];
@@ -272,8 +271,7 @@ __global__ void __launch_bounds__(kCountThreads)
   const uint32_t round = begin(p, kDispatchRecv, &ok);
   for (uint32_t e = threadIdx.x; e < p.num_local_experts; e += blockDim.x) s_rows[e] = 0;
   if (ok) {
-    ok = wait_all(p, signals_of(p, p.rank)->dispatch_flag, 32, round, kDispatchRecv, round,
-                  s_flag);
+    ok = wait_all(p, signals_of(p, p.rank)->dispatch_flag, 32, round, kDispatchRecv, round, s_flag);
   }
   if (threadIdx.x == 0) {
     s_start[0] = 0;
@@ -396,8 +394,8 @@ __global__ void __launch_bounds__(kCopyThreads)
   const uint32_t round = begin(p, kCombineSend, &ok);
   // Every rank has read its combine area of the round before.
   if (ok) {
-    ok = wait_all(p, signals_of(p, p.rank)->combine_ack, 0, round - 1, kCombineSend, round,
-                  nullptr);
+    ok =
+        wait_all(p, signals_of(p, p.rank)->combine_ack, 0, round - 1, kCombineSend, round, nullptr);
   }
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const uint64_t row_bytes = 2ull * p.hidden;
@@ -427,16 +425,15 @@ __global__ void __launch_bounds__(kCopyThreads)
 // One block per token: out[t] = sum over valid top-k slots k of weight[t, k] x the combine
 // area's row (t, k), in fp32, rounded to bf16. The last block acknowledges every rank.
 __global__ void __launch_bounds__(kReduceThreads)
-    combine_recv_kernel(const __grid_constant__ Params p, const int64_t* topk_idx, const float* topk_weights,
-                        uint32_t num_tokens, uint8_t* out) {
+    combine_recv_kernel(const __grid_constant__ Params p, const int64_t* topk_idx,
+                        const float* topk_weights, uint32_t num_tokens, uint8_t* out) {
   __shared__ float s_weight[kMaxTopK];
   __shared__ uint32_t s_slots;  // bit k: slot k has a valid expert (a slot without one was
                                 // never dispatched, and its combine row holds nothing)
   bool ok = false;
   const uint32_t round = begin(p, kCombineRecv, &ok);
   if (ok) {
-    ok = wait_all(p, signals_of(p, p.rank)->combine_flag, 0, round, kCombineRecv, round,
-                  nullptr);
+    ok = wait_all(p, signals_of(p, p.rank)->combine_flag, 0, round, kCombineRecv, round, nullptr);
   }
   const uint8_t* area = p.buffers[p.rank] + p.combine_offset;
   const uint64_t row_bytes = 2ull * p.hidden;
@@ -460,8 +457,8 @@ __global__ void __launch_bounds__(kReduceThreads)
       for (uint32_t rest = slots; rest != 0; rest &= rest - 1) {
         const uint32_t k = static_cast<uint32_t>(__ffs(static_cast<int>(rest)) - 1);
         const float weight = s_weight[k];
-        const uint4 v = load16(area + (static_cast<uint64_t>(t) * p.top_k + k) * row_bytes +
-                               16ull * w);
+        const uint4 v =
+            load16(area + (static_cast<uint64_t>(t) * p.top_k + k) * row_bytes + 16ull * w);
         const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -514,24 +511,22 @@ cudaError_t launch_dispatch_recv(const Params& p, void* out_tokens, float* out_s
   // The entries: world x max_tokens at most, one warp each.
   const uint64_t entries = p.max_recv_rows / p.top_k;
   const uint32_t blocks = blocks_for(entries, kCopyWarps, p.num_sms);
-  dispatch_copy_kernel<<<blocks, kCopyThreads, 0, stream>>>(
-      p, static_cast<uint8_t*>(out_tokens), out_scales, out_weights, out_source);
+  dispatch_copy_kernel<<<blocks, kCopyThreads, 0, stream>>>(p, static_cast<uint8_t*>(out_tokens),
+                                                            out_scales, out_weights, out_source);
   return cudaGetLastError();
 }
 
 cudaError_t launch_combine_send(const Params& p, const void* expert_out, cudaStream_t stream) {
   const uint32_t blocks = blocks_for(p.max_recv_rows, kCopyWarps, p.num_sms);
-  combine_send_kernel<<<blocks, kCopyThreads, 0, stream>>>(
-      p, static_cast<const uint8_t*>(expert_out));
+  combine_send_kernel<<<blocks, kCopyThreads, 0, stream>>>(p,
+                                                           static_cast<const uint8_t*>(expert_out));
   return cudaGetLastError();
 }
 
-cudaError_t launch_combine_recv(const Params& p, const int64_t* topk_idx,
-                                const float* topk_weights, uint32_t num_tokens, void* out,
-                                cudaStream_t stream) {
+cudaError_t launch_combine_recv(const Params& p, const int64_t* topk_idx, const float* topk_weights,
+                                uint32_t num_tokens, void* out, cudaStream_t stream) {
   const uint32_t blocks = blocks_for(num_tokens, 1, 2 * p.num_sms);
-  combine_recv_kernel<<<blocks, kReduceThreads, 0, stream>>>(p, topk_idx, topk_weights,
-                                                             num_tokens,
+  combine_recv_kernel<<<blocks, kReduceThreads, 0, stream>>>(p, topk_idx, topk_weights, num_tokens,
                                                              static_cast<uint8_t*>(out));
   return cudaGetLastError();
 }

@@ -92,10 +92,10 @@ struct Params {
   uint64_t timeout_ns;
   uint8_t* buffers[kMaxRanks];  // every rank's exported buffer as mapped here ([rank]: its own)
   State* state;
-  RowSource* rows;           // [max_recv_rows]
-  uint32_t* expert_offset;   // [num_local_experts]: first row of each local expert this round
-  uint32_t* expert_cursor;   // [num_local_experts]: rows of it taken so far this round
-  ErrorReport* report;       // device address of the pinned report
+  RowSource* rows;          // [max_recv_rows]
+  uint32_t* expert_offset;  // [num_local_experts]: first row of each local expert this round
+  uint32_t* expert_cursor;  // [num_local_experts]: rows of it taken so far this round
+  ErrorReport* report;      // device address of the pinned report
 };
 
 // Launchers: enqueue the half's kernels on `stream`; the error is the launch's.
@@ -106,8 +106,7 @@ cudaError_t launch_dispatch_recv(const Params& p, void* out_tokens, float* out_s
                                  float* out_weights, int32_t* out_source, int32_t* expert_counts,
                                  int32_t* expert_offsets, cudaStream_t stream);
 cudaError_t launch_combine_send(const Params& p, const void* expert_out, cudaStream_t stream);
-cudaError_t launch_combine_recv(const Params& p, const int64_t* topk_idx,
-                                const float* topk_weights, uint32_t num_tokens, void* out,
-                                cudaStream_t stream);
+cudaError_t launch_combine_recv(const Params& p, const int64_t* topk_idx, const float* topk_weights,
+                                uint32_t num_tokens, void* out, cudaStream_t stream);
 
 }  // namespace fabric::ep::device

@@ -100,9 +100,10 @@ Status validate(const AllToAllConfig& c) {
   if (c.max_tokens_per_rank == 0) return invalid("max_tokens_per_rank is 0");
   const uint64_t rows = static_cast<uint64_t>(c.world_size) * c.max_tokens_per_rank * c.top_k;
   if (rows > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
-    return invalid(fmt::format("world_size x max_tokens_per_rank x top_k = {} rows is more than "
-                               "{} (max_tokens_per_rank {} is too large)",
-                               rows, std::numeric_limits<int32_t>::max(), c.max_tokens_per_rank));
+    return invalid(
+        fmt::format("world_size x max_tokens_per_rank x top_k = {} rows is more than "
+                    "{} (max_tokens_per_rank {} is too large)",
+                    rows, std::numeric_limits<int32_t>::max(), c.max_tokens_per_rank));
   }
   if (c.timeout.count() <= 0) {
     return invalid(fmt::format("timeout {} ms is not positive", c.timeout.count()));
@@ -218,12 +219,12 @@ Result<PeerHandle> decode_handle(std::span<const std::byte> bytes) {
   uint32_t magic = 0, rank = 0, world = 0, per_node = 0;
   uint16_t version = 0, reserved = 0;
   if (!r.u32(magic) || magic != PeerHandle::kMagic) {
-    return invalid(fmt::format("not an all-to-all handle ({} bytes without its magic number)",
-                               bytes.size()));
+    return invalid(
+        fmt::format("not an all-to-all handle ({} bytes without its magic number)", bytes.size()));
   }
   if (!r.u16(version) || version != PeerHandle::kVersion) {
-    return invalid(fmt::format("all-to-all handle version {}, this build reads version {}",
-                               version, PeerHandle::kVersion));
+    return invalid(fmt::format("all-to-all handle version {}, this build reads version {}", version,
+                               PeerHandle::kVersion));
   }
   PeerHandle h;
   uint8_t dtype = 0;
@@ -248,8 +249,8 @@ Result<PeerHandle> decode_handle(std::span<const std::byte> bytes) {
 
 Status check_peer(const PeerHandle& mine, const PeerHandle& peer, int index) {
   if (peer.rank != index) {
-    return invalid(fmt::format("handle {} is rank {}'s: handles go in rank order", index,
-                               peer.rank));
+    return invalid(
+        fmt::format("handle {} is rank {}'s: handles go in rank order", index, peer.rank));
   }
   auto differs = [&](const char* field, auto theirs, auto ours) {
     return invalid(fmt::format("rank {} has {} {}, this rank (rank {}) has {}", index, field,

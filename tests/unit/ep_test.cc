@@ -173,8 +173,7 @@ TEST(EpArgs, DispatchSend) {
   expect_error(check_dispatch_send(c, b), ErrorCode::kInvalidArgument, {"topk_idx is null"});
   b = a;
   b.scales = nullptr;
-  expect_error(check_dispatch_send(c, b), ErrorCode::kInvalidArgument,
-               {"scales is null", "fp8"});
+  expect_error(check_dispatch_send(c, b), ErrorCode::kInvalidArgument, {"scales is null", "fp8"});
   b = a;
   b.topk_weights = static_cast<const float*>(at(0x40002));
   expect_error(check_dispatch_send(c, b), ErrorCode::kInvalidArgument,
@@ -182,8 +181,7 @@ TEST(EpArgs, DispatchSend) {
 
   AllToAllConfig bf16 = c;
   bf16.dtype = TokenDtype::kBf16;
-  expect_error(check_dispatch_send(bf16, a), ErrorCode::kInvalidArgument,
-               {"scales given", "bf16"});
+  expect_error(check_dispatch_send(bf16, a), ErrorCode::kInvalidArgument, {"scales given", "bf16"});
   b = a;
   b.scales = nullptr;
   EXPECT_TRUE(check_dispatch_send(bf16, b).is_ok());
