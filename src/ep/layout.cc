@@ -145,8 +145,11 @@ Status check_dispatch_send(const AllToAllConfig& c, const DispatchSendArgs& a) {
     return invalid(fmt::format("{}: num_tokens {} is more than max_tokens_per_rank {}", kHalf,
                                a.num_tokens, c.max_tokens_per_rank));
   }
+  if (a.num_tokens == 0) {  // nothing is read: empty tensors may be null
+    return c.dtype == TokenDtype::kBf16 ? scales_match(kHalf, "scales", c, a.scales)
+                                        : Status::ok();
+  }
   if (Status s = scales_match(kHalf, "scales", c, a.scales); !s) return s;
-  if (a.num_tokens == 0) return Status::ok();  // nothing is read: empty tensors may be null
   if (Status s = pointer(kHalf, "tokens", a.tokens, 16); !s) return s;
   if (Status s = pointer(kHalf, "topk_idx", a.topk_idx, 8); !s) return s;
   return pointer(kHalf, "topk_weights", a.topk_weights, 4, true);

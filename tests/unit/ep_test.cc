@@ -188,8 +188,11 @@ TEST(EpArgs, DispatchSend) {
 
   // No tokens: the (empty) tensors are not read, so null is fine.
   DispatchSendArgs empty;
+  EXPECT_TRUE(check_dispatch_send(c, empty).is_ok());
   empty.scales = a.scales;
   EXPECT_TRUE(check_dispatch_send(c, empty).is_ok());
+  expect_error(check_dispatch_send(bf16, empty), ErrorCode::kInvalidArgument,
+               {"scales given", "bf16"});
 }
 
 TEST(EpArgs, DispatchRecv) {
