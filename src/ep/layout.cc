@@ -146,8 +146,7 @@ Status check_dispatch_send(const AllToAllConfig& c, const DispatchSendArgs& a) {
                                a.num_tokens, c.max_tokens_per_rank));
   }
   if (a.num_tokens == 0) {  // nothing is read: empty tensors may be null
-    return c.dtype == TokenDtype::kBf16 ? scales_match(kHalf, "scales", c, a.scales)
-                                        : Status::ok();
+    return c.dtype == TokenDtype::kBf16 ? scales_match(kHalf, "scales", c, a.scales) : Status::ok();
   }
   if (Status s = scales_match(kHalf, "scales", c, a.scales); !s) return s;
   if (Status s = pointer(kHalf, "tokens", a.tokens, 16); !s) return s;
