@@ -42,7 +42,7 @@ PYTHONPATH=$PKG timeout 60 python3 -c "import fabric_lib, fabric_lib.ep; print('
   exit 1
 
 echo "== tests/python/test_ep.py ($(elapsed)) =="
-PYTHONPATH=$PKG timeout 200 python3 -m pytest -v -rs -p no:cacheprovider tests/python/test_ep.py \
+PYTHONPATH=$PKG timeout 200 python3 -m pytest -v -rs --durations=0 -p no:cacheprovider tests/python/test_ep.py \
   >"$OUT/test_ep.log" 2>&1
 echo "pytest exit $?"
 grep -E "PASSED|FAILED|SKIPPED|ERROR|^E " "$OUT/test_ep.log" | head -60
