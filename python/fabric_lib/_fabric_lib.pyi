@@ -992,6 +992,73 @@ class EtcdRegistry(Registry):
     @property
     def resyncs(self) -> int: ...
 
+# --- fabric::ep ---
+
+class _EpAllToAll:
+    """fabric::ep::AllToAll on device addresses and stream handles (ints); fabric_lib.ep.AllToAll
+    wraps it for torch tensors."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        num_experts: int,
+        hidden: int,
+        top_k: int,
+        max_tokens_per_rank: int,
+        dtype: str = "bf16",
+        gpus_per_node: int = 0,
+        timeout: _Duration = 10.0,
+        cuda_device: int = -1,
+    ) -> None: ...
+    def handle(self) -> bytes: ...
+    def connect(self, handles: Sequence[bytes]) -> None: ...
+    def dispatch_send(
+        self,
+        tokens: int,
+        scales: int,
+        topk_idx: int,
+        topk_weights: int,
+        num_tokens: int,
+        stream: int,
+    ) -> None: ...
+    def dispatch_recv(
+        self,
+        out_tokens: int,
+        out_scales: int,
+        out_weights: int,
+        out_source: int,
+        expert_counts: int,
+        expert_offsets: int,
+        stream: int,
+    ) -> None: ...
+    def combine_send(self, expert_out: int, stream: int) -> None: ...
+    def combine_recv(
+        self, topk_idx: int, topk_weights: int, num_tokens: int, out: int, stream: int
+    ) -> None: ...
+    def check(self) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def num_local_experts(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def max_tokens_per_rank(self) -> int: ...
+    @property
+    def scale_columns(self) -> int: ...
+    @property
+    def max_recv_rows(self) -> int: ...
+    @property
+    def buffer_bytes(self) -> int: ...
+
 def _kv_close_all() -> None: ...
 def _close_all() -> None: ...
 def _gather_info(

@@ -177,5 +177,7 @@ void bind_engine(py::module_& m);
 void bind_info(py::module_& m);
 // fabric::kv: layouts, KvDecoder, KvPrefiller, members and registries (kv.cc).
 void bind_kv(py::module_& m);
+// fabric::ep: the MoE all-to-all on device addresses (ep.cc).
+void bind_ep(py::module_& m);
 
 }  // namespace fabric::python

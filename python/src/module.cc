@@ -10,7 +10,8 @@ PYBIND11_MODULE(_fabric_lib, m) {
   namespace fp = fabric::python;
   m.doc() =
       "fabric-lib bindings: TransferEngine, its configuration, addresses and descriptors, "
-      "fabric::kv (KV-cache transfer and membership), and one exception class per status code. "
+      "fabric::kv (KV-cache transfer and membership), fabric::ep (MoE all-to-all), and one "
+      "exception class per status code. "
       "Import the fabric_lib package, not this module.";
   m.attr("__version__") = FABRIC_VERSION;
   // Built with CUDA: register() takes CUDA tensors (staged through pinned host memory).
@@ -26,4 +27,5 @@ PYBIND11_MODULE(_fabric_lib, m) {
   fp::bind_watchers(m);
   fp::bind_info(m);
   fp::bind_kv(m);
+  fp::bind_ep(m);
 }

@@ -36,7 +36,8 @@ def test_wheel_installs_offline_and_imports(tmp_path):
 
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        for f in ("__init__.py", "_fabric_lib.pyi", "py.typed", "_futures.py", "distributed.py"):
+        for f in ("__init__.py", "_fabric_lib.pyi", "py.typed", "_futures.py", "distributed.py",
+                  "ep.py"):
             assert f"fabric_lib/{f}" in names
         assert any(n.startswith("fabric_lib/_fabric_lib.") and n.endswith(".so") for n in names)
         record = next(n for n in names if n.endswith(".dist-info/RECORD"))

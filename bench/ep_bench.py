@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""fabric_lib.ep dispatch and combine between the GPUs of one node, against NCCL all_to_all_single
+moving the same payload bytes in the same run.
+
+Shapes (DeepSeek-V3-like): hidden 7168, top-8 of 256 experts split over the ranks, fp8 e4m3
+dispatch (one fp32 scale per 128 elements), bf16 combine; decode 128 tokens per rank, prefill
+4096. Routing: uniform random top-k, the same for every iteration. Each timed operation starts
+right after a one-element NCCL all-reduce on the stream (so the GPUs start together) and is
+timed with CUDA events on the stream: fabric_lib.ep eagerly (Python launches each half) and
+replayed from a CUDA graph (one graph per operation), NCCL eagerly. Reports p50/p99 in µs per
+rank; a benchmark: it asserts nothing about times.
+
+    python3 bench/ep_bench.py [--shapes decode,prefill] [--iters 200] [--json FILE]
+
+Spawns one process per GPU itself (torch.multiprocessing, NCCL; NVLink multicast kept off).
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(NO_MULTICAST)
+
+SHAPES = {"decode": 128, "prefill": 4096}
+HIDDEN, TOP_K, EXPERTS = 7168, 8, 256
+
+
+def percentiles(samples_ms):
+    s = sorted(samples_ms)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))] * 1000.0
+    return {"p50_us": round(pick(0.50), 1), "p99_us": round(pick(0.99), 1), "n": len(s)}
+
+
+def routing(rank, n, world):
+    """Rank `rank`'s top-k indices (CPU), the same in every process."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    return torch.rand(n, EXPERTS, generator=g).topk(TOP_K, dim=1).indices
+
+
+def split_bytes(idx_all, world, per_token, per_pair):
+    """send[s][d]: dispatch payload bytes from s to d (a token once per destination rank);
+    back[s][d]: combine bytes from d to s (one bf16 row per (token, expert) pair)."""
+    L = EXPERTS // world
+    send = [[0] * world for _ in range(world)]
+    back = [[0] * world for _ in range(world)]
+    for s, idx in enumerate(idx_all):
+        ranks = idx // L
+        for d in range(world):
+            on_d = (ranks == d)
+            send[s][d] = int(on_d.any(dim=1).sum()) * per_token
+            back[s][d] = int(on_d.sum()) * per_pair
+    return send, back
+
+
+def bench_shape(rank, world, name, n, iters, warmup):
+    import torch
+    import torch.distributed as dist
+
+    from fabric_lib.ep import AllToAll
+
+    dev = torch.device("cuda", rank)
+    fp8 = torch.float8_e4m3fn
+    idx_all = [routing(r, n, world) for r in range(world)]
+    idx = idx_all[rank].to(dev).contiguous()
+    w = torch.rand(n, TOP_K, device=dev)
+    x = (torch.randn(n, HIDDEN, device=dev) * 2).to(fp8)
+    scales = torch.rand(n, HIDDEN // 128, device=dev) + 0.5
+    a2a = AllToAll(num_experts=EXPERTS, hidden=HIDDEN, top_k=TOP_K, max_tokens_per_rank=n,
+                   dtype=fp8, timeout=30.0)
+    got = a2a.dispatch(x, idx, w, scales=scales)
+    y = torch.randn(a2a.max_recv_rows, HIDDEN, device=dev).to(torch.bfloat16)
+    out = a2a.combine(y, idx, w)
+    torch.cuda.synchronize()
+    a2a.check()
+
+    token_bytes = HIDDEN + 4 * (HIDDEN // 128)
+    send, back = split_bytes(idx_all, world, token_bytes, 2 * HIDDEN)
+    in_splits = send[rank]
+    out_splits = [send[s][rank] for s in range(world)]
+    nccl_in = torch.empty(sum(in_splits), dtype=torch.uint8, device=dev)
+    nccl_out = torch.empty(sum(out_splits), dtype=torch.uint8, device=dev)
+    back_in = [back[s][rank] for s in range(world)]  # this rank returns rows to each source
+    back_out = back[rank]
+    comb_in = torch.empty(sum(back_in), dtype=torch.uint8, device=dev)
+    comb_out = torch.empty(sum(back_out), dtype=torch.uint8, device=dev)
+
+    one = torch.ones(1, device=dev)
+
+    def align():
+        dist.all_reduce(one)
+
+    ops = {
+        "ep dispatch (eager)": lambda: a2a.dispatch(x, idx, w, scales=scales, out=got),
+        "ep combine (eager)": lambda: a2a.combine(y, idx, w, out=out),
+        "nccl dispatch bytes": lambda: dist.all_to_all_single(nccl_out, nccl_in, out_splits,
+                                                              in_splits),
+        "nccl combine bytes": lambda: dist.all_to_all_single(comb_out, comb_in, back_out, back_in),
+    }
+    # The same two operations replayed from CUDA graphs (captured after a warm-up round; each
+    # capture keeps the dispatch/combine order, which replays continue).
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        a2a.dispatch(x, idx, w, scales=scales, out=got)
+        a2a.combine(y, idx, w, out=out)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_dispatch):
+        a2a.dispatch(x, idx, w, scales=scales, out=got)
+    with torch.cuda.graph(g_combine):
+        a2a.combine(y, idx, w, out=out)
+    ops["ep dispatch (graph)"] = g_dispatch.replay
+    ops["ep combine (graph)"] = g_combine.replay
+
+    order = [("ep dispatch (eager)", "ep combine (eager)"),
+             ("ep dispatch (graph)", "ep combine (graph)"),
+             ("nccl dispatch bytes", "nccl combine bytes")]
+    results = {}
+    for pair in order:
+        times = {k: [] for k in pair}
+        for i in range(warmup + iters):
+            for k in pair:  # dispatch, then combine: the all-to-all's order
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                align()
+                start.record()
+                ops[k]()
+                end.record()
+                if i >= warmup:
+                    times[k].append((start, end))
+        torch.cuda.synchronize()
+        a2a.check()
+        for k, evs in times.items():
+            results[k] = percentiles([s.elapsed_time(e) for s, e in evs])
+    a2a.close()
+    mb = lambda v: round(v / 1e6, 3)
+    results["bytes"] = {"dispatch_sent_MB": mb(sum(in_splits)), "combine_sent_MB": mb(sum(back_in)),
+                        "dispatch_payload_per_token": token_bytes}
+    return results
+
+
+def worker(rank, world, port, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(NO_MULTICAST)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    try:
+        report = {}
+        for name in args.shapes.split(","):
+            report[name] = bench_shape(rank, world, name, SHAPES[name], args.iters, args.warmup)
+        queue.put((rank, report))
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    import torch
+    import torch.multiprocessing as mp
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="decode,prefill")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    if torch.cuda.device_count() < args.world:
+        print(f"needs {args.world} GPUs, torch sees {torch.cuda.device_count()}")
+        return 77
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(worker, args=(args.world, port, args, queue), nprocs=args.world, join=True)
+    reports = dict(queue.get() for _ in range(args.world))
+    print(f"# fabric_lib.ep vs NCCL all_to_all_single, {args.world} GPUs, hidden {HIDDEN}, "
+          f"top-{TOP_K} of {EXPERTS} experts, fp8 dispatch, bf16 combine, {args.iters} iterations")
+    for shape in args.shapes.split(","):
+        print(f"\n## {shape}: {SHAPES[shape]} tokens per rank; "
+              f"bytes (rank 0): {reports[0][shape]['bytes']}\n")
+        print("| operation | " + " | ".join(f"rank {r} p50 / p99 µs" for r in range(args.world))
+              + " |")
+        print("| --- |" + " ---: |" * args.world)
+        for op in [k for k in reports[0][shape] if k != "bytes"]:
+            cells = [f"{reports[r][shape][op]['p50_us']} / {reports[r][shape][op]['p99_us']}"
+                     for r in range(args.world)]
+            print(f"| {op} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"world": args.world, "iters": args.iters, "reports": reports}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

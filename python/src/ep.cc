@@ -1,0 +1,199 @@
+// fabric_lib._EpAllToAll: fabric::ep::AllToAll on raw device addresses and stream handles
+// (ints). fabric_lib.ep.AllToAll wraps it for torch tensors and exchanges the handles over
+// torch.distributed; this module never imports torch.
+//
+// Launchers return once their kernels are enqueued (they never wait for the GPU); creation,
+// connect() and close() block, with the GIL released.
+#include <string>
+
+#include "bindings.h"
+#include "fabric/ep.h"
+
+namespace fabric::python {
+
+namespace {
+
+using ep::AllToAll;
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void* stream_ptr(uintptr_t stream) {
+  return reinterpret_cast<void*>(stream);
+}
+
+ep::TokenDtype dtype_of(const std::string& name) {
+  if (name == "bf16") return ep::TokenDtype::kBf16;
+  if (name == "fp8_e4m3") return ep::TokenDtype::kFp8E4m3;
+  throw StatusError{
+      Status(ErrorCode::kInvalidArgument, "dtype '" + name + "' is neither 'bf16' nor 'fp8_e4m3'")};
+}
+
+class PyAllToAll {
+ public:
+  explicit PyAllToAll(std::unique_ptr<AllToAll> a) : impl_(std::move(a)) {}
+  ~PyAllToAll() { close(); }
+
+  void close() {
+    if (!impl_) return;
+    py::gil_scoped_release release;
+    impl_.reset();
+  }
+  AllToAll& get() const {
+    if (!impl_) throw StatusError{Status(ErrorCode::kClosed, "the all-to-all is closed")};
+    return *impl_;
+  }
+
+ private:
+  std::unique_ptr<AllToAll> impl_;
+};
+
+}  // namespace
+
+void bind_ep(py::module_& m) {
+  py::class_<PyAllToAll>(
+      m, "_EpAllToAll",
+      "fabric::ep::AllToAll on device addresses and stream handles (ints): one rank's side of "
+      "an MoE dispatch/combine between the GPUs of one node. Use fabric_lib.ep.AllToAll, which "
+      "takes torch tensors and exchanges the handles over torch.distributed.")
+      .def(py::init([](int rank, int world_size, uint32_t num_experts, uint32_t hidden,
+                       uint32_t top_k, uint32_t max_tokens_per_rank, const std::string& dtype,
+                       int gpus_per_node, py::handle timeout, int cuda_device) {
+             ep::AllToAllConfig c;
+             c.rank = rank;
+             c.world_size = world_size;
+             c.num_experts = num_experts;
+             c.hidden = hidden;
+             c.top_k = top_k;
+             c.max_tokens_per_rank = max_tokens_per_rank;
+             c.dtype = dtype_of(dtype);
+             c.gpus_per_node = gpus_per_node;
+             c.timeout = to_duration<std::chrono::milliseconds>(timeout, "timeout");
+             c.cuda_device = cuda_device;
+             py::gil_scoped_release release;
+             return std::make_unique<PyAllToAll>(check(AllToAll::create(c)));
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("num_experts"), py::arg("hidden"),
+           py::arg("top_k"), py::arg("max_tokens_per_rank"), py::arg("dtype") = "bf16",
+           py::arg("gpus_per_node") = 0, py::arg("timeout") = 10.0, py::arg("cuda_device") = -1,
+           "Allocates and zeroes this rank's buffer on its GPU (cuda_device, or the current "
+           "one when -1) and exports it. dtype: 'bf16' or 'fp8_e4m3'; timeout: how long a "
+           "kernel waits for a peer (seconds or a timedelta). Raises InvalidArgument naming a "
+           "bad field, Unsupported without CUDA or a GPU (or for more than one node).")
+      .def(
+          "handle",
+          [](const PyAllToAll& a) {
+            const Bytes h = a.get().handle();
+            return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
+          },
+          "This rank's export (bytes): pass it to every other rank.")
+      .def(
+          "connect",
+          [](PyAllToAll& a, const std::vector<py::bytes>& handles) {
+            std::vector<Bytes> hs;
+            for (const py::bytes& h : handles) {
+              std::string s = h;
+              const auto* b = reinterpret_cast<const std::byte*>(s.data());
+              hs.emplace_back(b, b + s.size());
+            }
+            py::gil_scoped_release release;
+            check(a.get().connect(hs));
+          },
+          py::arg("handles"),
+          "Maps every peer's buffer; handles: every rank's handle() in rank order, this rank's "
+          "included. Raises InvalidArgument (a peer configured differently, names the field), "
+          "RemoteAccess (CUDA could not map a peer), AlreadyExists.")
+      .def(
+          "dispatch_send",
+          [](PyAllToAll& a, uintptr_t tokens, uintptr_t scales, uintptr_t topk_idx,
+             uintptr_t topk_weights, uint32_t num_tokens, uintptr_t stream) {
+            ep::DispatchSendArgs args{ptr<const void>(tokens), ptr<const float>(scales),
+                                      ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
+                                      num_tokens};
+            check(a.get().dispatch_send(args, stream_ptr(stream)));
+          },
+          py::arg("tokens"), py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"),
+          py::arg("num_tokens"), py::arg("stream"),
+          "Enqueues the send half of a dispatch on `stream` (a cudaStream_t as an int). "
+          "Addresses are ints, 0 for none: tokens [num_tokens, hidden], scales (fp8) "
+          "[num_tokens, hidden / 128] fp32, topk_idx [num_tokens, top_k] int64, topk_weights "
+          "[num_tokens, top_k] fp32 or 0.")
+      .def(
+          "dispatch_recv",
+          [](PyAllToAll& a, uintptr_t out_tokens, uintptr_t out_scales, uintptr_t out_weights,
+             uintptr_t out_source, uintptr_t expert_counts, uintptr_t expert_offsets,
+             uintptr_t stream) {
+            ep::DispatchRecvArgs args{ptr<void>(out_tokens),       ptr<float>(out_scales),
+                                      ptr<float>(out_weights),     ptr<int32_t>(out_source),
+                                      ptr<int32_t>(expert_counts), ptr<int32_t>(expert_offsets)};
+            check(a.get().dispatch_recv(args, stream_ptr(stream)));
+          },
+          py::arg("out_tokens"), py::arg("out_scales"), py::arg("out_weights"),
+          py::arg("out_source"), py::arg("expert_counts"), py::arg("expert_offsets"),
+          py::arg("stream"),
+          "Enqueues the receive half of a dispatch: waits on the GPU for every rank's tokens, "
+          "then writes them in the flat layout (local expert e's rows from expert_offsets[e], "
+          "expert_counts[e] of them). Addresses are ints, 0 for none.")
+      .def(
+          "combine_send",
+          [](PyAllToAll& a, uintptr_t expert_out, uintptr_t stream) {
+            check(a.get().combine_send(ep::CombineSendArgs{ptr<const void>(expert_out)},
+                                       stream_ptr(stream)));
+          },
+          py::arg("expert_out"), py::arg("stream"),
+          "Enqueues the send half of a combine: row i of expert_out ([max_recv_rows, hidden] "
+          "bf16) goes back to where dispatch_recv's row i came from.")
+      .def(
+          "combine_recv",
+          [](PyAllToAll& a, uintptr_t topk_idx, uintptr_t topk_weights, uint32_t num_tokens,
+             uintptr_t out, uintptr_t stream) {
+            ep::CombineRecvArgs args{ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
+                                     num_tokens, ptr<void>(out)};
+            check(a.get().combine_recv(args, stream_ptr(stream)));
+          },
+          py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_tokens"), py::arg("out"),
+          py::arg("stream"),
+          "Enqueues the receive half of a combine: waits on the GPU for every rank's outputs, "
+          "then out[t] = sum over k of topk_weights[t, k] x output (fp32, rounded to bf16).")
+      .def(
+          "check", [](const PyAllToAll& a) { check(a.get().check()); },
+          "Raises the first failure a kernel recorded (Timeout, InvalidArgument); never blocks. "
+          "Call it after synchronising with the stream.")
+      .def("close", &PyAllToAll::close,
+           "Unmaps the peers' buffers and frees this rank's (blocks while the GPU finishes). "
+           "Stop every rank first (a barrier).")
+      .def_property_readonly(
+          "rank", [](const PyAllToAll& a) { return a.get().config().rank; }, "This rank.")
+      .def_property_readonly(
+          "world_size", [](const PyAllToAll& a) { return a.get().config().world_size; },
+          "Ranks of the all-to-all.")
+      .def_property_readonly(
+          "num_experts", [](const PyAllToAll& a) { return a.get().config().num_experts; },
+          "Experts over all ranks.")
+      .def_property_readonly(
+          "num_local_experts",
+          [](const PyAllToAll& a) { return a.get().layout().num_local_experts; },
+          "Experts of each rank: rank r holds [r * n, (r + 1) * n).")
+      .def_property_readonly(
+          "hidden", [](const PyAllToAll& a) { return a.get().config().hidden; },
+          "Elements of a token.")
+      .def_property_readonly(
+          "top_k", [](const PyAllToAll& a) { return a.get().config().top_k; }, "Experts per token.")
+      .def_property_readonly(
+          "max_tokens_per_rank",
+          [](const PyAllToAll& a) { return a.get().config().max_tokens_per_rank; },
+          "The most tokens one dispatch of a rank carries.")
+      .def_property_readonly(
+          "scale_columns", [](const PyAllToAll& a) { return a.get().layout().scale_columns; },
+          "fp32 scales per fp8 token (hidden / 128; 0 for bf16).")
+      .def_property_readonly(
+          "max_recv_rows", [](const PyAllToAll& a) { return a.get().layout().max_recv_rows; },
+          "Rows of dispatch_recv's output and combine_send's input.")
+      .def_property_readonly(
+          "buffer_bytes", [](const PyAllToAll& a) { return a.get().layout().buffer_bytes; },
+          "Bytes of this rank's exported buffer.");
+}
+
+}  // namespace fabric::python

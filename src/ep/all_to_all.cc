@@ -1,0 +1,394 @@
+// fabric::ep::AllToAll with CUDA: this rank's buffer (cudaMalloc, exported with
+// cudaIpcGetMemHandle), the peers' buffers mapped with cudaIpcOpenMemHandle, the private device
+// state, the pinned error report, and the launchers (kernels in ep/kernels.cu).
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "cuda/cuda_status.h"
+#include "ep/handle.h"
+#include "ep/kernels.h"
+#include "fabric/ep.h"
+
+namespace fabric::ep {
+
+static_assert(device::kMaxRanks == kMaxRanks && device::kMaxTopK == kMaxTopK &&
+              device::kMaxLocalExperts == kMaxLocalExperts);
+static_assert(sizeof(cudaIpcMemHandle_t) == PeerHandle::kIpcBytes);
+
+namespace {
+
+using cuda::cuda_error;
+
+// Makes `device` current for the scope (when it is not already) and restores the caller's.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&saved_) != cudaSuccess) saved_ = -1;
+    if (saved_ != device) status_ = cudaSetDevice(device);
+  }
+  ~DeviceScope() {
+    int now = -1;
+    if (saved_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != saved_) {
+      cudaSetDevice(saved_);
+    }
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  cudaError_t status() const { return status_; }
+
+ private:
+  int saved_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+const char* half_name(uint32_t half) {
+  switch (half) {
+    case device::kDispatchSend:
+      return "dispatch_send";
+    case device::kDispatchRecv:
+      return "dispatch_recv";
+    case device::kCombineSend:
+      return "combine_send";
+    case device::kCombineRecv:
+      return "combine_recv";
+  }
+  return "an unknown half";
+}
+
+// What a half's wait waits for, as its error says.
+const char* awaited(uint32_t half) {
+  switch (half) {
+    case device::kDispatchSend:
+      return "acknowledgement of the previous round's dispatch";
+    case device::kDispatchRecv:
+      return "dispatched tokens";
+    case device::kCombineSend:
+      return "acknowledgement of the previous round's combine";
+    case device::kCombineRecv:
+      return "expert outputs";
+  }
+  return "signal";
+}
+
+}  // namespace
+
+class AllToAll::Impl {
+ public:
+  // Sequencing of the halves (host side; a captured graph replays a sequence checked here once).
+  enum class Phase { kIdle, kDispatchSent, kDispatchReceived, kCombineSent };
+
+  AllToAllConfig config;
+  Layout layout;
+  int device = 0;
+  PeerHandle mine;
+  // Members in creation order: the destructor releases them in reverse.
+  uint8_t* buffer = nullptr;              // this rank's exported buffer
+  uint8_t* scratch = nullptr;             // State, then the rows, then the per-expert arrays
+  device::ErrorReport* report = nullptr;  // pinned host memory, device-mapped
+  device::ErrorReport* report_device = nullptr;
+  std::vector<void*> opened;  // peers' buffers mapped here (null for this rank and unmapped)
+  device::Params params{};
+  bool connected = false;
+  Phase phase = Phase::kIdle;
+  uint32_t dispatched_tokens = 0;
+
+  ~Impl() {
+    DeviceScope scope(device);
+    for (void* p : opened) {
+      if (p != nullptr) cudaIpcCloseMemHandle(p);
+    }
+    if (report != nullptr) cudaFreeHost(report);
+    if (scratch != nullptr) cudaFree(scratch);
+    if (buffer != nullptr) cudaFree(buffer);
+  }
+
+  Status create() {
+    if (config.cuda_device >= 0) {
+      device = config.cuda_device;
+    } else if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+      return cuda_error("cudaGetDevice", err);
+    }
+    DeviceScope scope(device);
+    if (scope.status() != cudaSuccess) return cuda_error("cudaSetDevice", scope.status());
+    int sms = 0;
+    if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        err != cudaSuccess) {
+      return cuda_error("cudaDeviceGetAttribute(multiprocessors)", err);
+    }
+    cudaDeviceProp prop{};
+    if (cudaError_t err = cudaGetDeviceProperties(&prop, device); err != cudaSuccess) {
+      return cuda_error("cudaGetDeviceProperties", err);
+    }
+    if (cudaError_t err = cudaMalloc(&buffer, layout.buffer_bytes); err != cudaSuccess) {
+      return cuda_error(
+          fmt::format("cudaMalloc of the {}-byte all-to-all buffer", layout.buffer_bytes), err);
+    }
+    // Scratch: State, the row sources, then expert offsets and cursors.
+    const uint64_t rows_at = (sizeof(device::State) + 255) / 256 * 256;
+    const uint64_t experts_at = rows_at + layout.max_recv_rows * sizeof(device::RowSource);
+    const uint64_t scratch_bytes = experts_at + 2ull * layout.num_local_experts * sizeof(uint32_t);
+    if (cudaError_t err = cudaMalloc(&scratch, scratch_bytes); err != cudaSuccess) {
+      return cuda_error("cudaMalloc of the all-to-all's state", err);
+    }
+    if (cudaError_t err = cudaMemset(buffer, 0, layout.buffer_bytes); err != cudaSuccess) {
+      return cuda_error("cudaMemset", err);
+    }
+    if (cudaError_t err = cudaMemset(scratch, 0, scratch_bytes); err != cudaSuccess) {
+      return cuda_error("cudaMemset", err);
+    }
+    if (cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&report),
+                                        sizeof(device::ErrorReport), cudaHostAllocMapped);
+        err != cudaSuccess) {
+      return cuda_error("cudaHostAlloc of the error report", err);
+    }
+    std::memset(report, 0, sizeof(*report));
+    if (cudaError_t err =
+            cudaHostGetDevicePointer(reinterpret_cast<void**>(&report_device), report, 0);
+        err != cudaSuccess) {
+      return cuda_error("cudaHostGetDevicePointer", err);
+    }
+    // Zeroed before any peer can have the handle: the peers' first writes come after it.
+    if (cudaError_t err = cudaDeviceSynchronize(); err != cudaSuccess) {
+      return cuda_error("cudaDeviceSynchronize", err);
+    }
+    cudaIpcMemHandle_t ipc{};
+    if (cudaError_t err = cudaIpcGetMemHandle(&ipc, buffer); err != cudaSuccess) {
+      return cuda_error("cudaIpcGetMemHandle of the all-to-all buffer", err);
+    }
+    mine = make_handle(config, layout);
+    mine.pid = static_cast<uint64_t>(::getpid());
+    std::memcpy(mine.device.data(), prop.uuid.bytes, mine.device.size());
+    std::memcpy(mine.ipc.data(), &ipc, mine.ipc.size());
+
+    device::Params& p = params;
+    p.rank = config.rank;
+    p.world = config.world_size;
+    p.num_experts = config.num_experts;
+    p.num_local_experts = layout.num_local_experts;
+    p.hidden = config.hidden;
+    p.top_k = config.top_k;
+    p.scale_columns = layout.scale_columns;
+    p.num_sms = static_cast<uint32_t>(sms);
+    p.token_bytes = layout.token_bytes;
+    p.entry_bytes = layout.entry_bytes;
+    p.entry_token_offset = layout.entry_token_offset;
+    p.entry_scale_offset = layout.entry_scale_offset;
+    p.dispatch_offset = layout.dispatch_offset;
+    p.dispatch_area_bytes = layout.dispatch_area_bytes;
+    p.combine_offset = layout.combine_offset;
+    p.max_recv_rows = layout.max_recv_rows;
+    p.timeout_ns = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(config.timeout).count());
+    p.buffers[config.rank] = buffer;
+    p.state = reinterpret_cast<device::State*>(scratch);
+    p.rows = reinterpret_cast<device::RowSource*>(scratch + rows_at);
+    p.expert_offset = reinterpret_cast<uint32_t*>(scratch + experts_at);
+    p.expert_cursor = p.expert_offset + layout.num_local_experts;
+    p.report = report_device;
+    return Status::ok();
+  }
+
+  Status connect(const std::vector<Bytes>& handles) {
+    if (connected) return Status(ErrorCode::kAlreadyExists, "connect: connected already");
+    if (handles.size() != static_cast<size_t>(config.world_size)) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("connect: {} handles for world_size {} (one per rank, this "
+                                "rank's included, in rank order)",
+                                handles.size(), config.world_size));
+    }
+    std::vector<PeerHandle> peers;
+    for (int r = 0; r < config.world_size; ++r) {
+      auto h = decode_handle(handles[r]);
+      if (!h) {
+        return Status(h.status().code(),
+                      fmt::format("connect: handle {}: {}", r, h.status().message()));
+      }
+      if (Status s = check_peer(mine, *h, r); !s) {
+        return Status(s.code(), "connect: " + s.message());
+      }
+      if (r == config.rank && !(*h == mine)) {
+        return Status(ErrorCode::kInvalidArgument,
+                      fmt::format("connect: handle {} is not this rank's own handle()", r));
+      }
+      peers.push_back(*h);
+    }
+    DeviceScope scope(device);
+    if (scope.status() != cudaSuccess) return cuda_error("cudaSetDevice", scope.status());
+    opened.assign(handles.size(), nullptr);
+    for (int r = 0; r < config.world_size; ++r) {
+      if (r == config.rank) continue;
+      cudaIpcMemHandle_t ipc{};
+      std::memcpy(&ipc, peers[r].ipc.data(), sizeof(ipc));
+      void* p = nullptr;
+      if (cudaError_t err = cudaIpcOpenMemHandle(&p, ipc, cudaIpcMemLazyEnablePeerAccess);
+          err != cudaSuccess) {
+        cudaGetLastError();
+        return Status(ErrorCode::kRemoteAccess,
+                      fmt::format("connect: cannot map rank {}'s buffer on GPU {} "
+                                  "(cudaIpcOpenMemHandle: {}: {}); its GPU must be on this host "
+                                  "and reachable by peer access (NVLink or PCIe)",
+                                  r, device, cudaGetErrorName(err), cudaGetErrorString(err)));
+      }
+      opened[r] = p;
+      params.buffers[r] = static_cast<uint8_t*>(p);
+    }
+    connected = true;
+    return Status::ok();
+  }
+
+  Status check() const {
+    const auto* r = static_cast<const volatile device::ErrorReport*>(report);
+    const uint32_t kind = r->kind;
+    if (kind == device::kNoError) return Status::ok();
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const uint32_t half = r->half, peer = r->peer, round = r->round;
+    const uint64_t seen = r->seen, detail = r->detail;
+    if (kind == device::kTimedOut) {
+      const uint32_t shift = half == device::kDispatchRecv ? 32 : 0;
+      return Status(
+          ErrorCode::kTimeout,
+          fmt::format("{} on rank {} waited more than {} ms for rank {}'s {} of round {} (its "
+                      "signal is at round {}): that rank stopped, is stuck, or calls the "
+                      "halves out of step; this all-to-all cannot be used again",
+                      half_name(half), config.rank, config.timeout.count(), peer, awaited(half),
+                      round, static_cast<uint32_t>(seen >> shift)));
+    }
+    if (kind == device::kBadExpert) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("{} on rank {}, round {}: expert index {} of token {}, top-k "
+                                "slot {} is not below num_experts {} (the pair was dropped); "
+                                "this all-to-all cannot be used again",
+                                half_name(half), config.rank, round, static_cast<int64_t>(seen),
+                                peer, detail, config.num_experts));
+    }
+    return Status(ErrorCode::kInternal, fmt::format("unknown GPU error kind {}", kind));
+  }
+
+  // Common checks of a half: connected, in order, no recorded failure.
+  Status ready(const char* half, Phase before, Phase before_too) const {
+    if (!connected) {
+      return Status(ErrorCode::kInvalidArgument, fmt::format("{}: connect() first", half));
+    }
+    if (phase != before && phase != before_too) {
+      static constexpr const char* kAfter[] = {"combine_recv (or at the start)", "dispatch_send",
+                                               "dispatch_recv", "combine_send"};
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("{} called out of order: the last half was {}", half,
+                                kAfter[static_cast<int>(phase)]));
+    }
+    return check();
+  }
+
+  Status launched(const char* half, cudaError_t err) const {
+    if (err != cudaSuccess) return cuda_error(fmt::format("{} launch", half), err);
+    return Status::ok();
+  }
+};
+
+Result<std::unique_ptr<AllToAll>> AllToAll::create(const AllToAllConfig& config) {
+  auto layout = Layout::of(config);
+  if (!layout) return layout.status();
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->layout = *layout;
+  if (Status s = impl->create(); !s) return s;
+  return std::unique_ptr<AllToAll>(new AllToAll(std::move(impl)));
+}
+
+AllToAll::AllToAll(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+AllToAll::~AllToAll() = default;
+
+const AllToAllConfig& AllToAll::config() const {
+  return impl_->config;
+}
+
+const Layout& AllToAll::layout() const {
+  return impl_->layout;
+}
+
+Bytes AllToAll::handle() const {
+  return encode(impl_->mine);
+}
+
+Status AllToAll::connect(const std::vector<Bytes>& handles) {
+  return impl_->connect(handles);
+}
+
+Status AllToAll::dispatch_send(const DispatchSendArgs& a, void* cuda_stream) {
+  using Phase = Impl::Phase;
+  if (Status s = impl_->ready("dispatch_send", Phase::kIdle, Phase::kDispatchReceived); !s) {
+    return s;
+  }
+  if (Status s = check_dispatch_send(impl_->config, a); !s) return s;
+  DeviceScope scope(impl_->device);
+  Status s = impl_->launched(
+      "dispatch_send",
+      device::launch_dispatch_send(impl_->params, a.tokens, a.scales, a.topk_idx, a.topk_weights,
+                                   a.num_tokens, static_cast<cudaStream_t>(cuda_stream)));
+  if (s) {
+    impl_->phase = Phase::kDispatchSent;
+    impl_->dispatched_tokens = a.num_tokens;
+  }
+  return s;
+}
+
+Status AllToAll::dispatch_recv(const DispatchRecvArgs& a, void* cuda_stream) {
+  using Phase = Impl::Phase;
+  if (Status s = impl_->ready("dispatch_recv", Phase::kDispatchSent, Phase::kDispatchSent); !s) {
+    return s;
+  }
+  if (Status s = check_dispatch_recv(impl_->config, a); !s) return s;
+  DeviceScope scope(impl_->device);
+  Status s = impl_->launched(
+      "dispatch_recv",
+      device::launch_dispatch_recv(impl_->params, a.out_tokens, a.out_scales, a.out_weights,
+                                   a.out_source, a.expert_counts, a.expert_offsets,
+                                   static_cast<cudaStream_t>(cuda_stream)));
+  if (s) impl_->phase = Phase::kDispatchReceived;
+  return s;
+}
+
+Status AllToAll::combine_send(const CombineSendArgs& a, void* cuda_stream) {
+  using Phase = Impl::Phase;
+  if (Status s = impl_->ready("combine_send", Phase::kDispatchReceived, Phase::kDispatchReceived);
+      !s) {
+    return s;
+  }
+  if (Status s = check_combine_send(impl_->config, a); !s) return s;
+  DeviceScope scope(impl_->device);
+  Status s = impl_->launched("combine_send",
+                             device::launch_combine_send(impl_->params, a.expert_out,
+                                                         static_cast<cudaStream_t>(cuda_stream)));
+  if (s) impl_->phase = Phase::kCombineSent;
+  return s;
+}
+
+Status AllToAll::combine_recv(const CombineRecvArgs& a, void* cuda_stream) {
+  using Phase = Impl::Phase;
+  if (Status s = impl_->ready("combine_recv", Phase::kCombineSent, Phase::kCombineSent); !s) {
+    return s;
+  }
+  if (Status s = check_combine_recv(impl_->config, a); !s) return s;
+  if (a.num_tokens != impl_->dispatched_tokens) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("combine_recv: num_tokens {} differs from the dispatch's {}",
+                              a.num_tokens, impl_->dispatched_tokens));
+  }
+  DeviceScope scope(impl_->device);
+  Status s = impl_->launched(
+      "combine_recv",
+      device::launch_combine_recv(impl_->params, a.topk_idx, a.topk_weights, a.num_tokens, a.out,
+                                  static_cast<cudaStream_t>(cuda_stream)));
+  if (s) impl_->phase = Phase::kIdle;
+  return s;
+}
+
+Status AllToAll::check() const {
+  return impl_->check();
+}
+
+}  // namespace fabric::ep

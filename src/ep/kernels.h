@@ -1,0 +1,112 @@
+// fabric::ep's kernels: the structures they share with the host code (ep/all_to_all.cc) and
+// their launchers. Device code is in ep/kernels.cu; the protocol is described in docs/moe.md.
+//
+// Compiled by nvcc as C++17 and by the host compiler as C++20: no fabric/ headers here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fabric::ep::device {
+
+inline constexpr int kMaxRanks = 32;  // == fabric::ep::kMaxRanks (checked in all_to_all.cc)
+inline constexpr uint32_t kMaxTopK = 32;
+inline constexpr uint32_t kMaxLocalExperts = 1024;
+
+// The four halves, as errors name them; also the index of each one's round and block counter.
+enum Half : uint32_t { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
+
+enum ErrorKind : uint32_t {
+  kNoError = 0,
+  kTimedOut = 1,   // a wait for a peer's signal ran past the timeout
+  kBadExpert = 2,  // dispatch_send met an expert index >= num_experts (the pair was dropped)
+};
+
+// The first failure of a rank, in pinned host memory mapped into the device: written once, by
+// the thread that claims State::error_taken, `kind` last (after a system fence).
+struct ErrorReport {
+  uint32_t kind;  // ErrorKind
+  uint32_t half;  // Half
+  uint32_t peer;  // kTimedOut: the rank waited for; kBadExpert: the token
+  uint32_t round;
+  uint64_t seen;    // kTimedOut: the signal's last value; kBadExpert: the index
+  uint64_t detail;  // kBadExpert: the top-k slot
+};
+
+// The first bytes of every rank's exported buffer. Word [i] of each array is written only by
+// rank i (over NVLink, or by this rank itself for i == rank), with a release store after the data
+// it announces, and read by the buffer's owner with acquire loads. Rounds count from 1; a word
+// is 0 until its first round.
+struct Signals {
+  // (round << 32) | entries: rank i's tokens of that round are in its dispatch area here.
+  uint64_t dispatch_flag[kMaxRanks];
+  // round: rank i has read, up to that round, everything this rank dispatched to it.
+  uint64_t dispatch_ack[kMaxRanks];
+  // round: rank i's expert outputs of that round for this rank's tokens are in the combine area.
+  uint64_t combine_flag[kMaxRanks];
+  // round: rank i has read, up to that round, its combine area (this rank may write it again).
+  uint64_t combine_ack[kMaxRanks];
+};
+static_assert(sizeof(Signals) == 4 * kMaxRanks * sizeof(uint64_t));
+
+// One rank's private device state, zeroed at creation.
+struct State {
+  uint32_t round[4];        // the last round each half ran (by Half)
+  uint32_t blocks_done[4];  // blocks of the half's running kernel that have finished its work
+  uint32_t abort;           // set by a wait that timed out: kernels then skip their work
+  uint32_t error_taken;     // claimed by the first failure, which writes the ErrorReport
+  uint32_t send_count[kMaxRanks];  // dispatch_send: entries written to each rank this round
+  uint32_t recv_count[kMaxRanks];  // dispatch_recv: entries received from each rank this round
+  uint32_t total_rows;             // dispatch_recv: rows of this round's output
+};
+
+// Where a row of dispatch_recv's output came from; combine_send sends the row's output there.
+struct RowSource {
+  int32_t rank;
+  int32_t token;
+  int32_t slot;  // the top-k slot
+  int32_t unused;
+};
+static_assert(sizeof(RowSource) == 16);
+
+// Everything a kernel needs about the all-to-all; passed by value to each launch (fixed after
+// connect(), so a captured graph holds the same values).
+struct Params {
+  int rank;
+  int world;
+  uint32_t num_experts;
+  uint32_t num_local_experts;
+  uint32_t hidden;
+  uint32_t top_k;
+  uint32_t scale_columns;
+  uint32_t num_sms;
+  uint64_t token_bytes;
+  uint64_t entry_bytes;
+  uint64_t entry_token_offset;
+  uint64_t entry_scale_offset;
+  uint64_t dispatch_offset;
+  uint64_t dispatch_area_bytes;
+  uint64_t combine_offset;
+  uint64_t max_recv_rows;
+  uint64_t timeout_ns;
+  uint8_t* buffers[kMaxRanks];  // every rank's exported buffer as mapped here ([rank]: its own)
+  State* state;
+  RowSource* rows;          // [max_recv_rows]
+  uint32_t* expert_offset;  // [num_local_experts]: first row of each local expert this round
+  uint32_t* expert_cursor;  // [num_local_experts]: rows of it taken so far this round
+  ErrorReport* report;      // device address of the pinned report
+};
+
+// Launchers: enqueue the half's kernels on `stream`; the error is the launch's.
+cudaError_t launch_dispatch_send(const Params& p, const void* tokens, const float* scales,
+                                 const int64_t* topk_idx, const float* topk_weights,
+                                 uint32_t num_tokens, cudaStream_t stream);
+cudaError_t launch_dispatch_recv(const Params& p, void* out_tokens, float* out_scales,
+                                 float* out_weights, int32_t* out_source, int32_t* expert_counts,
+                                 int32_t* expert_offsets, cudaStream_t stream);
+cudaError_t launch_combine_send(const Params& p, const void* expert_out, cudaStream_t stream);
+cudaError_t launch_combine_recv(const Params& p, const int64_t* topk_idx, const float* topk_weights,
+                                uint32_t num_tokens, void* out, cudaStream_t stream);
+
+}  // namespace fabric::ep::device

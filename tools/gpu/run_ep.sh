@@ -1,0 +1,58 @@
+#!/bin/bash
+# fabric_lib.ep on a machine with two GPUs (kind nvidia-h200-x2), from the repository root, with
+# the bundle that tools/gpu/bundle.sh made in BUNDLE (default .gpu): builds the fabric_lib Python
+# module against that machine's python3 as run_cuda_ipc.sh does, runs tests/python/test_ep.py,
+# then bench/ep_bench.py (decode and prefill, fabric_lib.ep against NCCL all_to_all_single).
+# Logs go under OUT (default /tmp/ep-out). Every step runs under `timeout`, cut to what is left of
+# a 230-second budget (the bench keeps its last 60 s), so the whole stays under four minutes.
+# NVLink multicast stays off in every process.
+set -u
+BUNDLE=${BUNDLE:-.gpu}
+ROOT=$PWD
+OUT=${OUT:-/tmp/ep-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LD_LIBRARY_PATH=$ROOT/$BUNDLE/lib:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
+start=$(date +%s)
+elapsed() { echo "$(($(date +%s) - start)) s"; }
+left() { local l=$((230 - $1 - ($(date +%s) - start))); echo $((l > 5 ? l : 5)); }  # $1: reserved
+[ -f "$BUNDLE/libfabriclib.a" ] || { echo "no $BUNDLE/libfabriclib.a: run tools/gpu/bundle.sh first"; exit 1; }
+
+echo "== the machine =="
+{
+  timeout 20 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+  timeout 20 nvidia-smi topo -m
+  timeout 30 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
+} 2>&1 | tee "$OUT/machine.txt"
+
+echo "== build the Python module ($(elapsed)) =="
+PKG=/tmp/ep-pkg OBJ=/tmp/ep-obj
+rm -rf "$PKG" "$OBJ" && mkdir -p "$PKG/fabric_lib" "$OBJ"
+cp python/fabric_lib/*.py python/fabric_lib/*.pyi python/fabric_lib/py.typed "$PKG/fabric_lib/"
+EXT=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+FL="-O2 -std=c++20 -fPIC -fvisibility=hidden -DFABRIC_VERSION=\"0.1.0\" -DFABRIC_WITH_CUDA=1 -Iinclude -Isrc -I$BUNDLE/include -I/usr/local/cuda/include $(python3 -m pybind11 --includes)"
+for f in python/src/*.cc; do
+  timeout "$(left 120)" c++ $FL -c "$f" -o "$OBJ/$(basename "$f").o" >>"$OUT/build.log" 2>&1 &
+done
+wait
+timeout "$(left 100)" c++ -shared "$OBJ"/*.o "$BUNDLE/libfabrickvetcd.a" "$BUNDLE/libfabrickv.a" \
+  "$BUNDLE/libfabriclib.a" "$BUNDLE/libcudart_static.a" -L"$BUNDLE/lib" -l:libfabric.so.1 \
+  -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt \
+  -o "$PKG/fabric_lib/_fabric_lib$EXT" >>"$OUT/build.log" 2>&1 ||
+  { echo "the module did not build:"; tail -40 "$OUT/build.log"; exit 1; }
+PYTHONPATH=$PKG timeout 30 python3 -c "import fabric_lib, fabric_lib.ep; print('fabric_lib', fabric_lib.__version__, 'HAS_CUDA', fabric_lib.HAS_CUDA)" ||
+  exit 1
+
+echo "== tests/python/test_ep.py ($(elapsed)) =="
+PYTHONPATH=$PKG timeout "$(left 60)" python3 -m pytest -v -rs --durations=0 -p no:cacheprovider tests/python/test_ep.py \
+  >"$OUT/test_ep.log" 2>&1
+echo "pytest exit $?"
+grep -E "PASSED|FAILED|SKIPPED|ERROR|^E " "$OUT/test_ep.log" | head -60
+tail -3 "$OUT/test_ep.log"
+
+echo "== bench/ep_bench.py ($(elapsed)) =="
+PYTHONPATH=$PKG timeout "$(left 0)" python3 bench/ep_bench.py --iters 200 --json "$OUT/ep_bench.json" \
+  >"$OUT/ep_bench.txt" 2>&1
+echo "bench exit $?"
+cat "$OUT/ep_bench.txt" | tail -40
+echo "== done ($(elapsed)) =="
