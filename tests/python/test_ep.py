@@ -30,6 +30,10 @@ os.environ.update(NO_MULTICAST)
 
 WORLD = 2
 SPAWN_TIMEOUT = 90  # seconds for one two-process scenario
+# The GPU of each rank. FABRIC_EP_TEST_DEVICES=0,0 puts both ranks' processes on one GPU (a
+# machine with one GPU: the kernels' protocol runs, with CUDA IPC inside that GPU, the two
+# processes' kernels time-sliced).
+DEVICES = [int(d) for d in os.environ.get("FABRIC_EP_TEST_DEVICES", "0,1").split(",")]
 
 
 def gpu_count():
@@ -37,9 +41,10 @@ def gpu_count():
 
 
 two_gpus = pytest.mark.skipif(
-    not fabric_lib.HAS_CUDA or gpu_count() < WORLD,
-    reason=f"needs fabric_lib built with CUDA (HAS_CUDA={fabric_lib.HAS_CUDA}) and {WORLD} GPUs "
-    f"(torch sees {gpu_count()}); CI has none: the C++ unit tests Ep* cover the host side",
+    not fabric_lib.HAS_CUDA or gpu_count() <= max(DEVICES),
+    reason=f"needs fabric_lib built with CUDA (HAS_CUDA={fabric_lib.HAS_CUDA}) and GPUs "
+    f"{DEVICES} for the {WORLD} ranks (torch sees {gpu_count()}); CI has none: the C++ unit "
+    "tests Ep* cover the host side",
 )
 
 
@@ -67,7 +72,7 @@ def _worker(rank, port, scenario, kwargs):
     import torch.distributed as dist
 
     os.environ.update(NO_MULTICAST)
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(DEVICES[rank])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=120))
     try:
