@@ -61,6 +61,16 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
 }
 
+// Both ranks' engines: one group on loopback (tcp) or shm, with the environment's overrides.
+Result<std::unique_ptr<TransferEngine>> create_engine(const std::string& provider) {
+  Config c;
+  c.provider = provider;
+  c.groups = {GroupConfig{}};
+  c.groups[0].nics = {provider == "shm" ? "shm" : "lo"};
+  if (Status st = c.apply_env_overrides(); !st) return st;
+  return TransferEngine::create(c);
+}
+
 // Reads one line from fd (no stdio buffering: the fd is a pipe shared across fork).
 bool read_line(int fd, std::string& line) {
   line.clear();
@@ -83,12 +93,7 @@ void write_line(int fd, const std::string& line) {
 int decode_process(const KvLayout& L, const std::string& provider, int gpu, uint32_t requests,
                    uint32_t n, uint32_t tp, int in, int out) {
   CUDA_OK(cudaSetDevice(gpu));
-  Config c;
-  c.provider = provider;
-  c.groups = {GroupConfig{}};
-  c.groups[0].nics = {provider == "shm" ? "shm" : "lo"};
-  if (Status st = c.apply_env_overrides(); !st) return fmt::print("{}\n", st.to_string()), 1;
-  auto de = TransferEngine::create(c);
+  auto de = create_engine(provider);
   if (!de) return fmt::print(stderr, "decode engine: {}\n", de.status().to_string()), 1;
   void* ddst = nullptr;
   CUDA_OK(cudaMalloc(&ddst, L.region_bytes()));
@@ -229,12 +234,7 @@ int main(int argc, char** argv) {
       close(out);
     });
   }
-  Config c;
-  c.provider = provider;
-  c.groups = {GroupConfig{}};
-  c.groups[0].nics = {provider == "shm" ? "shm" : "lo"};
-  if (Status st = c.apply_env_overrides(); !st) return fmt::print("{}\n", st.to_string()), 1;
-  auto pe = TransferEngine::create(c);
+  auto pe = create_engine(provider);
   if (!pe) {
     fmt::print("engine: {}\n", pe.status().to_string());
     return 1;

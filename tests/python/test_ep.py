@@ -355,29 +355,30 @@ EDGES = [
 
 # --- the tests ----------------------------------------------------------------------------
 
+# bf16 and fp8 tokens; fp8 skipped, with the reason, where torch has no float8_e4m3fn.
+token_dtypes = pytest.mark.parametrize("fp8", [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(
+        fp8_dtype() is None, reason=f"torch {torch.__version__} has no float8_e4m3fn")),
+], ids=["bf16", "fp8"])
+
 
 @two_gpus
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@token_dtypes
 def test_random_routings_at_deepseek_hidden(fp8):
-    if fp8 and fp8_dtype() is None:
-        pytest.skip(f"torch {torch.__version__} has no float8_e4m3fn")
     cases = [("random", [128, 128]), ("random", [77, 128]), ("random", [128, 5])]
     run_two("routings", fp8=fp8, hidden=7168, top_k=8, max_tokens=128, cases=cases)
 
 
 @two_gpus
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@token_dtypes
 def test_edge_routings(fp8):
-    if fp8 and fp8_dtype() is None:
-        pytest.skip(f"torch {torch.__version__} has no float8_e4m3fn")
     run_two("routings", fp8=fp8, hidden=1024, top_k=4, max_tokens=64, cases=EDGES)
 
 
 @two_gpus
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@token_dtypes
 def test_cuda_graph_replays(fp8):
-    if fp8 and fp8_dtype() is None:
-        pytest.skip(f"torch {torch.__version__} has no float8_e4m3fn")
     run_two("graph", fp8=fp8, replays=8)
 
 
