@@ -98,12 +98,18 @@ class TransferEngine {
   // Forgets a registration, as a barrier. New submissions naming the handle fail with
   // kNotFound at once; transfers already accepted that read from the region still complete
   // (each within its own bounds: Config::peer_timeout for a dead peer); then the provider
-  // registration is closed on every NIC, and only then does this return. From that moment no
-  // write of a peer can land in the memory or count its immediate: a peer still writing with the
-  // old descriptor gets kRemoteAccess for that write alone (docs/bad-input.md). The memory may
-  // then be freed. Also after close() (it releases the registration). Blocking; must not be
-  // called from a callback while a transfer reading the region waits for its own callback.
-  // Errors: kNotFound (unknown handle, or unregistered already).
+  // registration is closed on every NIC; where the provider checks a write's key only when the
+  // write begins (libfabric tcp), every engine that has written here confirms that its writes
+  // already under way have arrived (one round trip); and only then does this return. From that
+  // moment no write of a peer can land in the memory or count its immediate: a peer still
+  // writing with the old descriptor gets kRemoteAccess for that write alone (docs/bad-input.md).
+  // The memory may then be freed. Also after close() (it releases the registration). Blocking;
+  // must not be called from a callback while a transfer reading the region waits for its own
+  // callback.
+  // Errors: kNotFound (unknown handle, or unregistered already); kTimeout: the registration is
+  // closed, but a writer did not confirm within min(peer_timeout / 4, 2 s) (a stopped or dead
+  // process), and the rest of a write it had started may still land if it runs again
+  // (docs/hardening.md, "Unregister is a barrier").
   Status unregister_memory(MemoryHandle handle);
 
   // --- peers --------------------------------------------------------------------------------

@@ -457,12 +457,13 @@ Status EngineImpl::unregister_memory(MemoryHandle handle) {
     }
   }
   // A barrier: the provider registrations are closed on the worker once no accepted transfer
-  // holds the region any more (each completes or fails within its own bounds), and only then
-  // does this return. From then on a peer's write to the region's keys is refused by the
-  // provider (kRemoteAccess at the writer) and cannot land in the memory.
-  std::promise<void> released;
-  std::future<void> done = released.get_future();
-  region->on_released = [&released] { released.set_value(); };
+  // holds the region any more (each completes or fails within its own bounds), then the
+  // writers are fenced where the provider needs it (write_fence.cc), and only then does this
+  // return. From then on a peer's write to the region's keys is refused by the provider
+  // (kRemoteAccess at the writer) and cannot land in the memory.
+  std::promise<Status> released;
+  std::future<Status> done = released.get_future();
+  region->on_released = [&released](const Status& s) { released.set_value(s); };
   engine::Worker* worker = region->worker;
   region.reset();
   // A caller-driven group releases it in a pass: drive them (the holders complete there too).
@@ -470,8 +471,7 @@ Status EngineImpl::unregister_memory(MemoryHandle handle) {
     worker->progress_until(
         [&done] { return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
   }
-  done.wait();
-  return Status::ok();
+  return done.get();
 }
 
 Result<PeerGroup> EngineImpl::add_peer_group(std::vector<Address> peers) {

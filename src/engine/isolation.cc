@@ -36,6 +36,15 @@ bool suspect_code(ErrorCode code) {
   return code == ErrorCode::kPeerUnreachable || code == ErrorCode::kRemoteAccess;
 }
 
+// The engine closes with a write failed on a connection the peer dropped and not isolated yet:
+// whether it was at fault or an innocent bystander is not known, and will not be.
+Status closed_unresolved(const Op& op, const Status& error) {
+  return Status(ErrorCode::kCancelled,
+                fmt::format("the engine closed before this {} could be posted again alone to "
+                            "tell whether it was at fault ({})",
+                            op.kind == Op::Kind::kSend ? "message" : "write", error.message()));
+}
+
 }  // namespace
 
 void Worker::answered(PeerQueue& q) {
@@ -51,7 +60,14 @@ void Worker::make_ready(DomainState& d, PeerQueue& q) {
 
 bool Worker::isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error) {
   const Transfer& t = *op.transfer;
-  if (stopping_ || t.probe_nic >= 0 || t.check_nic >= 0 || !suspect_code(error.code())) {
+  if (stopping_ && error.code() == ErrorCode::kPeerUnreachable && t.probe_nic < 0 &&
+      t.check_nic < 0 && !op.urgent) {
+    complete_op(op, closed_unresolved(op, error));
+    return true;
+  }
+  // A write-fence note (urgent) is not retried here: its sender sends it again until answered.
+  if (stopping_ || t.probe_nic >= 0 || t.check_nic >= 0 || op.urgent ||
+      !suspect_code(error.code())) {
     return false;
   }
   if (!q.isolating()) {
@@ -63,6 +79,9 @@ bool Worker::isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error) 
         "work requests towards that peer again one at a time, to find the one at fault",
         group_, op.kind == Op::Kind::kSend ? "message" : "write", op.length, d.domain->info().name,
         error.message());
+    // The peer may have dropped the connection because it took this engine for dead (a write
+    // fence it did not see answered): announce afresh before writing again (write_fence.cc).
+    if (fence_writes_) forget_announcement(q.owner);
   }
   if (op.kind == Op::Kind::kWrite && op.has_imm) {
     op.had_imm = true;
@@ -84,6 +103,10 @@ void Worker::post_isolated(DomainState& d, PeerQueue& q) {
     d.domain->reset_peer(q.peer);
     q.broken = false;
   }
+  if (fence_writes_) {  // a write-fence note first: the suspects may wait for its answer
+    post_urgent(d, q);
+    if (q.inflight_count > 0) return;
+  }
   if (q.check != nullptr) {
     auto r = post(d, *q.check, q.peer);
     if (r.kind == transport::PostResult::Kind::kAgain) return;
@@ -99,6 +122,8 @@ void Worker::post_isolated(DomainState& d, PeerQueue& q) {
   }
   if (q.suspects.empty()) return;
   Op& op = *q.suspects.front();
+  const uint32_t nic = static_cast<uint32_t>(&d - domains_.data());
+  if (fence_writes_ && q.announced_epoch != announce_epoch_ && held_for_hello(nic, q, op)) return;
   auto r = post(d, op, q.peer);
   if (r.kind == transport::PostResult::Kind::kAgain) return;
   q.suspects.pop_front();
@@ -128,6 +153,10 @@ void Worker::lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& statu
                                        "immediate may or may not have been counted, so it is not "
                                        "sent again (Config::reliable_imm avoids this)",
                                        d.domain->info().name, op.imm)));
+    return;
+  }
+  if (stopping_ && status.code() == ErrorCode::kPeerUnreachable) {
+    complete_op(op, closed_unresolved(op, status));
     return;
   }
   if (status.code() == ErrorCode::kRemoteAccess || !suspect_code(status.code()) || stopping_) {

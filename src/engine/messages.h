@@ -29,7 +29,17 @@
 
 namespace fabric::engine {
 
-enum class MessageKind : uint8_t { kUser = 1, kCommit = 2, kAck = 3 };
+// kHello .. kFenceAck: the write fence (docs/hardening.md, "Unregister is a barrier").
+enum class MessageKind : uint8_t {
+  kUser = 1,
+  kCommit = 2,
+  kAck = 3,
+  kHello = 4,
+  kHelloAck = 5,
+  kFence = 6,
+  kFenceAck = 7,
+  kGoodbye = 8,
+};
 // kind (1), sender (8), sequence (8).
 constexpr uint64_t kMessageHeaderBytes = 17;
 
@@ -229,6 +239,52 @@ struct Ack {
     a.code = static_cast<ErrorCode>(code);
     a.message.assign(reinterpret_cast<const char*>(text.data()), text.size());
     return a;
+  }
+};
+
+// The write fence, for providers that check a write's key only when its first bytes arrive
+// (libfabric tcp), where closing a registration does not stop a write already streaming in:
+//   - kHello: a writer announces itself (`from`) before its first write towards an owner;
+//   - kHelloAck: the owner (`from`) has recorded it; the writer's writes may go;
+//   - kFence: an owner (`from`) closed a registration; round `round` asks every writer it knows
+//     to answer from each of its NICs;
+//   - kFenceAck: writer `from` answers round `round` from its NIC `nic`, over the connection its
+//     writes take, so its arrival means every write that writer posted on that NIC before it
+//     has arrived whole;
+//   - kGoodbye: writer `from` is closing; sent from its NIC `nic` behind every write that NIC
+//     posted, so once one has come from each of its NICs the owner need not fence it again.
+struct FenceNote {
+  MessageKind kind = MessageKind::kHello;
+  uint64_t round = 0;
+  uint32_t nic = 0;
+  Bytes from;  // the sender's group Address (encoded)
+
+  static bool is_fence_kind(MessageKind k) {
+    return k == MessageKind::kHello || k == MessageKind::kHelloAck || k == MessageKind::kFence ||
+           k == MessageKind::kFenceAck || k == MessageKind::kGoodbye;
+  }
+
+  Bytes encode() const {
+    detail::ByteWriter w;
+    put_header(w, kind);
+    w.u64(round);
+    w.u32(nic);
+    w.u32(static_cast<uint32_t>(from.size()));
+    w.bytes(from);
+    return w.take();
+  }
+
+  // `in` starts after the header.
+  static std::optional<FenceNote> decode(MessageKind kind, std::span<const std::byte> in) {
+    detail::ByteReader r(in);
+    FenceNote n;
+    n.kind = kind;
+    uint32_t len = 0;
+    if (!is_fence_kind(kind) || !r.u64(n.round) || !r.u32(n.nic) || !r.u32(len) ||
+        !r.bytes(len, n.from) || r.remaining() != 0) {
+      return std::nullopt;
+    }
+    return n;
   }
 };
 

@@ -49,7 +49,7 @@ struct LocalRegion {
   std::string ipc_why;
   // Set by unregister_memory: runs once the provider registrations are closed (after the last
   // holder let go), so that unregister returns only when no remote write can land any more.
-  std::function<void()> on_released;
+  std::function<void(const Status&)> on_released;
 
   bool staged() const { return mirror != nullptr; }
   ~LocalRegion();
@@ -89,7 +89,8 @@ struct Op {
   bool lone = false;
   bool had_imm = false;
   uint8_t lone_tries = 0;
-  int32_t send_slot = -1;          // kSend: the registered send buffer in use while posted
+  bool urgent = false;     // queued ahead of the peer's other work (a Hello its writes wait for)
+  int32_t send_slot = -1;  // kSend: the registered send buffer in use while posted
   const Bytes* peer = nullptr;     // the peer NIC's endpoint name (kept alive by the transfer)
   const Bytes* message = nullptr;  // kSend: the bytes to send (kept alive by the transfer)
   CommitSend* commit = nullptr;    // kSend: a Commit whose Ack the transfer awaits
@@ -150,10 +151,11 @@ struct Transfer {
   // op has completed, so that the receiver counts one arrival after all the data is visible.
   std::vector<Op> deferred;
   bool deferred_started = false;
-  size_t pending = 0;     // ops queued or posted and not yet completed
-  size_t abandoned = 0;   // ops given up on (dead peer) that the provider still holds
-  bool finished = false;  // the user callback has been queued
-  Status error;           // the first failure
+  size_t pending = 0;           // ops queued or posted and not yet completed
+  size_t abandoned = 0;         // ops given up on (dead peer) that the provider still holds
+  bool finished = false;        // the user callback has been queued
+  bool while_stopping = false;  // may start while the engine stops (a write-fence Goodbye)
+  Status error;                 // the first failure
   // Staged path: per destination (indexed like dsts; empty when no destination is staged),
   // Commits sent and not yet acknowledged, and when their acknowledgment is overdue.
   std::vector<StagedDst> staged;

@@ -41,7 +41,7 @@ LocalRegion::~LocalRegion() {
   if (worker != nullptr && !regs.empty()) {
     worker->release(std::move(regs), std::move(mirror), std::move(on_released));
   } else if (on_released) {
-    on_released();
+    on_released(Status::ok());
   }
 }
 
@@ -74,6 +74,7 @@ Result<std::unique_ptr<Worker>> Worker::create(
     auto reg = d.domain->register_memory(d.scratch_buf.get(), kScratchBytes);
     if (!reg) return reg.status();
     d.scratch = std::move(*reg);
+    w->fence_writes_ |= d.domain->info().key_checked_once;
     w->domains_.push_back(std::move(d));
   }
   // Registered send buffers, on every NIC: a message goes over the first NIC that is up.
@@ -225,25 +226,27 @@ void Worker::run_on_worker(std::function<void()> fn) {
 }
 
 void Worker::release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs,
-                     std::unique_ptr<cuda::HostBuffer> mirror, std::function<void()> done) {
-  // On the worker itself, all is destroyed right here, registrations first.
+                     std::unique_ptr<cuda::HostBuffer> mirror,
+                     std::function<void(const Status&)> done) {
+  // On the worker itself, all is destroyed right here, registrations first; then the writers
+  // still sending are fenced (write_fence.cc) before `done` runs.
   if (std::this_thread::get_id() == thread_.get_id()) {
     regs.clear();
     mirror.reset();
-    if (done) done();
+    fence_writers(std::move(done));
     return;
   }
   struct Holder {
     std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;
     std::unique_ptr<cuda::HostBuffer> mirror;
-    std::function<void()> done;
+    std::function<void(const Status&)> done;
   };
   auto holder =
       std::make_shared<Holder>(Holder{std::move(regs), std::move(mirror), std::move(done)});
-  run_on_worker([holder] {
+  run_on_worker([this, holder] {
     holder->regs.clear();
     holder->mirror.reset();
-    if (holder->done) holder->done();
+    fence_writers(std::move(holder->done));
   });
 }
 
@@ -376,7 +379,7 @@ bool Worker::drain_inbox() {
 void Worker::start_transfer(std::unique_ptr<Transfer> owned) {
   Transfer& t = *owned;
   live_.emplace(t.id, std::move(owned));
-  if (stopping_) {
+  if (stopping_ && !t.while_stopping) {
     t.error = cancelled("engine closed before the transfer was posted");
     finish(t);
     return;
@@ -411,7 +414,11 @@ void Worker::enqueue(Op& op) {
   q.nic_inflight = &d.inflight;
   if (q.owner.empty() && op.owner != nullptr) q.owner = op.owner->nics()[0].name;
   if (q.ops.empty() && q.inflight_count == 0) q.last_progress = now_;
-  q.ops.push_back(&op);
+  if (op.urgent) {
+    q.ops.push_front(&op);
+  } else {
+    q.ops.push_back(&op);
+  }
   ++queued_;
   if (!q.ready) {
     q.ready = true;
@@ -450,6 +457,7 @@ transport::PostResult Worker::post(DomainState& d, Op& op, transport::PeerHandle
 }
 
 bool Worker::post_some(DomainState& d) {
+  const uint32_t index = static_cast<uint32_t>(&d - domains_.data());
   bool any = false;
   uint32_t budget = config_.post_budget;
   const size_t peers = d.ready.size();
@@ -470,6 +478,10 @@ bool Worker::post_some(DomainState& d) {
     }
     while (!q.ops.empty() && budget > 0) {
       Op& op = *q.ops.front();
+      // The write fence: the peer has not acknowledged this engine yet (write_fence.cc).
+      if (fence_writes_ && q.announced_epoch != announce_epoch_ && held_for_hello(index, q, op)) {
+        break;
+      }
       auto r = post(d, op, peer);
       if (r.kind == transport::PostResult::Kind::kAgain) break;  // this peer waits; others go on
       q.ops.pop_front();
@@ -606,6 +618,13 @@ void Worker::on_recv(const transport::Completion& c, uint32_t domain) {
     case MessageKind::kAck:
       handle_ack(body);
       break;
+    case MessageKind::kHello:
+    case MessageKind::kHelloAck:
+    case MessageKind::kFence:
+    case MessageKind::kFenceAck:
+    case MessageKind::kGoodbye:
+      handle_fence_note(header, body, domain);
+      break;
     default:
       detail::log().warn("group {}: dropped a message of unknown kind {}", group_,
                          static_cast<unsigned>(kind));
@@ -732,7 +751,9 @@ void Worker::finish(Transfer& t) {
   }
   if (t.probe_nic >= 0) probe_done(t);
   if (t.check_nic >= 0) check_done(t);
-  if ((t.id & kInternalTransfer) != 0 && t.probe_nic < 0 && t.check_nic < 0 && !t.error.is_ok()) {
+  // A write-fence note (urgent) that failed is sent again by its own timer (write_fence.cc).
+  if ((t.id & kInternalTransfer) != 0 && t.probe_nic < 0 && t.check_nic < 0 && !t.error.is_ok() &&
+      !(t.ops.size() == 1 && t.ops[0].urgent)) {
     detail::log().warn("group {}: an engine message could not be delivered: {}", group_,
                        t.error.to_string());
   }
@@ -754,6 +775,7 @@ void Worker::watch_peers() {
   next_watch_ = now + std::chrono::milliseconds(10);
   sweep_ipc();
   if (!awaiting_acks_.empty()) watch_acks();
+  if (!fences_.empty()) watch_fences();
   watch_nics();
   for (auto& d : domains_) {
     // A peer with work queued but nothing posted may be waiting for room that another peer's
@@ -782,16 +804,21 @@ void Worker::watch_peers() {
 }
 
 void Worker::declare_dead(DomainState& d, PeerQueue& q) {
-  const Status error(
-      ErrorCode::kPeerUnreachable,
-      fmt::format("no completion from the peer on NIC '{}' for {} ms with {} work requests "
-                  "posted and {} queued ({} being retried one at a time{}); the peer is "
-                  "considered dead",
-                  d.domain->info().name, config_.peer_timeout.count(), q.inflight_count,
-                  q.ops.size() + q.suspects.size(), q.suspects.size(),
-                  q.check != nullptr ? ", a check pending" : ""));
+  declare_dead(
+      d, q,
+      Status(ErrorCode::kPeerUnreachable,
+             fmt::format("no completion from the peer on NIC '{}' for {} ms with {} work requests "
+                         "posted and {} queued ({} being retried one at a time{}); the peer is "
+                         "considered dead",
+                         d.domain->info().name, config_.peer_timeout.count(), q.inflight_count,
+                         q.ops.size() + q.suspects.size(), q.suspects.size(),
+                         q.check != nullptr ? ", a check pending" : "")));
+}
+
+void Worker::declare_dead(DomainState& d, PeerQueue& q, const Status& error) {
   detail::log().warn("group {}: {}", group_, error.message());
   const transport::PeerHandle peer = q.peer;
+  const Bytes owner = q.owner;
   std::vector<Op*> unposted(q.ops.begin(), q.ops.end());
   unposted.insert(unposted.end(), q.suspects.begin(), q.suspects.end());
   queued_ -= unposted.size();
@@ -813,6 +840,7 @@ void Worker::declare_dead(DomainState& d, PeerQueue& q) {
     complete_op(*op, error);
   }
   for (Op* op : unposted) complete_op(*op, error);
+  if (fence_writes_) writer_dead(owner);
 }
 
 // --- weighted sharding (docs/netlab.md, "Unequal links") --------------------------------------
@@ -1134,6 +1162,7 @@ void Worker::begin_stop() {
   }
   queued_ = 0;
   for (Op* op : unposted) complete_op(*op, cancelled("engine closed before it was posted"));
+  if (fence_writes_) say_goodbye();  // behind what is posted: owners stop fencing this engine
 }
 
 void Worker::finish_stop() {
@@ -1159,6 +1188,7 @@ void Worker::finish_stop() {
   live_.clear();
   if (!jobs_.empty()) services_.callbacks->push(jobs_);
   for (auto& d : domains_) d.domain->close();  // peers see this endpoint gone now (shm)
+  end_fences();  // unregistrations waiting on writers: nothing can land any more
 }
 
 void Worker::idle(bool active) {
@@ -1535,12 +1565,15 @@ void Worker::handle_ack(std::span<const std::byte> body) {
   }
 }
 
-void Worker::send_internal(Address owner, uint32_t domain, Bytes message) {
+void Worker::send_internal(Address owner, uint32_t domain, Bytes message, bool urgent,
+                           bool while_stopping) {
   auto t = std::make_unique<Transfer>();
   t->id = kInternalTransfer | next_internal_++;
+  t->while_stopping = while_stopping;
   t->peers.push_back(std::move(owner));
   t->message = std::move(message);
   t->ops.push_back(send_op(*t, domain, t->peers[0], t->message));
+  t->ops.back().urgent = urgent;
   start_transfer(std::move(t));
 }
 

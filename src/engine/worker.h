@@ -49,6 +49,9 @@ struct PeerQueue {
   Op* check = nullptr;  // the check (a zero-byte write to the peer's scratch buffer), if any
   bool check_posted = false;
   bool broken = false;  // the last failure may have broken the connection: reset it first
+  // The write fence: the Worker::announce_epoch_ at which the peer was found to have
+  // acknowledged this engine's Hello (write_fence.cc); another value: look again.
+  uint64_t announced_epoch = 0;
   // Failing since (no lone post or check has completed since), and when to post next: the
   // provider needs a moment to notice a dropped connection and connect afresh.
   std::chrono::steady_clock::time_point failing_since;
@@ -154,7 +157,7 @@ class Worker {
   // Releases provider registrations on the worker thread (or inline when it is not running),
   // then the staging mirror they registered, if any, then runs `done` (may be null).
   void release(std::vector<std::unique_ptr<transport::MemoryRegistration>> regs,
-               std::unique_ptr<cuda::HostBuffer> mirror, std::function<void()> done);
+               std::unique_ptr<cuda::HostBuffer> mirror, std::function<void(const Status&)> done);
 
   // Worker-thread operations, for call().
   Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> register_on_all(
@@ -322,7 +325,10 @@ class Worker {
   void commit_done(CommitJob& job);
   void send_ack(const Address& to, uint32_t domain, const Ack& ack);
   void handle_ack(std::span<const std::byte> body);
-  void send_internal(Address owner, uint32_t domain, Bytes message);
+  // An urgent message goes ahead of the work already queued towards the peer; one sent
+  // while_stopping is sent even once the engine stops.
+  void send_internal(Address owner, uint32_t domain, Bytes message, bool urgent = false,
+                     bool while_stopping = false);
   // Queues a copy of a Commit on NIC `to` (failover, or its Ack overdue).
   // Sends Commit `c` of `t` to `owner` over the message NIC and awaits its Ack (staged and
   // CUDA IPC paths alike).
@@ -332,6 +338,7 @@ class Worker {
   void watch_acks();
   void watch_peers();
   void declare_dead(DomainState& d, PeerQueue& q);
+  void declare_dead(DomainState& d, PeerQueue& q, const Status& error);
   // Failover.
   void watch_nics();
   void mark_down(uint32_t nic, const PeerQueue& stalled);
@@ -365,6 +372,29 @@ class Worker {
   void ipc_batch_done(IpcBatch* batch, const Status& status);
   Result<cuda::Copier*> ipc_copier(const cuda::PointerInfo& device);
   void sweep_ipc();
+  // The write fence (write_fence.cc, docs/hardening.md "Unregister is a barrier").
+  // True when `op` must wait for its owner to acknowledge this engine's Hello (sent here).
+  bool held_for_hello(uint32_t domain, PeerQueue& q, const Op& op);
+  void handle_fence_note(const MessageHeader& header, std::span<const std::byte> body,
+                         uint32_t domain);
+  // Called with the registrations of a region closed: runs `done` once every writer known to
+  // this engine has shown that nothing it posted before is still arriving: ok, or kTimeout
+  // naming the writers that did not answer within the fence's timeout.
+  void fence_writers(std::function<void(const Status&)> done);
+  void watch_fences();
+  // A peer declared dead (by its first NIC name): no fence waits for it, and a write towards
+  // it announces this engine afresh.
+  void writer_dead(const Bytes& first_nic);
+  // This engine lost its connection to the peer: it announces itself again before its next
+  // write there (the peer may have dropped the connection and forgotten it).
+  void forget_announcement(const Bytes& owner);
+  // Isolation: posts the urgent message (a write-fence note) at the front of q, if any.
+  void post_urgent(DomainState& d, PeerQueue& q);
+  // The engine stops: tells every owner it announced itself to, from each NIC, behind the writes
+  // posted there, that it will write no more.
+  void say_goodbye();
+  void settle_fences();  // runs the `done` of rounds with nothing left to wait for
+  void end_fences();     // the domains are closed (finish_stop): every round is done
   void begin_stop();
   void finish_stop();
   void idle(bool active);
@@ -405,6 +435,35 @@ class Worker {
   static constexpr size_t kMaxCommitRecords = size_t{1} << 14;
   std::unordered_map<CommitKey, CommitRecord, CommitKeyHash> commit_records_;
   std::deque<CommitKey> commit_order_;
+
+  // The write fence, on domains whose provider checks a key once per write
+  // (DomainInfo::key_checked_once). As a writer: the owners announced to (by their first NIC
+  // name), acknowledged or awaiting a HelloAck. As an owner: the writers that announced
+  // themselves, and the fence rounds of unregistrations still waiting for their answers.
+  struct Announcement {
+    Address owner;
+    bool acked = false;
+    std::chrono::steady_clock::time_point resend_at;
+  };
+  struct Writer {
+    Address address;
+    std::vector<bool> gone;  // per NIC of the writer: a Goodbye came over it
+  };
+  struct FenceRound {
+    uint64_t id = 0;
+    std::function<void(const Status&)> done;
+    Status outcome;
+    // Per writer (by first NIC name): its NICs that have not answered yet.
+    std::unordered_map<std::string, std::vector<bool>> waiting;
+    std::chrono::steady_clock::time_point resend_at;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  bool fence_writes_ = false;  // some domain is key_checked_once
+  std::unordered_map<std::string, Announcement> announced_;
+  uint64_t announce_epoch_ = 1;  // moves on whenever an announcement is forgotten
+  std::unordered_map<std::string, Writer> writers_;
+  std::vector<FenceRound> fences_;
+  uint64_t next_fence_ = 0;
 
   // Worker-thread state.
   std::unordered_map<TransferId, std::unique_ptr<Transfer>> live_;

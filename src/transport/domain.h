@@ -80,6 +80,10 @@ struct DomainInfo {
   // The provider can read and write CUDA memory itself (FI_HMEM): GPU buffers are registered
   // as they are (FI_HMEM_CUDA) instead of through the engine's staged path.
   bool hmem = false;
+  // The provider checks a write's remote key once, when its first bytes arrive, and then
+  // streams the rest into the memory: closing a registration does not stop a write already
+  // arriving. The engine then fences writers when it unregisters (docs/hardening.md).
+  bool key_checked_once = false;
 };
 
 struct [[nodiscard]] PostResult {

@@ -92,6 +92,8 @@ int main(int argc, char** argv) {
   write(
       root / "messages", "ack_error",
       engine::Ack{17, 2, ErrorCode::kRemoteAccess, "staged region 0x5 is not registered"}.encode());
+  write(root / "messages", "fence_ack",
+        engine::FenceNote{engine::MessageKind::kFenceAck, 9, 1, commit.reply_to}.encode());
   Bytes user(engine::kMessageHeaderBytes);
   user[0] = std::byte{1};
   user.push_back(std::byte{'h'});

@@ -1,8 +1,8 @@
 // Fuzz target: the engine's own two-sided messages (src/engine/messages.h) as a worker receives
 // them: a header (kind byte, sender, sequence), then a Commit (with or without the CUDA IPC
-// path's source trailer) or an Ack body (user messages are handed over as bytes).
-// Properties: decoding never crashes or over-reads; an accepted message is within the bounds
-// the worker relies on (imm_times at most kMaxImmTimes, one 16-byte entry per range) and
+// path's source trailer), an Ack or a write-fence note (FenceNote) (user messages are handed over
+// as bytes). Properties: decoding never crashes or over-reads; an accepted message is within the
+// bounds the worker relies on (imm_times at most kMaxImmTimes, one 16-byte entry per range) and
 // re-encodes to exactly the input.
 #include <algorithm>
 #include <cstddef>
@@ -49,6 +49,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       auto a = Ack::decode(body);
       if (!a) break;
       FUZZ_CHECK(same(a->encode()), "encode(decode(m)) == m");
+      break;
+    }
+    case MessageKind::kHello:
+    case MessageKind::kHelloAck:
+    case MessageKind::kFence:
+    case MessageKind::kFenceAck:
+    case MessageKind::kGoodbye: {
+      auto n = FenceNote::decode(static_cast<MessageKind>(data[0]), body);
+      if (!n) break;
+      FUZZ_CHECK(body.size() == 8 + 4 + 4 + n->from.size(), "the address is what the note holds");
+      FUZZ_CHECK(same(n->encode()), "encode(decode(m)) == m");
       break;
     }
     default:

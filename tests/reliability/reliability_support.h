@@ -35,6 +35,7 @@ class Tally {
     int after_seal = 0;
     std::atomic<bool> sealed{false};
     std::map<ErrorCode, int> codes;
+    std::map<ErrorCode, std::string> first_of;  // the first message seen for each code
     Status first_error;
     Clock::time_point last{};
     void add(std::atomic<int>& seen, const Status& s) {
@@ -46,7 +47,7 @@ class Tally {
           ++done;
         } else {
           if (failed++ == 0) first_error = s;
-          ++codes[s.code()];
+          if (codes[s.code()]++ == 0) first_of[s.code()] = s.message();
         }
         last = Clock::now();
       }
@@ -94,15 +95,15 @@ class Tally {
   Status first_error() const {
     return locked([](const State& s) { return s.first_error; });
   }
-  // "3 done, 2 failed (PeerUnreachable x2)".
+  // "3 done, 2 failed (PeerUnreachable x2: <its first message>)".
   std::string summary() const {
     std::lock_guard lock(state_->mu);
     std::string out =
         std::to_string(state_->done) + " done, " + std::to_string(state_->failed) + " failed";
     for (auto [code, n] : state_->codes) {
-      out += " (" + std::string(to_string(code)) + " x" + std::to_string(n) + ")";
+      out += " (" + std::string(to_string(code)) + " x" + std::to_string(n) + ": " +
+             state_->first_of[code] + ")";
     }
-    if (!state_->first_error.is_ok()) out += "; first error: " + state_->first_error.to_string();
     return out;
   }
 

@@ -52,11 +52,19 @@ struct ProviderQuirks {
   // every peer sees the same memory keys and completion semantics (the reference does the
   // same). Newer libfabric has FI_OPT_SHARED_MEMORY_PERMITTED; 1.17 reads this variable.
   bool disable_efa_shm = false;
+  // The provider checks a write's key once per write, not per packet (DomainInfo). Providers
+  // not known to check per packet count as such: the fence costs an unregister one round trip
+  // to each writer, the lack of it a write into freed memory.
+  bool key_checked_once = true;
 };
 
 ProviderQuirks quirks_for(const std::string& provider) {
   ProviderQuirks q;
   if (provider == "shm") q.delivery_complete = false;
+  // The NIC checks every packet of an RDMA write against the key (verbs, EFA devices).
+  if (provider == "efa" || provider.find("verbs") != std::string::npos) {
+    q.key_checked_once = false;
+  }
   if (provider == "efa") {
     q.hmem = true;
     q.disable_efa_shm = true;
@@ -261,8 +269,12 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
   // cross-rail bug) is rejected rather than accepted by coincidence.
   d->next_key_ = (std::random_device{}() & 0xfffff) << 20 | 1;
   d->needs_context_ = (fi->mode & (FI_CONTEXT | FI_CONTEXT2)) != 0;
-  d->info_ = DomainInfo{fi->fabric_attr->prov_name, fi->domain_attr->name,
-                        fi->ep_attr->max_msg_size, delivery_complete, d->hmem_};
+  d->info_ = DomainInfo{fi->fabric_attr->prov_name,
+                        fi->domain_attr->name,
+                        fi->ep_attr->max_msg_size,
+                        delivery_complete,
+                        d->hmem_,
+                        quirks.key_checked_once};
   d->cq_buf_.resize(64);
   detail::log().debug(
       "opened {} domain '{}' (mr_mode {:#x}, max message {}, delivery complete {}, FI_HMEM {})",
