@@ -29,6 +29,21 @@
 
 namespace fabric::engine {
 
+// The worker's files (docs/engine.md, "Files"): worker.cc (creation, the loop, stopping, idling),
+// worker_datapath.cc, worker_messages.cc, failover.cc, staged_path.cc, isolation.cc,
+// write_fence.cc, ipc_worker.cc.
+
+// Alignment of the worker's registered buffers (scratch, send and receive pools).
+inline constexpr size_t kBufferAlignment = 64;
+
+inline uint64_t round_up(uint64_t n, uint64_t to) {
+  return (n + to - 1) / to * to;
+}
+
+inline Status cancelled(std::string_view why) {
+  return Status(ErrorCode::kCancelled, std::string(why));
+}
+
 // The work requests of one domain towards one peer NIC: those waiting to be posted (FIFO), and
 // those posted and not yet completed (an intrusive list, for the dead-peer watchdog).
 struct PeerQueue {

@@ -227,7 +227,9 @@ TEST_P(Acceptance, UnregisterWithAWriterThatStopsAnsweringIsBounded) {
   } else {
     EXPECT_TRUE(s) << s.to_string();
   }
-  std::fill(memory.begin(), memory.end(), kPoison);
+  // On tcp the rest of the stopped writer's write may still land once it runs again (what
+  // kTimeout says): the test leaves that memory alone until the engine is closed.
+  if (!fenced) std::fill(memory.begin(), memory.end(), kPoison);
   ASSERT_EQ(::kill(writer.pid(), SIGCONT), 0);
   // The rest of what it had queued: refused (tcp: one write's tail may land, as reported).
   std::this_thread::sleep_for(std::chrono::milliseconds(500 * kSlowdown));

@@ -1,0 +1,312 @@
+// Worker: the data path of a transfer: started, its ops queued per (NIC, peer) and posted
+// round-robin under a budget, completions polled, and the transfer advanced and finished once
+// nothing is outstanding (events drained once per pass: docs/engine.md).
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "common/log.h"
+#include "engine/plan.h"
+#include "engine/worker.h"
+
+namespace fabric::engine {
+
+void Worker::start_transfer(std::unique_ptr<Transfer> owned) {
+  Transfer& t = *owned;
+  live_.emplace(t.id, std::move(owned));
+  if (stopping_ && !t.while_stopping) {
+    t.error = cancelled("engine closed before the transfer was posted");
+    finish(t);
+    return;
+  }
+  if (!t.message.empty()) stamp(t.message);
+  t.pending = t.ops.size();
+  if (t.src && t.src->staged()) {
+    stage_sources(t);  // ops are queued as their device-to-host copies complete
+  } else {
+    for (Op& op : t.ops) enqueue(op);
+  }
+  if (!t.ipc.empty()) send_ipc_commits(t, false);  // the CUDA IPC path (ipc_worker.cc)
+  if (t.ops.empty()) make_ready(t);                // else the last op to complete does
+}
+
+void Worker::enqueue(Op& op) {
+  // Planned before its NIC was marked down (or a deferred immediate on a lost rail): it goes
+  // over a surviving NIC instead. Probes are the one kind of work a NIC that is down takes.
+  if (domains_[op.domain].down && op.transfer->probe_nic < 0 && movable(op)) {
+    std::vector<bool> up(domains_.size());
+    for (size_t i = 0; i < domains_.size(); ++i) up[i] = !domains_[i].down;
+    retarget(op, failover_nic(op.domain, up, failover_salt_++));
+  }
+  DomainState& d = domains_[op.domain];
+  auto peer = d.domain->resolve_peer(*op.peer);
+  if (!peer) {
+    complete_op(op, peer.status());
+    return;
+  }
+  PeerQueue& q = d.queues[*peer];
+  q.peer = *peer;
+  q.nic_inflight = &d.inflight;
+  if (q.owner.empty() && op.owner != nullptr) q.owner = op.owner->nics()[0].name;
+  if (q.ops.empty() && q.inflight_count == 0) q.last_progress = now_;
+  if (op.urgent) {
+    q.ops.push_front(&op);
+  } else {
+    q.ops.push_back(&op);
+  }
+  ++queued_;
+  if (!q.ready) {
+    q.ready = true;
+    d.ready.push_back(*peer);
+  }
+}
+
+transport::PostResult Worker::post(DomainState& d, Op& op, transport::PeerHandle peer) {
+  if (op.kind == Op::Kind::kWrite) {
+    return d.domain->post_write({reinterpret_cast<uint64_t>(&op), op.local, op.length,
+                                 op.local_desc, peer, op.remote_addr, op.remote_key, op.has_imm,
+                                 op.imm});
+  }
+  // A send takes a registered buffer for as long as it is posted.
+  if (op.send_slot < 0) {
+    SendPool& pool = *send_pool_;
+    if (pool.free.empty()) {
+      // Slots held by sends abandoned on a dead NIC may never come back soon: grow (bounded).
+      if (abandoned_ == 0 || pool.chunks.size() >= kMaxSendChunks) {
+        return transport::PostResult::again();
+      }
+      if (Status s = add_send_chunk(); !s) {
+        detail::log().warn("group {}: could not add send buffers: {}", group_, s.to_string());
+        return transport::PostResult::again();
+      }
+    }
+    op.send_slot = pool.free.back();
+    pool.free.pop_back();
+    std::byte* buf = pool.at(op.send_slot);
+    std::memcpy(buf, op.message->data(), op.message->size());
+    op.local = buf;
+  }
+  op.local_desc = send_pool_->desc(op.send_slot, op.domain);  // the op may have moved NICs
+  return d.domain->post_send(
+      {reinterpret_cast<uint64_t>(&op), op.local, op.length, op.local_desc, peer});
+}
+
+bool Worker::post_some(DomainState& d) {
+  const uint32_t index = static_cast<uint32_t>(&d - domains_.data());
+  bool any = false;
+  uint32_t budget = config_.post_budget;
+  const size_t peers = d.ready.size();
+  for (size_t i = 0; i < peers && budget > 0; ++i) {
+    const transport::PeerHandle peer = d.ready.front();
+    d.ready.pop_front();
+    PeerQueue& q = d.queues[peer];
+    if (q.isolating()) {  // isolation.cc: one work request at a time until it is over
+      post_isolated(d, q);
+      auto it = d.queues.find(peer);  // a failed check may have ended the queue's isolation
+      if (it != d.queues.end() && (it->second.isolating() || !it->second.ops.empty())) {
+        d.ready.push_back(peer);
+      } else if (it != d.queues.end()) {
+        it->second.ready = false;
+      }
+      any = true;
+      continue;
+    }
+    while (!q.ops.empty() && budget > 0) {
+      Op& op = *q.ops.front();
+      // The write fence: the peer has not acknowledged this engine yet (write_fence.cc).
+      if (fence_writes_ && q.announced_epoch != announce_epoch_ && held_for_hello(index, q, op)) {
+        break;
+      }
+      auto r = post(d, op, peer);
+      if (r.kind == transport::PostResult::Kind::kAgain) break;  // this peer waits; others go on
+      q.ops.pop_front();
+      --queued_;
+      any = true;
+      if (r.kind == transport::PostResult::Kind::kPosted) {
+        q.link(op);
+        ++posted_;
+        if (op.kind == Op::Kind::kWrite && op.length > 0) d.rate.posted(now_);
+        --budget;
+      } else {
+        complete_op(op, r.error);
+      }
+    }
+    if (q.ops.empty()) {
+      q.ready = false;
+    } else {
+      d.ready.push_back(peer);
+    }
+  }
+  return any;
+}
+
+bool Worker::poll(uint32_t index) {
+  DomainState& d = domains_[index];
+  const size_t n = d.domain->poll(completions_);
+  if (n == 0) return false;
+  for (size_t i = 0; i < n; ++i) {
+    const transport::Completion& c = completions_[i];
+    switch (c.kind) {
+      case transport::Completion::Kind::kLocal: {
+        Op& op = *reinterpret_cast<Op*>(c.wr_id);
+        --posted_;
+        if (op.abandoned) {  // given up on or replaced; the provider has let go of it now
+          --abandoned_;
+          release_send_slot(op);
+          Transfer& t = *op.transfer;
+          if (--t.abandoned == 0 && t.finished) live_.erase(t.id);
+          break;
+        }
+        op.queue->last_progress = now_;
+        if (c.error == ErrorCode::kOk && op.kind == Op::Kind::kWrite && op.length > 0) {
+          measure(index, op);
+        }
+        PeerQueue& q = *op.queue;
+        q.unlink(op);
+        Status status;
+        if (c.error != ErrorCode::kOk) {
+          status = Status(c.error, fmt::format("{} of {} bytes on NIC '{}' failed: {}",
+                                               op.kind == Op::Kind::kSend ? "send" : "write",
+                                               op.length, d.domain->info().name, c.error_message));
+        }
+        if (op.lone) {
+          lone_done(d, q, op, status);
+        } else if (status.is_ok() || !isolate(d, q, op, status)) {
+          complete_op(op, status);
+        }
+        break;
+      }
+      case transport::Completion::Kind::kImm:
+        imm_batch_.push_back(c.imm);
+        break;
+      case transport::Completion::Kind::kRecv:
+        on_recv(c, index);
+        break;
+      case transport::Completion::Kind::kRemoteError:
+        detail::log().warn("group {} NIC '{}': {}", group_, d.domain->info().name, c.error_message);
+        break;
+    }
+  }
+  if (!imm_batch_.empty()) {
+    services_.imms->arrive(imm_batch_, jobs_, unexpected_);
+    imm_batch_.clear();
+    if (!unexpected_.empty()) {
+      if (services_.on_unexpected) services_.on_unexpected(unexpected_);
+      unexpected_.clear();
+    }
+  }
+  return true;
+}
+
+void Worker::complete_op(Op& op, const Status& status) {
+  release_send_slot(op);
+  Transfer& t = *op.transfer;
+  if (op.commit != nullptr) {
+    CommitSend& cs = *op.commit;
+    --cs.live;
+    if (!status.is_ok()) {
+      // Another copy may still be (or have been) delivered and acknowledged.
+      if (cs.acked || cs.live > 0) {
+        settle(t);
+        return;
+      }
+      const uint32_t to = other_up_nic(op.domain);
+      if (failover_active() && to != op.domain && !stopping_ && t.error.is_ok() &&
+          now_ < t.ack_deadline) {
+        detail::log().warn(
+            "group {}: a commit message failed on NIC '{}' ({}); sending it again "
+            "over '{}'",
+            group_, domains_[op.domain].domain->info().name, status.message(),
+            domains_[to].domain->info().name);
+        resend_commit(cs, to);
+        settle(t);
+        return;
+      }
+      cs.acked = true;  // given up: its Ack will never come
+      unacked_.erase(cs.seq);
+      --t.acks;
+    }
+  }
+  if (!status.is_ok() && t.error.is_ok()) t.error = status;
+  if (status.is_ok() && op.dst_index != Op::kNoDst) record_staged(op);
+  settle(t);
+}
+
+void Worker::advance(Transfer& t) {
+  if (t.pending > 0 || t.acks > 0) return;  // work requests or acknowledgments outstanding
+  if (!t.error.is_ok()) {
+    finish(t);
+    return;
+  }
+  // Every write has landed. What is left: Commits of staged destinations (with their
+  // immediates), and immediates that follow the data of multi-piece writes.
+  bool more = !t.deferred_started && !t.deferred.empty();
+  for (const StagedDst& sd : t.staged) more |= !sd.unflushed.empty() || sd.has_imm;
+  more |= ipc_left(t);
+  if (!more) {
+    finish(t);
+    return;
+  }
+  if (stopping_) {
+    t.error = cancelled("engine closed before the transfer's immediate was sent");
+    finish(t);
+    return;
+  }
+  for (uint32_t i = 0; i < t.staged.size(); ++i) {
+    if (!t.staged[i].unflushed.empty() || t.staged[i].has_imm) flush_commits(t, i, true);
+  }
+  if (ipc_left(t)) send_ipc_commits(t, true);
+  if (!t.deferred_started && !t.deferred.empty()) {
+    t.deferred_started = true;
+    t.pending += t.deferred.size();
+    for (Op& op : t.deferred) enqueue(op);
+  }
+  // Nothing went out after all (every Commit and op failed at once): look again next drain.
+  if (t.pending == 0 && t.acks == 0) make_ready(t);
+}
+
+bool Worker::drain_ready() {
+  if (ready_.empty()) return false;
+  // Advancing may make transfers ready again (a deferred immediate failing at once): those wait
+  // for the next round, a few rounds per pass at most, so that a pass always ends.
+  for (int round = 0; round < 4 && !ready_.empty(); ++round) {
+    ready_batch_.swap(ready_);
+    for (TransferId id : ready_batch_) {
+      auto it = live_.find(id);
+      if (it != live_.end() && !it->second->finished) advance(*it->second);
+    }
+    ready_batch_.clear();
+  }
+  return true;
+}
+
+void Worker::finish(Transfer& t) {
+  if (!t.commits.empty()) {
+    std::erase(awaiting_acks_, &t);
+    forget_commits(t);
+  }
+  if (t.probe_nic >= 0) probe_done(t);
+  if (t.check_nic >= 0) check_done(t);
+  // A write-fence note (urgent) that failed is sent again by its own timer (write_fence.cc).
+  if ((t.id & kInternalTransfer) != 0 && t.probe_nic < 0 && t.check_nic < 0 && !t.error.is_ok() &&
+      !(t.ops.size() == 1 && t.ops[0].urgent)) {
+    detail::log().warn("group {}: an engine message could not be delivered: {}", group_,
+                       t.error.to_string());
+  }
+  if (!t.error.is_ok()) {
+    if (t.callbacks.on_error) {
+      jobs_.push_back([cb = std::move(t.callbacks.on_error), s = std::move(t.error)] { cb(s); });
+    }
+  } else if (t.callbacks.on_done) {
+    jobs_.push_back(std::move(t.callbacks.on_done));
+  }
+  t.finished = true;
+  // Destroys t, unless the provider still holds some of its ops (a dead peer's).
+  if (t.abandoned == 0) live_.erase(t.id);
+}
+
+}  // namespace fabric::engine
