@@ -27,7 +27,7 @@ void Worker::watch_peers() {
   next_watch_ = now + std::chrono::milliseconds(10);
   sweep_ipc();
   if (!awaiting_acks_.empty()) watch_acks();
-  if (!fences_.empty()) watch_fences();
+  if (fence_ && fence_->has_rounds()) watch_fences();
   watch_nics();
   for (auto& d : domains_) {
     // A peer with work queued but nothing posted may be waiting for room that another peer's
@@ -92,7 +92,7 @@ void Worker::declare_dead(DomainState& d, PeerQueue& q, const Status& error) {
     complete_op(*op, error);
   }
   for (Op* op : unposted) complete_op(*op, error);
-  if (fence_writes_) writer_dead(owner);
+  if (fence_) peer_gone_from_fence(owner);
 }
 
 // --- weighted sharding (docs/netlab.md, "Unequal links") --------------------------------------

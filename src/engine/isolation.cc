@@ -81,7 +81,7 @@ bool Worker::isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error) 
         error.message());
     // The peer may have dropped the connection because it took this engine for dead (a write
     // fence it did not see answered): announce afresh before writing again (write_fence.cc).
-    if (fence_writes_) forget_announcement(q.owner);
+    if (fence_) fence_->forget_owner(q.owner);
   }
   if (op.kind == Op::Kind::kWrite && op.has_imm) {
     op.had_imm = true;
@@ -103,7 +103,7 @@ void Worker::post_isolated(DomainState& d, PeerQueue& q) {
     d.domain->reset_peer(q.peer);
     q.broken = false;
   }
-  if (fence_writes_) {  // a write-fence note first: the suspects may wait for its answer
+  if (fence_) {  // a write-fence note first: the suspects may wait for its answer
     post_urgent(d, q);
     if (q.inflight_count > 0) return;
   }
@@ -123,7 +123,7 @@ void Worker::post_isolated(DomainState& d, PeerQueue& q) {
   if (q.suspects.empty()) return;
   Op& op = *q.suspects.front();
   const uint32_t nic = static_cast<uint32_t>(&d - domains_.data());
-  if (fence_writes_ && q.announced_epoch != announce_epoch_ && held_for_hello(nic, q, op)) return;
+  if (fence_ && q.announced_epoch != fence_->epoch() && held_for_hello(nic, q, op)) return;
   auto r = post(d, op, q.peer);
   if (r.kind == transport::PostResult::Kind::kAgain) return;
   q.suspects.pop_front();

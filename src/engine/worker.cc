@@ -335,7 +335,7 @@ void Worker::begin_stop() {
   }
   queued_ = 0;
   for (Op* op : unposted) complete_op(*op, cancelled("engine closed before it was posted"));
-  if (fence_writes_) say_goodbye();  // behind what is posted: owners stop fencing this engine
+  if (fence_) say_goodbye();  // behind what is posted: owners stop fencing this engine
 }
 
 void Worker::finish_stop() {

@@ -24,6 +24,7 @@
 #include "engine/rate_meter.h"
 #include "engine/regions.h"
 #include "engine/transfer_state.h"
+#include "engine/write_fence.h"
 #include "fabric/config.h"
 #include "transport/domain.h"
 
@@ -64,7 +65,7 @@ struct PeerQueue {
   Op* check = nullptr;  // the check (a zero-byte write to the peer's scratch buffer), if any
   bool check_posted = false;
   bool broken = false;  // the last failure may have broken the connection: reset it first
-  // The write fence: the Worker::announce_epoch_ at which the peer was found to have
+  // The write fence: the WriteFence::epoch() at which the peer was found to have
   // acknowledged this engine's Hello (write_fence.cc); another value: look again.
   uint64_t announced_epoch = 0;
   // Failing since (no lone post or check has completed since), and when to post next: the
@@ -137,7 +138,10 @@ class Worker {
   int cpu() const { return cpu_; }
   // The group's own address, named in Commits so that the owner can acknowledge over any rail.
   // Set by the engine before start().
-  void set_address(const Address& self) { self_ = self.encode(); }
+  void set_address(const Address& self) {
+    self_ = self.encode();
+    if (fence_writes_) open_fence();
+  }
   // Failover: which of the group's NICs are up (not marked down). Thread-safe; submitting
   // threads plan new transfers over the NICs that are up.
   std::vector<bool> up_nics() const;
@@ -387,7 +391,11 @@ class Worker {
   void ipc_batch_done(IpcBatch* batch, const Status& status);
   Result<cuda::Copier*> ipc_copier(const cuda::PointerInfo& device);
   void sweep_ipc();
-  // The write fence (write_fence.cc, docs/hardening.md "Unregister is a barrier").
+  // The write fence (write_fence.h, docs/hardening.md "Unregister is a barrier"): the calls
+  // that feed fence_ and send what it returns (write_fence.cc).
+  void open_fence();
+  // Sends `notes` (urgent) and runs the rounds that ended.
+  void run_fence_events(std::vector<WriteFence::Note>& notes);
   // True when `op` must wait for its owner to acknowledge this engine's Hello (sent here).
   bool held_for_hello(uint32_t domain, PeerQueue& q, const Op& op);
   void handle_fence_note(const MessageHeader& header, std::span<const std::byte> body,
@@ -399,17 +407,13 @@ class Worker {
   void watch_fences();
   // A peer declared dead (by its first NIC name): no fence waits for it, and a write towards
   // it announces this engine afresh.
-  void writer_dead(const Bytes& first_nic);
-  // This engine lost its connection to the peer: it announces itself again before its next
-  // write there (the peer may have dropped the connection and forgotten it).
-  void forget_announcement(const Bytes& owner);
+  void peer_gone_from_fence(const Bytes& first_nic);
   // Isolation: posts the urgent message (a write-fence note) at the front of q, if any.
   void post_urgent(DomainState& d, PeerQueue& q);
   // The engine stops: tells every owner it announced itself to, from each NIC, behind the writes
   // posted there, that it will write no more.
   void say_goodbye();
-  void settle_fences();  // runs the `done` of rounds with nothing left to wait for
-  void end_fences();     // the domains are closed (finish_stop): every round is done
+  void end_fences();  // the domains are closed (finish_stop): every round is done
   void begin_stop();
   void finish_stop();
   void idle(bool active);
@@ -451,34 +455,10 @@ class Worker {
   std::unordered_map<CommitKey, CommitRecord, CommitKeyHash> commit_records_;
   std::deque<CommitKey> commit_order_;
 
-  // The write fence, on domains whose provider checks a key once per write
-  // (DomainInfo::key_checked_once). As a writer: the owners announced to (by their first NIC
-  // name), acknowledged or awaiting a HelloAck. As an owner: the writers that announced
-  // themselves, and the fence rounds of unregistrations still waiting for their answers.
-  struct Announcement {
-    Address owner;
-    bool acked = false;
-    std::chrono::steady_clock::time_point resend_at;
-  };
-  struct Writer {
-    Address address;
-    std::vector<bool> gone;  // per NIC of the writer: a Goodbye came over it
-  };
-  struct FenceRound {
-    uint64_t id = 0;
-    std::function<void(const Status&)> done;
-    Status outcome;
-    // Per writer (by first NIC name): its NICs that have not answered yet.
-    std::unordered_map<std::string, std::vector<bool>> waiting;
-    std::chrono::steady_clock::time_point resend_at;
-    std::chrono::steady_clock::time_point deadline;
-  };
+  // The write fence (write_fence.h), on domains whose provider checks a key once per write
+  // (DomainInfo::key_checked_once); null elsewhere.
   bool fence_writes_ = false;  // some domain is key_checked_once
-  std::unordered_map<std::string, Announcement> announced_;
-  uint64_t announce_epoch_ = 1;  // moves on whenever an announcement is forgotten
-  std::unordered_map<std::string, Writer> writers_;
-  std::vector<FenceRound> fences_;
-  uint64_t next_fence_ = 0;
+  std::unique_ptr<WriteFence> fence_;
 
   // Worker-thread state.
   std::unordered_map<TransferId, std::unique_ptr<Transfer>> live_;

@@ -118,7 +118,7 @@ bool Worker::post_some(DomainState& d) {
     while (!q.ops.empty() && budget > 0) {
       Op& op = *q.ops.front();
       // The write fence: the peer has not acknowledged this engine yet (write_fence.cc).
-      if (fence_writes_ && q.announced_epoch != announce_epoch_ && held_for_hello(index, q, op)) {
+      if (fence_ && q.announced_epoch != fence_->epoch() && held_for_hello(index, q, op)) {
         break;
       }
       auto r = post(d, op, peer);

@@ -1,30 +1,7 @@
-// Worker: the write fence (docs/hardening.md, "Unregister is a barrier").
-//
-// libfabric tcp checks a write's remote key once, when the write's first bytes arrive, then
-// streams the rest into the memory. Closing a registration therefore refuses writes that start
-// later but not one already arriving, and no completion tells the owner about such a write.
-// What the owner can rely on is the order of one connection: the provider reads a connection's
-// bytes in sequence, so a message that arrives on it arrives after every write that was posted
-// on it before the message was.
-//
-// So, on domains whose provider checks a key once per write (DomainInfo::key_checked_once):
-//   - a writer announces itself to an owner (Hello) before its first write there, and posts
-//     writes towards that owner only once the owner has recorded it (HelloAck);
-//   - an owner that closes a registration sends a Fence to every writer it knows, and each
-//     writer answers (FenceAck) from each of its NICs, over the connection that NIC's writes
-//     take. When the answers from all NICs of all writers are in, every write posted before
-//     them has arrived whole, and unregister_memory() returns;
-//   - a writer that closes its engine says Goodbye to every owner it announced itself to, from
-//     each NIC, behind the writes posted there: once all have come, the owner stops fencing it
-//     (an owner unregistering after its writers exited cleanly waits for nobody);
-//   - a writer that does not answer within fence_timeout() (a stopped or overloaded process, or
-//     one that died) is forgotten, and unregister_memory() returns kTimeout naming it: the
-//     registration is closed and new writes are refused, but the rest of a write that writer
-//     had already started may still land if it runs again (the owner cannot cut a libfabric tcp
-//     connection that the writer opened). A forgotten writer that answers later, or announces
-//     itself again, is a writer again: its late answer arrives after every byte it sent first.
-// The notes travel ahead of other queued work (Op::urgent): two engines that start writing to
-// each other at once must not wait for each other's HelloAck behind their own held writes.
+// WriteFence: the write fence's state machine (write_fence.h), and the Worker's few lines that
+// feed it and send what it returns.
+#include "engine/write_fence.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -41,150 +18,132 @@ std::string key_of(const Bytes& name) {
   return std::string(reinterpret_cast<const char*>(name.data()), name.size());
 }
 
-// How long an owner waits for a writer's answers before it takes the writer for dead.
-std::chrono::milliseconds fence_timeout(const Config& config) {
-  return std::min(config.peer_timeout / 4, std::chrono::milliseconds(2000));
-}
-
-// How often an unanswered Hello or Fence is sent again (a connection the provider dropped may
-// have lost it).
-std::chrono::milliseconds fence_resend(const Config& config) {
-  return std::clamp(config.peer_timeout / 64, std::chrono::milliseconds(5),
-                    std::chrono::milliseconds(250));
+bool none(const std::vector<bool>& v) {
+  return std::none_of(v.begin(), v.end(), [](bool b) { return b; });
 }
 
 }  // namespace
 
-bool Worker::held_for_hello(uint32_t domain, PeerQueue& q, const Op& op) {
-  // Only writes of bytes into a registered region: zero-byte writes and writes into a peer's
-  // scratch buffer (never unregistered) land nothing a fence would protect.
-  if (op.kind != Op::Kind::kWrite || op.length == 0 || op.dst_mem == nullptr ||
-      op.owner == nullptr || !domains_[domain].domain->info().key_checked_once) {
-    return false;
+WriteFence::WriteFence(Bytes self, uint32_t nics, std::chrono::milliseconds timeout,
+                       std::chrono::milliseconds resend)
+    : self_(std::move(self)), nics_(nics), timeout_(timeout), resend_(resend) {}
+
+bool WriteFence::may_write(const Address& owner, uint32_t nic, Clock::time_point now,
+                           std::vector<Note>& out) {
+  auto [it, fresh] = announced_.try_emplace(key_of(owner.nics()[0].name));
+  if (fresh) it->second.owner = owner;
+  if (it->second.acked) return true;
+  if (fresh || now >= it->second.resend_at) {
+    it->second.resend_at = now + resend_;
+    out.push_back({owner, nic, FenceNote{MessageKind::kHello, 0, nic, self_}.encode()});
   }
-  auto [it, fresh] = announced_.try_emplace(key_of(q.owner));
-  if (fresh) it->second.owner = *op.owner;
-  if (it->second.acked) {
-    q.announced_epoch = announce_epoch_;
-    return false;
-  }
-  if (fresh || now_ >= it->second.resend_at) {
-    it->second.resend_at = now_ + fence_resend(config_);
-    send_internal(*op.owner, domain, FenceNote{MessageKind::kHello, 0, domain, self_}.encode(),
-                  /*urgent=*/true);
-  }
-  return true;
+  return false;
 }
 
-void Worker::handle_fence_note(const MessageHeader& header, std::span<const std::byte> body,
-                               uint32_t domain) {
-  auto note = FenceNote::decode(header.kind, body);
-  std::optional<Address> from;
-  if (note) {
-    if (auto decoded = Address::decode(note->from)) from = std::move(*decoded);
-  }
-  if (!note || !from || from->num_nics() == 0) {
-    detail::log().warn("group {}: dropped a malformed write-fence message (kind {})", group_,
-                       static_cast<unsigned>(header.kind));
-    return;
-  }
-  const std::string key = key_of(from->nics()[0].name);
-  switch (note->kind) {
-    case MessageKind::kHello:  // a writer: record it, and let its writes go
-      writers_.insert_or_assign(key, Writer{*from, std::vector<bool>(from->num_nics(), false)});
-      send_internal(*from, domain, FenceNote{MessageKind::kHelloAck, 0, domain, self_}.encode(),
-                    /*urgent=*/true);
-      break;
-    case MessageKind::kHelloAck: {  // its queues find it acknowledged when they post
-      auto it = announced_.find(key);
-      if (it != announced_.end()) it->second.acked = true;
-      break;
+void WriteFence::forget_owner(const Bytes& owner) {
+  if (announced_.erase(key_of(owner)) > 0) ++epoch_;
+}
+
+void WriteFence::goodbye(std::vector<Note>& out) const {
+  for (const auto& [key, a] : announced_) {
+    for (uint32_t nic = 0; nic < nics_; ++nic) {
+      out.push_back({a.owner, nic, FenceNote{MessageKind::kGoodbye, 0, nic, self_}.encode()});
     }
-    case MessageKind::kFence:  // an owner: answer from every NIC, behind what each has posted
-      for (uint32_t nic = 0; nic < domains_.size(); ++nic) {
-        send_internal(*from, nic,
-                      FenceNote{MessageKind::kFenceAck, note->round, nic, self_}.encode(),
-                      /*urgent=*/true);
-      }
-      break;
-    case MessageKind::kFenceAck:
-    case MessageKind::kGoodbye: {
-      // A writer forgotten after a fence it did not answer in time is back (it ran again).
-      if (note->kind == MessageKind::kFenceAck &&
-          writers_.try_emplace(key, Writer{*from, std::vector<bool>(from->num_nics(), false)})
-              .second) {
-        detail::log().warn(
-            "group {}: a writer that did not answer a write fence in time ({}) "
-            "answered now; it is fenced again from here on",
-            group_, from->short_name());
-      }
-      // It proves the order of the connection it came over only: the writer's NIC `nic` writes
-      // to this engine's NIC remote_rail(nic, ...). A copy moved to another NIC by failover
-      // proves nothing; the Fence is sent again and, failing answers, the writer dropped.
-      if (domain != remote_rail(note->nic, domains_.size())) break;
-      if (note->kind == MessageKind::kGoodbye) {
-        auto w = writers_.find(key);
-        if (w != writers_.end() && note->nic < w->second.gone.size()) {
-          w->second.gone[note->nic] = true;
-          const auto& gone = w->second.gone;
-          if (std::all_of(gone.begin(), gone.end(), [](bool b) { return b; })) writers_.erase(w);
-        }
-        for (FenceRound& r : fences_) {
-          auto it = r.waiting.find(key);
-          if (it != r.waiting.end() && note->nic < it->second.size()) it->second[note->nic] = false;
-        }
-      } else {
-        for (FenceRound& r : fences_) {
-          if (r.id != note->round) continue;
-          auto w = r.waiting.find(key);
-          if (w != r.waiting.end() && note->nic < w->second.size()) w->second[note->nic] = false;
-          break;
-        }
-      }
-      for (FenceRound& r : fences_) {
-        auto w = r.waiting.find(key);
-        if (w != r.waiting.end() &&
-            std::none_of(w->second.begin(), w->second.end(), [](bool b) { return b; })) {
-          r.waiting.erase(w);
-        }
-      }
-      settle_fences();
-      break;
-    }
-    default:
-      break;
   }
 }
 
-void Worker::fence_writers(std::function<void(const Status&)> done) {
-  if (!fence_writes_ || !running_.load() || (writers_.empty() && !stopping_)) {
-    if (done) done(Status::ok());
-    return;
-  }
-  FenceRound r;
-  if (stopping_) {  // nothing can be asked now: done once the domains are closed (finish_stop)
-    r.done = std::move(done);
-    fences_.push_back(std::move(r));
-    return;
-  }
-  r.id = ++next_fence_;
+void WriteFence::fence(Done done, uint32_t message_nic, Clock::time_point now,
+                       std::vector<Note>& out) {
+  Round r;
   r.done = std::move(done);
-  const auto now = std::chrono::steady_clock::now();
-  r.resend_at = now + fence_resend(config_);
-  r.deadline = now + fence_timeout(config_);
-  const Bytes fence = FenceNote{MessageKind::kFence, r.id, 0, self_}.encode();
+  if (stopping_) {  // nothing can be asked now: done once the domains are closed (end())
+    rounds_.push_back(std::move(r));
+    return;
+  }
+  if (writers_.empty()) {
+    settled_.emplace_back(std::move(r.done), Status::ok());
+    return;
+  }
+  r.id = ++next_round_;
+  r.resend_at = now + resend_;
+  r.deadline = now + timeout_;
+  const Bytes note = FenceNote{MessageKind::kFence, r.id, 0, self_}.encode();
   for (const auto& [key, writer] : writers_) {
     std::vector<bool> waiting(writer.gone.size());
     for (size_t i = 0; i < waiting.size(); ++i) waiting[i] = !writer.gone[i];
     r.waiting.emplace(key, std::move(waiting));
-    send_internal(writer.address, message_nic(), fence, /*urgent=*/true);
+    out.push_back({writer.address, message_nic, note});
   }
-  fences_.push_back(std::move(r));
+  rounds_.push_back(std::move(r));
+  settle();
 }
 
-void Worker::watch_fences() {
-  for (FenceRound& r : fences_) {
-    if (now_ >= r.deadline) {
+void WriteFence::on_note(const FenceNote& note, const Address& from, uint32_t arrived_on,
+                         std::vector<Note>& out) {
+  const std::string key = key_of(from.nics()[0].name);
+  switch (note.kind) {
+    case MessageKind::kHello:  // a writer: record it, and let its writes go
+      writers_.insert_or_assign(key, Writer{from, std::vector<bool>(from.num_nics(), false)});
+      out.push_back(
+          {from, arrived_on, FenceNote{MessageKind::kHelloAck, 0, arrived_on, self_}.encode()});
+      return;
+    case MessageKind::kHelloAck: {  // the writer's queues find it acknowledged when they post
+      auto it = announced_.find(key);
+      if (it != announced_.end()) it->second.acked = true;
+      return;
+    }
+    case MessageKind::kFence:  // an owner: answer from every NIC, behind what each has posted
+      for (uint32_t nic = 0; nic < nics_; ++nic) {
+        out.push_back(
+            {from, nic, FenceNote{MessageKind::kFenceAck, note.round, nic, self_}.encode()});
+      }
+      return;
+    case MessageKind::kFenceAck:
+    case MessageKind::kGoodbye:
+      break;
+    default:
+      return;
+  }
+  // A writer forgotten after a fence it did not answer in time is back (it ran again).
+  if (note.kind == MessageKind::kFenceAck &&
+      writers_.try_emplace(key, Writer{from, std::vector<bool>(from.num_nics(), false)}).second) {
+    detail::log().warn(
+        "a writer that did not answer a write fence in time ({}) answered now; it is fenced "
+        "again from here on",
+        from.short_name());
+  }
+  // It proves the order of the connection it came over only: the writer's NIC `nic` writes to
+  // this engine's NIC remote_rail(nic, ...). A copy moved to another NIC by failover proves
+  // nothing; the Fence is sent again and, failing answers, the writer is dropped.
+  if (arrived_on != remote_rail(note.nic, nics_)) return;
+  if (note.kind == MessageKind::kGoodbye) {
+    auto w = writers_.find(key);
+    if (w != writers_.end() && note.nic < w->second.gone.size()) {
+      w->second.gone[note.nic] = true;
+      const auto& gone = w->second.gone;
+      if (std::all_of(gone.begin(), gone.end(), [](bool b) { return b; })) writers_.erase(w);
+    }
+    answered(key, note.nic, nullptr);
+  } else {
+    answered(key, note.nic, &note.round);
+  }
+}
+
+void WriteFence::answered(const std::string& key, uint32_t nic, const uint64_t* round) {
+  for (Round& r : rounds_) {
+    if (round != nullptr && r.id != *round) continue;
+    auto w = r.waiting.find(key);
+    if (w == r.waiting.end() || nic >= w->second.size()) continue;
+    w->second[nic] = false;
+    if (none(w->second)) r.waiting.erase(w);
+  }
+  settle();
+}
+
+void WriteFence::tick(uint32_t message_nic, Clock::time_point now, std::vector<Note>& out) {
+  for (Round& r : rounds_) {
+    if (r.waiting.empty()) continue;
+    if (now >= r.deadline) {
       // Silent writers are forgotten: later unregistrations do not wait for them again (a
       // dead one would hold each of them up), until they answer or announce themselves.
       std::string names;
@@ -202,35 +161,153 @@ void Worker::watch_fences() {
                       "overloaded or dead process): the rest of one such write may still land "
                       "in the memory if the writer runs again (docs/hardening.md, \"Unregister "
                       "is a barrier\")",
-                      r.waiting.size(), names, fence_timeout(config_).count()));
-      detail::log().warn("group {}: unregister_memory: {}", group_, r.outcome.message());
+                      r.waiting.size(), names, timeout_.count()));
       r.waiting.clear();
       continue;
     }
-    if (now_ < r.resend_at) continue;
-    r.resend_at = now_ + fence_resend(config_);
-    const Bytes fence = FenceNote{MessageKind::kFence, r.id, 0, self_}.encode();
+    if (now < r.resend_at) continue;
+    r.resend_at = now + resend_;
+    const Bytes note = FenceNote{MessageKind::kFence, r.id, 0, self_}.encode();
     for (const auto& [key, nics] : r.waiting) {
       auto w = writers_.find(key);
-      if (w != writers_.end()) {
-        send_internal(w->second.address, message_nic(), fence, /*urgent=*/true);
-      }
+      if (w != writers_.end()) out.push_back({w->second.address, message_nic, note});
     }
   }
-  settle_fences();
+  settle();
+}
+
+void WriteFence::peer_dead(const Bytes& first_nic) {
+  const std::string key = key_of(first_nic);
+  forget_owner(first_nic);
+  if (writers_.erase(key) == 0) return;
+  for (Round& r : rounds_) r.waiting.erase(key);
+  settle();
+}
+
+void WriteFence::settle() {
+  if (stopping_) return;  // the rounds end in end(), once the domains are closed
+  for (size_t i = 0; i < rounds_.size();) {
+    if (!rounds_[i].waiting.empty()) {
+      ++i;
+      continue;
+    }
+    settled_.emplace_back(std::move(rounds_[i].done), std::move(rounds_[i].outcome));
+    rounds_.erase(rounds_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+}
+
+void WriteFence::end() {
+  // After the domains closed: no write can arrive any more, whatever a writer still holds.
+  for (Round& r : rounds_) settled_.emplace_back(std::move(r.done), std::move(r.outcome));
+  rounds_.clear();
+}
+
+std::vector<std::pair<WriteFence::Done, Status>> WriteFence::take_settled() {
+  return std::exchange(settled_, {});
+}
+
+// --- the Worker's side ------------------------------------------------------------------------
+
+namespace {
+
+// How long an owner waits for a writer's answers before it takes the writer for dead.
+std::chrono::milliseconds fence_timeout(const Config& config) {
+  return std::min(config.peer_timeout / 4, std::chrono::milliseconds(2000));
+}
+
+// How often an unanswered Hello or Fence is sent again (a connection the provider dropped may
+// have lost it).
+std::chrono::milliseconds fence_resend(const Config& config) {
+  return std::clamp(config.peer_timeout / 64, std::chrono::milliseconds(5),
+                    std::chrono::milliseconds(250));
+}
+
+}  // namespace
+
+void Worker::open_fence() {
+  fence_ = std::make_unique<WriteFence>(self_, static_cast<uint32_t>(domains_.size()),
+                                        fence_timeout(config_), fence_resend(config_));
+}
+
+void Worker::run_fence_events(std::vector<WriteFence::Note>& notes) {
+  for (WriteFence::Note& n : notes) {
+    send_internal(std::move(n.to), n.nic, std::move(n.bytes), /*urgent=*/true,
+                  /*while_stopping=*/stopping_);
+  }
+  notes.clear();
+  for (auto& [done, status] : fence_->take_settled()) {
+    if (!status.is_ok()) {
+      detail::log().warn("group {}: unregister_memory: {}", group_, status.message());
+    }
+    if (done) done(status);
+  }
+}
+
+bool Worker::held_for_hello(uint32_t domain, PeerQueue& q, const Op& op) {
+  // Only writes of bytes into a registered region: zero-byte writes and writes into a peer's
+  // scratch buffer (never unregistered) land nothing a fence would protect.
+  if (op.kind != Op::Kind::kWrite || op.length == 0 || op.dst_mem == nullptr ||
+      op.owner == nullptr || !domains_[domain].domain->info().key_checked_once) {
+    return false;
+  }
+  std::vector<WriteFence::Note> notes;
+  const bool go = fence_->may_write(*op.owner, domain, now_, notes);
+  if (go) q.announced_epoch = fence_->epoch();
+  run_fence_events(notes);
+  return !go;
+}
+
+void Worker::handle_fence_note(const MessageHeader& header, std::span<const std::byte> body,
+                               uint32_t domain) {
+  auto note = FenceNote::decode(header.kind, body);
+  std::optional<Address> from;
+  if (note) {
+    if (auto decoded = Address::decode(note->from)) from = std::move(*decoded);
+  }
+  if (!note || !from || from->num_nics() == 0 || !fence_) {
+    detail::log().warn("group {}: dropped a malformed write-fence message (kind {})", group_,
+                       static_cast<unsigned>(header.kind));
+    return;
+  }
+  std::vector<WriteFence::Note> notes;
+  fence_->on_note(*note, *from, domain, notes);
+  run_fence_events(notes);
+}
+
+void Worker::fence_writers(std::function<void(const Status&)> done) {
+  if (!fence_ || !running_.load()) {
+    if (done) done(Status::ok());
+    return;
+  }
+  std::vector<WriteFence::Note> notes;
+  fence_->fence(std::move(done), message_nic(), std::chrono::steady_clock::now(), notes);
+  run_fence_events(notes);
+}
+
+void Worker::watch_fences() {
+  std::vector<WriteFence::Note> notes;
+  fence_->tick(message_nic(), now_, notes);
+  run_fence_events(notes);
+}
+
+void Worker::peer_gone_from_fence(const Bytes& first_nic) {
+  fence_->peer_dead(first_nic);
+  std::vector<WriteFence::Note> none;
+  run_fence_events(none);
 }
 
 void Worker::say_goodbye() {
-  for (const auto& [key, a] : announced_) {
-    for (uint32_t nic = 0; nic < domains_.size(); ++nic) {
-      send_internal(a.owner, nic, FenceNote{MessageKind::kGoodbye, 0, nic, self_}.encode(),
-                    /*urgent=*/true, /*while_stopping=*/true);
-    }
-  }
+  std::vector<WriteFence::Note> notes;
+  fence_->goodbye(notes);
+  fence_->stop();
+  run_fence_events(notes);
 }
 
-void Worker::forget_announcement(const Bytes& owner) {
-  if (announced_.erase(key_of(owner)) > 0) ++announce_epoch_;
+void Worker::end_fences() {
+  if (!fence_) return;
+  fence_->end();
+  std::vector<WriteFence::Note> none;
+  run_fence_events(none);
 }
 
 void Worker::post_urgent(DomainState& d, PeerQueue& q) {
@@ -245,37 +322,6 @@ void Worker::post_urgent(DomainState& d, PeerQueue& q) {
     ++posted_;
   } else {
     complete_op(op, r.error);
-  }
-}
-
-void Worker::writer_dead(const Bytes& first_nic) {
-  const std::string key = key_of(first_nic);
-  forget_announcement(first_nic);
-  if (writers_.erase(key) == 0) return;
-  for (FenceRound& r : fences_) r.waiting.erase(key);
-  settle_fences();
-}
-
-void Worker::settle_fences() {
-  if (stopping_) return;  // the rounds end in finish_stop, once the domains are closed
-  for (size_t i = 0; i < fences_.size();) {
-    if (!fences_[i].waiting.empty()) {
-      ++i;
-      continue;
-    }
-    auto done = std::move(fences_[i].done);
-    const Status outcome = std::move(fences_[i].outcome);
-    fences_.erase(fences_.begin() + static_cast<std::ptrdiff_t>(i));
-    if (done) done(outcome);
-  }
-}
-
-void Worker::end_fences() {
-  // After the domains closed: no write can arrive any more, whatever a writer still holds.
-  auto rounds = std::move(fences_);
-  fences_.clear();
-  for (FenceRound& r : rounds) {
-    if (r.done) r.done(r.outcome);
   }
 }
 
