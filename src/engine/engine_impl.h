@@ -1,0 +1,198 @@
+// EngineImpl, the engine behind TransferEngine: its members and methods. engine.cc holds
+// creation and close, registration, peer groups, immediates and the TransferEngine facade;
+// submit.cc the validation and planning of submissions on the caller's thread.
+#pragma once
+
+#include "fabric/engine.h"
+
+#include <fmt/format.h>
+#include "common/log.h"
+
+#include <atomic>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <random>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "cuda/device_memory.h"
+#include "engine/callback_thread.h"
+#include "engine/domain_group.h"
+#include "engine/imm_counters.h"
+#include "engine/ipc_select.h"
+#include "engine/messages.h"
+#include "engine/op_builder.h"
+#include "engine/plan.h"
+#include "engine/stats_counters.h"
+#include "engine/transfer_state.h"
+#include "engine/worker.h"
+#include "topology/topology.h"
+
+namespace fabric {
+
+using engine::LocalRegion;
+using engine::Op;
+using engine::Transfer;
+
+namespace engine_impl {
+
+// A transfer id: the device group in the bits from kTagShift up, a sequence number below.
+inline constexpr int kTagShift = 40;
+inline constexpr uint64_t kSeqMask = (uint64_t{1} << kTagShift) - 1;
+
+inline Status invalid(std::string message) {
+  return Status(ErrorCode::kInvalidArgument, std::move(message));
+}
+
+}  // namespace engine_impl
+
+class EngineImpl {
+ public:
+  static Result<std::unique_ptr<EngineImpl>> create(const Config& config);
+  ~EngineImpl() { close(); }
+
+  void close();
+  size_t num_groups() const { return workers_.size(); }
+  std::vector<bool> nics_up(uint32_t g) const {
+    std::shared_lock lock(close_mu_);
+    if (closed_ || g >= workers_.size()) return {};
+    return workers_[g]->up_nics();
+  }
+  const GroupInfo& group_info(uint32_t g) const {
+    static const GroupInfo kNone;
+    return g < infos_.size() ? infos_[g] : kNone;
+  }
+  const Address& address(uint32_t g) const {
+    static const Address kNone;
+    return g < addresses_.size() ? addresses_[g] : kNone;
+  }
+
+  Result<Registration> register_memory(void* ptr, uint64_t length, uint32_t group);
+  Status unregister_memory(MemoryHandle handle);
+  Result<PeerGroup> add_peer_group(std::vector<Address> peers);
+  Status remove_peer_group(PeerGroup group);
+
+  Result<TransferId> submit(const SingleWrite& w, Callbacks cb);
+  Result<TransferId> submit(const PagedWrite& w, Callbacks cb);
+  Result<TransferId> submit(const Scatter& s, Callbacks cb);
+  Result<TransferId> submit(const Barrier& b, Callbacks cb);
+  Result<TransferId> submit(const ImmWrite& w, Callbacks cb);
+  Result<TransferId> submit_send(const Address& peer, std::span<const std::byte> message,
+                                 Callbacks cb, uint32_t group);
+  Status set_receive_handler(std::function<void(std::span<const std::byte>)> on_message,
+                             uint64_t buffer_bytes, uint32_t count, uint32_t group);
+
+  Status expect_imm(uint32_t imm, uint64_t count, std::function<void()> on_reached);
+  Status cancel_expect_imm(uint32_t imm) { return imms_.cancel(imm); }
+  void set_unexpected_imm_handler(std::function<void(uint32_t)> handler);
+  uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
+  bool wait_imm(uint32_t imm, uint64_t total, std::chrono::milliseconds timeout) const {
+    // On a worker (Config::callbacks_on_worker) no arrival can be counted while it waits.
+    if (engine::on_worker_thread()) return imms_.count(imm) >= total;
+    if (!any_caller_driven_) return imms_.wait(imm, total, timeout);
+    // Caller-driven groups count arrivals only in passes: drive them while waiting.
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (imms_.count(imm) >= total) return true;
+      if (std::chrono::steady_clock::now() >= until) return false;
+      bool active = false;
+      for (const auto& w : workers_) active |= w->progress();
+      if (!active) std::this_thread::yield();
+    }
+  }
+  bool progress(uint32_t group) {
+    if (group >= workers_.size() || closing_.load()) return false;
+    return workers_[group]->progress();
+  }
+  void reset_imm(uint32_t imm) { imms_.reset(imm); }
+  EngineStats stats() const { return stats_.snapshot(imms_.total()); }
+
+ private:
+  explicit EngineImpl(const Config& config) : config_(config) {}
+
+  // The shared hold of close_mu_ that calls needing the engine open take; empty (not owning)
+  // once close() has begun, and then the call returns closed().
+  std::shared_lock<std::shared_mutex> enter() const;
+  static Status closed();
+  Status check_group(uint32_t group) const;
+  Status check_peer(const Address& peer, uint32_t group, std::string_view what) const;
+  Status check_remote(const RemoteMemory& dst, uint32_t group, std::string_view what) const;
+  Result<std::shared_ptr<LocalRegion>> find_region(MemoryHandle handle) const;
+  std::unique_ptr<Transfer> new_transfer(Callbacks cb);
+  uint32_t next_rotation(uint32_t group) { return rotations_[group].fetch_add(1); }
+  engine::ShardParams shard_params(uint32_t group) const;
+  // The shard weights of a group's NICs (their measured rates), empty when
+  // Config::weighted_sharding is off.
+  std::vector<uint64_t> weights(uint32_t group) const {
+    return config_.weighted_sharding ? workers_[group]->nic_rates() : std::vector<uint64_t>{};
+  }
+  // Appends the ops writing `shards` of one source range to one destination; with an
+  // immediate, it rides on the only shard or follows all of them as a deferred zero-byte write.
+  void add_writes(Transfer& t, const LocalRegion& src, uint64_t src_offset, uint32_t dst_index,
+                  uint64_t dst_offset, const std::vector<engine::Shard>& shards,
+                  std::optional<uint32_t> imm, uint32_t group);
+  // A staged destination's immediate: counted `times` by its owner after the copies.
+  static void stage_imm(Transfer& t, uint32_t dst_index, uint32_t imm, uint64_t times) {
+    t.staged.resize(t.dsts.size());
+    engine::StagedDst& sd = t.staged[dst_index];
+    sd.has_imm = true;
+    sd.imm = imm;
+    sd.imm_times += times;
+  }
+  Op zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const Address& peer, uint32_t imm);
+  TransferId hand_over(uint32_t group, std::unique_ptr<Transfer> t);
+  // The CUDA IPC path or the fabric for a write from `src` into `dst` (docs/cuda-ipc.md).
+  engine::IpcRoute ipc_route(const LocalRegion& src, const RemoteMemory& dst,
+                             uint32_t group) const {
+    return engine::choose_route(
+        config_.cuda_ipc, addresses_[group].origin(), src.memory, src.ipc ? &*src.ipc : nullptr,
+        src.ipc_why, dst,
+        [&src](const cuda::DeviceUuid& peer) { return cuda::ipc_reachable(src.memory, peer); });
+  }
+  static Status ipc_rejected(std::string_view what, const engine::IpcRoute& route) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("{}: Config::cuda_ipc is on, but the CUDA IPC path is impossible: {}",
+                              what, route.why));
+  }
+
+  const Config config_;
+  uint64_t tag_ = 0;  // distinguishes this engine's handles from another engine's
+  std::unique_ptr<engine::CallbackThread> callbacks_;
+  engine::ImmCounters imms_;
+  std::mutex unexpected_mu_;
+  // Shared, so that each batch of arrivals takes a reference, not a copy of the handler.
+  std::shared_ptr<const std::function<void(uint32_t)>> unexpected_handler_;
+  std::atomic<bool> has_unexpected_handler_{false};
+  // On a worker: immediates that arrived with no expectation, for the user's handler.
+  void on_unexpected(std::vector<uint32_t>& imms);
+  std::vector<std::unique_ptr<engine::Worker>> workers_;
+  bool any_caller_driven_ = false;  // some group has GroupConfig::caller_progress
+  std::vector<GroupInfo> infos_;
+  std::vector<bool> direct_;  // per group: its NICs register CUDA memory themselves
+  std::vector<Address> addresses_;
+  std::unique_ptr<std::atomic<uint32_t>[]> rotations_;
+
+  // Calls that need the engine open hold close_mu_ shared (enter()); close() exclusively.
+  // close() sets closing_ before it asks for the lock, and enter() does not ask for it once
+  // closing_ is set: threads that keep submitting cannot starve close(), and every call made
+  // after close() began returns kClosed at once.
+  mutable std::shared_mutex close_mu_;
+  std::atomic<bool> closing_{false};
+  bool closed_ = false;
+
+  // Declared after workers_, so destroyed before them: a LocalRegion's destructor hands its
+  // registrations to its worker. The workers' threads have stopped by then (close()).
+  engine::RegionTable regions_;
+  mutable std::mutex groups_mu_;
+  // Shared, so a scatter or barrier takes a reference, not a copy of every member.
+  std::unordered_map<uint64_t, std::shared_ptr<const std::vector<Address>>> peer_groups_;
+  std::atomic<uint64_t> next_region_{1};
+  std::atomic<uint64_t> next_transfer_{1};
+  std::atomic<uint64_t> next_peer_group_{1};
+
+  // TransferEngine::stats(): counted in hand_over() and set_receive_handler().
+  engine::StatsCounters stats_{config_.groups.size()};
+};
+
+}  // namespace fabric

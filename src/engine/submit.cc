@@ -1,0 +1,372 @@
+// EngineImpl: the caller thread's half of a submission. Each of the six kinds is validated in
+// full (bad input gets a clear error and nothing is posted: docs/bad-input.md), sharded over the
+// NICs that are up (plan.h), its Ops filled in (op_builder.h), and handed to the device
+// group's worker.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "engine/engine_impl.h"
+
+namespace fabric {
+
+using engine_impl::invalid;
+using engine_impl::kSeqMask;
+using engine_impl::kTagShift;
+
+// --- planning helpers -----------------------------------------------------------------------
+
+void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_offset,
+                            uint32_t dst_index, uint64_t dst_offset,
+                            const std::vector<engine::Shard>& shards, std::optional<uint32_t> imm,
+                            uint32_t group) {
+  const RemoteMemory& dst = t.dsts[dst_index];
+  const bool staged_dst = dst.staged_region() != 0;
+  // Staged memory on either side moves in chunks, so that copies and writes overlap.
+  const uint64_t chunk = src.staged() || staged_dst ? config_.staging_chunk_bytes : UINT64_MAX;
+  size_t pieces = 0;
+  for (const engine::Shard& s : shards) {
+    uint64_t done = 0;
+    do {
+      const uint64_t offset = s.offset + done;
+      const uint64_t length = std::min(chunk, s.length - done);
+      Op op = engine::write_op(t, s.domain, dst, dst_offset + offset,
+                               src.host + src_offset + offset, src.regs[s.domain]->local_desc(),
+                               length, workers_[group]->scratch(s.domain));
+      if (staged_dst) {
+        op.dst_index = dst_index;
+        op.dst_offset = dst_offset + offset;
+      }
+      t.ops.push_back(op);
+      ++pieces;
+      done += length;
+    } while (done < s.length);
+  }
+  if (!imm) return;
+  // Staged: counted by the owner once the data is in its GPU. Reliable immediates: counted by
+  // the owner when the Commit that follows the data arrives, exactly once.
+  if (staged_dst || config_.reliable_imm) {
+    stage_imm(t, dst_index, *imm, 1);
+    return;
+  }
+  if (pieces == 1) {
+    t.ops.back().has_imm = true;
+    t.ops.back().imm = *imm;
+    return;
+  }
+  // Several pieces: the immediate follows them all, on the first piece's rail.
+  Op op = t.ops[t.ops.size() - pieces];
+  const engine::Scratch scratch = workers_[group]->scratch(op.domain);
+  op.length = 0;
+  op.dst_index = Op::kNoDst;
+  op.local = scratch.local;
+  op.local_desc = scratch.desc;
+  op.has_imm = true;
+  op.imm = *imm;
+  t.deferred.push_back(op);
+}
+
+Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const Address& peer,
+                             uint32_t imm) {
+  Op op = engine::scratch_op(t, domain, peer, workers_[group]->scratch(domain));
+  op.has_imm = true;
+  op.imm = imm;
+  return op;
+}
+
+// --- submissions ----------------------------------------------------------------------------
+
+Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
+  auto lock = enter();
+  if (!lock) return closed();
+  auto src = find_region(w.src);
+  if (!src) return src.status();
+  const uint32_t group = (*src)->group;
+  const uint32_t nics = workers_[group]->num_domains();
+  if (Status s = check_remote(w.dst, group, "single write"); !s) return s;
+  if (Status s = engine::check_range("single write source", w.src_offset, w.length, (*src)->length);
+      !s) {
+    return s;
+  }
+  if (Status s =
+          engine::check_range("single write destination", w.dst_offset, w.length, w.dst.length());
+      !s) {
+    return s;
+  }
+  if (w.routing.kind == Routing::Kind::kPinned && w.routing.nic >= nics) {
+    return invalid(fmt::format("single write pinned to NIC {}, but the group has {} NIC(s)",
+                               w.routing.nic, nics));
+  }
+  auto shards = engine::plan_single_up(w.length, workers_[group]->up_nics(), w.routing,
+                                       next_rotation(group), shard_params(group), weights(group));
+  auto t = new_transfer(std::move(cb));
+  t->src = std::move(*src);
+  t->dsts.push_back(w.dst);
+  const engine::IpcRoute route = ipc_route(*t->src, w.dst, group);
+  if (route.kind == engine::IpcRoute::Kind::kRejected) return ipc_rejected("single write", route);
+  if (route.kind == engine::IpcRoute::Kind::kIpc) {
+    engine::add_ipc_range(*t, 0, w.src_offset, w.dst_offset, w.length);
+    if (w.imm) engine::add_ipc_imm(*t, 0, *w.imm, 1);
+    return hand_over(group, std::move(t));
+  }
+  add_writes(*t, *t->src, w.src_offset, 0, w.dst_offset, shards, w.imm, group);
+  return hand_over(group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
+  auto lock = enter();
+  if (!lock) return closed();
+  auto src = find_region(w.src);
+  if (!src) return src.status();
+  const uint32_t group = (*src)->group;
+  if (Status s = check_remote(w.dst, group, "paged write"); !s) return s;
+  if (w.page_bytes == 0) return invalid("paged write: page_bytes is 0");
+  if (w.src_pages.size() != w.dst_pages.size()) {
+    return invalid(fmt::format("paged write: {} source pages but {} destination pages",
+                               w.src_pages.size(), w.dst_pages.size()));
+  }
+  if (w.src_pages.empty()) return invalid("paged write: no pages");
+  if (w.imm && (w.dst.staged_region() != 0 || config_.reliable_imm) &&
+      w.src_pages.size() > engine::Commit::kMaxImmTimes) {
+    return Status(ErrorCode::kOutOfRange,
+                  fmt::format("paged write: {} pages with an immediate counted by a commit "
+                              "message (at most {})",
+                              w.src_pages.size(), engine::Commit::kMaxImmTimes));
+  }
+  const engine::ShardParams params = shard_params(group);
+  if (w.page_bytes > params.max_wr_bytes) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("paged write: pages of {} bytes exceed the NIC's largest work "
+                              "request ({} bytes)",
+                              w.page_bytes, params.max_wr_bytes));
+  }
+  // Every page must lie inside both regions; offsets computed without overflow.
+  auto page_offset = [&](const char* side, size_t i, uint32_t index, uint64_t stride, uint64_t base,
+                         uint64_t region, uint64_t& out) -> Status {
+    uint64_t scaled = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(index), stride, &scaled) ||
+        __builtin_add_overflow(scaled, base, &out)) {
+      return Status(
+          ErrorCode::kOutOfRange,
+          fmt::format("paged write: {}_pages[{}] = {} overflows the offset", side, i, index));
+    }
+    if (out <= region && w.page_bytes <= region - out) return Status::ok();  // no formatting
+    return engine::check_range(fmt::format("paged write: {}_pages[{}] = {}", side, i, index), out,
+                               w.page_bytes, region);
+  };
+  auto t = new_transfer(std::move(cb));
+  t->src = std::move(*src);
+  t->dsts.push_back(w.dst);
+  const RemoteMemory& dst = t->dsts.back();
+  const engine::IpcRoute route = ipc_route(*t->src, dst, group);
+  if (route.kind == engine::IpcRoute::Kind::kRejected) return ipc_rejected("paged write", route);
+  // Page i's offsets in the source and in the destination, checked.
+  auto page_offsets = [&](size_t i, uint64_t& so, uint64_t& d_off) -> Status {
+    if (Status s =
+            page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset, t->src->length, so);
+        !s) {
+      return s;
+    }
+    return page_offset("dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset, dst.length(), d_off);
+  };
+  if (route.kind == engine::IpcRoute::Kind::kIpc) {
+    if (w.imm && w.src_pages.size() > engine::Commit::kMaxImmTimes) {
+      return Status(
+          ErrorCode::kOutOfRange,
+          fmt::format("paged write: {} pages with an immediate over CUDA IPC (at most {})",
+                      w.src_pages.size(), engine::Commit::kMaxImmTimes));
+    }
+    for (size_t i = 0; i < w.src_pages.size(); ++i) {
+      uint64_t so = 0, d_off = 0;
+      if (Status s = page_offsets(i, so, d_off); !s) return s;
+      engine::add_ipc_range(*t, 0, so, d_off, w.page_bytes);
+    }
+    if (w.imm) engine::add_ipc_imm(*t, 0, *w.imm, w.src_pages.size());
+    return hand_over(group, std::move(t));
+  }
+  t->ops.resize(w.src_pages.size());
+  for (const engine::Run& run : engine::split_even_up(
+           w.src_pages.size(), workers_[group]->up_nics(), next_rotation(group), weights(group))) {
+    void* const local_desc = t->src->regs[run.domain]->local_desc();
+    for (size_t i = run.begin; i < run.end; ++i) {
+      uint64_t so = 0, d_off = 0;
+      if (Status s = page_offsets(i, so, d_off); !s) return s;
+      // page_bytes > 0: no scratch buffer needed.
+      Op& op = t->ops[i] = engine::write_op(*t, run.domain, dst, d_off, t->src->host + so,
+                                            local_desc, w.page_bytes, engine::Scratch{});
+      if (dst.staged_region() != 0) {  // the owner counts one arrival per page after its copy
+        op.dst_index = 0;
+        op.dst_offset = d_off;
+      } else if (!config_.reliable_imm) {
+        op.has_imm = w.imm.has_value();
+        op.imm = w.imm.value_or(0);
+      }
+    }
+  }
+  if ((dst.staged_region() != 0 || config_.reliable_imm) && w.imm) {
+    stage_imm(*t, 0, *w.imm, w.src_pages.size());
+  }
+  return hand_over(group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
+  auto lock = enter();
+  if (!lock) return closed();
+  auto src = find_region(sc.src);
+  if (!src) return src.status();
+  const uint32_t group = (*src)->group;
+  if (sc.targets.empty()) return invalid("scatter: no targets");
+  std::shared_ptr<const std::vector<Address>> group_members;
+  {
+    std::lock_guard gl(groups_mu_);
+    auto it = peer_groups_.find(sc.group.id);
+    if (it == peer_groups_.end()) {
+      return Status(ErrorCode::kNotFound,
+                    fmt::format("scatter: peer group {} does not exist", sc.group.id));
+    }
+    group_members = it->second;
+  }
+  const std::vector<Address>& members = *group_members;
+  auto in_range = [](uint64_t offset, uint64_t length, uint64_t region) {
+    return offset <= region && length <= region - offset;
+  };
+  for (size_t i = 0; i < sc.targets.size(); ++i) {
+    const ScatterTarget& tg = sc.targets[i];
+    // The common case without formatting a message; the checks below say what is wrong.
+    if (!tg.dst.empty() && tg.dst.owner().provider() == infos_[group].provider &&
+        std::find(members.begin(), members.end(), tg.dst.owner()) != members.end() &&
+        in_range(tg.src_offset, tg.length, (*src)->length) &&
+        in_range(tg.dst_offset, tg.length, tg.dst.length())) {
+      continue;
+    }
+    const std::string what = fmt::format("scatter target {}", i);
+    if (Status s = check_remote(tg.dst, group, what); !s) return s;
+    if (std::find(members.begin(), members.end(), tg.dst.owner()) == members.end()) {
+      return Status(ErrorCode::kNotFound,
+                    fmt::format("{}: its owner {} is not a member of peer group {}", what,
+                                tg.dst.owner().short_name(), sc.group.id));
+    }
+    if (Status s = engine::check_range(what + " source", tg.src_offset, tg.length, (*src)->length);
+        !s) {
+      return s;
+    }
+    if (Status s =
+            engine::check_range(what + " destination", tg.dst_offset, tg.length, tg.dst.length());
+        !s) {
+      return s;
+    }
+  }
+  const uint32_t nics = workers_[group]->num_domains();
+  const uint32_t rotation = next_rotation(group);
+  const engine::ShardParams params = shard_params(group);
+  const std::vector<bool> up = workers_[group]->up_nics();
+  const std::vector<uint64_t> rates = weights(group);
+  auto t = new_transfer(std::move(cb));
+  t->src = std::move(*src);
+  t->dsts.reserve(sc.targets.size());
+  t->ops.reserve(sc.targets.size());  // one op per target when pinned; more when sharded
+  for (size_t i = 0; i < sc.targets.size(); ++i) {
+    const ScatterTarget& tg = sc.targets[i];
+    t->dsts.push_back(tg.dst);
+    const uint32_t dst_index = static_cast<uint32_t>(t->dsts.size() - 1);
+    const engine::IpcRoute route = ipc_route(*t->src, tg.dst, group);
+    if (route.kind == engine::IpcRoute::Kind::kRejected) {
+      return ipc_rejected(fmt::format("scatter target {}", i), route);
+    }
+    if (route.kind == engine::IpcRoute::Kind::kIpc) {
+      engine::add_ipc_range(*t, dst_index, tg.src_offset, tg.dst_offset, tg.length);
+      if (sc.imm) engine::add_ipc_imm(*t, dst_index, *sc.imm, 1);
+      continue;
+    }
+    const Routing routing = sc.sharding == Scatter::Sharding::kByBytes
+                                ? Routing::sharded(0)
+                                : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));
+    auto shards = engine::plan_single_up(tg.length, up, routing,
+                                         rotation + static_cast<uint32_t>(i), params, rates);
+    add_writes(*t, *t->src, tg.src_offset, dst_index, tg.dst_offset, shards, sc.imm, group);
+  }
+  return hand_over(group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
+  auto lock = enter();
+  if (!lock) return closed();
+  if (Status s = check_group(b.local_group); !s) return s;
+  const uint32_t nics = workers_[b.local_group]->num_domains();
+  if (b.nic >= nics) {
+    return invalid(fmt::format("barrier on NIC {}, but the group has {} NIC(s)", b.nic, nics));
+  }
+  auto t = new_transfer(std::move(cb));
+  {
+    std::lock_guard gl(groups_mu_);
+    auto it = peer_groups_.find(b.group.id);
+    if (it == peer_groups_.end()) {
+      return Status(ErrorCode::kNotFound,
+                    fmt::format("barrier: peer group {} does not exist", b.group.id));
+    }
+    t->peers = *it->second;
+  }
+  // A barrier on a NIC that is down goes over a surviving one.
+  const uint32_t nic = engine::failover_nic(b.nic, workers_[b.local_group]->up_nics(), 0);
+  t->ops.reserve(t->peers.size());
+  for (const Address& peer : t->peers) {
+    if (Status s = check_peer(peer, b.local_group, "barrier"); !s) return s;
+    t->ops.push_back(zero_byte_imm(*t, b.local_group, nic, peer, b.imm));
+  }
+  return hand_over(b.local_group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks cb) {
+  auto lock = enter();
+  if (!lock) return closed();
+  if (Status s = check_group(w.local_group); !s) return s;
+  if (Status s = check_peer(w.peer, w.local_group, "imm write"); !s) return s;
+  const uint32_t nics = workers_[w.local_group]->num_domains();
+  if (w.nic >= nics) {
+    return invalid(fmt::format("imm write on NIC {}, but the group has {} NIC(s)", w.nic, nics));
+  }
+  auto t = new_transfer(std::move(cb));
+  t->peers.push_back(w.peer);
+  const uint32_t nic = engine::failover_nic(w.nic, workers_[w.local_group]->up_nics(), 0);
+  t->ops.push_back(zero_byte_imm(*t, w.local_group, nic, t->peers[0], w.imm));
+  return hand_over(w.local_group, std::move(t));
+}
+
+Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const std::byte> message,
+                                           Callbacks cb, uint32_t group) {
+  auto lock = enter();
+  if (!lock) return closed();
+  if (Status s = check_group(group); !s) return s;
+  if (Status s = check_peer(peer, group, "send"); !s) return s;
+  if (message.size() > config_.max_message_bytes) {
+    return Status(ErrorCode::kOutOfRange,
+                  fmt::format("send: message of {} bytes exceeds max_message_bytes ({})",
+                              message.size(), config_.max_message_bytes));
+  }
+  auto t = new_transfer(std::move(cb));
+  t->peers.push_back(peer);
+  t->message.reserve(engine::kMessageHeaderBytes + message.size());
+  t->message.resize(engine::kMessageHeaderBytes);  // sender and sequence: stamped by the worker
+  t->message[0] = static_cast<std::byte>(engine::MessageKind::kUser);
+  t->message.insert(t->message.end(), message.begin(), message.end());
+  // Over the first NIC that is up; every NIC of the peer has receive buffers.
+  const uint32_t nic = engine::failover_nic(0, workers_[group]->up_nics(), 0);
+  t->ops.push_back(engine::send_op(*t, nic, t->peers[0], t->message));
+  return hand_over(group, std::move(t));
+}
+
+Status EngineImpl::set_receive_handler(std::function<void(std::span<const std::byte>)> on_message,
+                                       uint64_t buffer_bytes, uint32_t count, uint32_t group) {
+  auto lock = enter();
+  if (!lock) return closed();
+  if (Status s = check_group(group); !s) return s;
+  if (!on_message) return invalid("set_receive_handler: the handler is empty");
+  if (buffer_bytes == 0 || count == 0) {
+    return invalid("set_receive_handler: buffer_bytes and count must be at least 1");
+  }
+  on_message = stats_.receiving(group, std::move(on_message));
+  engine::Worker* w = workers_[group].get();
+  return w->call([&] { return w->start_receives(std::move(on_message), buffer_bytes, count); });
+}
+
+}  // namespace fabric
