@@ -3,14 +3,36 @@
 // callback runs, no lock) and cheap to read (TransferEngine::stats() copies them).
 //
 // Counted at the API: a transfer counts once however many work requests and NICs it took; a
-// rejected submission (an error returned by submit) counts nothing. Python exports these to
-// Prometheus (fabric_lib.metrics; docs/metrics.md).
+// rejected submission (an error returned by submit) counts nothing. Counted by each group's
+// worker, on cache lines no submitter writes: work requests per NIC, errors by code, passes,
+// sleeps and wake-ups, completion times. Python exports these to Prometheus
+// (fabric_lib.metrics; docs/metrics.md).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
+#include "fabric/status.h"
+
 namespace fabric {
+
+// What one NIC of a device group has done, counted by the group's worker (work requests of the
+// engine's own messages included: acknowledgments, write-fence notes, probes).
+struct NicStats {
+  uint64_t work_requests_posted = 0;     // accepted by the provider
+  uint64_t work_requests_completed = 0;  // completed without error
+  uint64_t work_requests_failed = 0;     // completed with an error
+  uint64_t post_retries = 0;             // posts the provider answered "try again" (EAGAIN)
+};
+
+// Completion times from submit() to the transfer's end (its callback queued), in buckets by
+// powers of two of microseconds: bucket 0 is under 2 us, bucket i (0 < i < kBuckets - 1) is
+// [2^i, 2^(i+1)) us, the last bucket everything from 2^(kBuckets-1) us (about 1 s) on.
+struct LatencyHistogram {
+  static constexpr size_t kBuckets = 21;
+  std::array<uint64_t, kBuckets> counts{};
+};
 
 struct GroupStats {
   // One-sided transfers (single, paged, scatter, barrier, imm-only) accepted by submit().
@@ -31,6 +53,25 @@ struct GroupStats {
   // bytes_submitted).
   uint64_t cuda_ipc_transfers = 0;
   uint64_t cuda_ipc_bytes = 0;
+
+  // Counted by the group's worker (relaxed, on its own cache lines; a snapshot is not atomic
+  // across fields).
+  std::vector<NicStats> nics;  // indexed like the group's NICs
+  // Work requests of the engine's own messages among those posted (acknowledgments, Commits of
+  // the staged path, write-fence notes, probes and checks): posted minus these are the user's.
+  uint64_t internal_work_requests_posted = 0;
+  // Transfers and messages that ended with an error, by its code (indexed by ErrorCode).
+  std::array<uint64_t, static_cast<size_t>(ErrorCode::kInternal) + 1> errors_by_code{};
+  // Worker passes (one loop iteration: inbox, posts, polls, watchdogs); times it blocked in
+  // the kernel with nothing to do (a sleep); times a submitter woke it from one (an eventfd
+  // write: one system call).
+  uint64_t worker_passes = 0;
+  uint64_t worker_sleeps = 0;
+  uint64_t worker_wakeups = 0;
+  // Transfers and messages accepted and not yet ended (submitted + sent - completed - failed).
+  uint64_t in_flight = 0;
+  // The accepted transfers' and messages' completion times, submit() to end.
+  LatencyHistogram completion_latency;
 };
 
 struct EngineStats {

@@ -57,6 +57,12 @@ GROUP_COUNTERS = [
     ("fabric_cuda_ipc_transfers", "cuda_ipc_transfers",
      "Accepted transfers with a destination written over the CUDA IPC path (same-host GPUs)."),
     ("fabric_cuda_ipc_bytes", "cuda_ipc_bytes", "Payload bytes the CUDA IPC path moved."),
+    ("fabric_internal_work_requests", "internal_work_requests_posted",
+     "Work requests of the engine's own messages (acknowledgments, fence notes, probes)."),
+    ("fabric_worker_passes", "worker_passes", "Passes of the group's worker loop."),
+    ("fabric_worker_sleeps", "worker_sleeps", "Times the worker blocked with nothing to do."),
+    ("fabric_worker_wakeups", "worker_wakeups",
+     "Times a submitter woke the sleeping worker (one eventfd write each)."),
 ]
 
 

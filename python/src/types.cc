@@ -282,6 +282,23 @@ void bind_types(py::module_& m) {
           },
           "ScatterTarget(<length> bytes, src_offset=..., dst_offset=...).");
 
+  py::class_<NicStats>(m, "NicStats",
+                       "What one NIC of a device group has done (GroupStats.nics), the engine's "
+                       "own messages included.")
+      .def_readonly("work_requests_posted", &NicStats::work_requests_posted,
+                    "Work requests the provider accepted.")
+      .def_readonly("work_requests_completed", &NicStats::work_requests_completed,
+                    "Of those, completed without error.")
+      .def_readonly("work_requests_failed", &NicStats::work_requests_failed,
+                    "Of those, completed with an error.")
+      .def_readonly("post_retries", &NicStats::post_retries,
+                    "Posts the provider answered 'try again' (EAGAIN).")
+      .def("__repr__", [](const NicStats& n) {
+        return "NicStats(work_requests_posted=" + std::to_string(n.work_requests_posted) +
+               ", work_requests_completed=" + std::to_string(n.work_requests_completed) +
+               ", work_requests_failed=" + std::to_string(n.work_requests_failed) +
+               ", post_retries=" + std::to_string(n.post_retries) + ")";
+      });
   py::class_<GroupStats>(m, "GroupStats",
                          "What one device group has done since the engine started "
                          "(TransferEngine.stats()).")
@@ -301,6 +318,34 @@ void bind_types(py::module_& m) {
                     "IPC path (same-host GPU peers).")
       .def_readonly("cuda_ipc_bytes", &GroupStats::cuda_ipc_bytes,
                     "Payload bytes the CUDA IPC path moved for them.")
+      .def_readonly("nics", &GroupStats::nics, "A NicStats per NIC of the group.")
+      .def_readonly("internal_work_requests_posted", &GroupStats::internal_work_requests_posted,
+                    "Work requests of the engine's own messages among those posted.")
+      .def_property_readonly(
+          "errors_by_code",
+          [](const GroupStats& g) {
+            py::dict out;
+            for (size_t i = 1; i < g.errors_by_code.size(); ++i) {
+              out[py::str(std::string(to_string(static_cast<ErrorCode>(i))))] = g.errors_by_code[i];
+            }
+            return out;
+          },
+          "Transfers and messages that failed, by error code name ('RemoteAccess': n, ...).")
+      .def_readonly("worker_passes", &GroupStats::worker_passes, "Passes of the group's worker.")
+      .def_readonly("worker_sleeps", &GroupStats::worker_sleeps,
+                    "Times the worker blocked in the kernel with nothing to do.")
+      .def_readonly("worker_wakeups", &GroupStats::worker_wakeups,
+                    "Times a submitter woke the worker from a sleep (one eventfd write).")
+      .def_readonly("in_flight", &GroupStats::in_flight,
+                    "Transfers and messages accepted and not yet ended.")
+      .def_property_readonly(
+          "completion_latency_us",
+          [](const GroupStats& g) {
+            return std::vector<uint64_t>(g.completion_latency.counts.begin(),
+                                         g.completion_latency.counts.end());
+          },
+          "Completion times, submit to end, by powers of two of microseconds: element 0 "
+          "under 2 us, element i in [2**i, 2**(i+1)) us, the last from about 1 s on.")
       .def(
           "__repr__",
           [](const GroupStats& g) {

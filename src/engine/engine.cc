@@ -173,6 +173,7 @@ engine::ShardParams EngineImpl::shard_params(uint32_t group) const {
 
 TransferId EngineImpl::hand_over(uint32_t group, std::unique_ptr<Transfer> t) {
   stats_.submitted(group, *t);
+  t->submitted_at = std::chrono::steady_clock::now();
   TransferId id = t->id;
   for (const RemoteMemory& dst : t->dsts) {
     if (dst.staged_region() != 0) {

@@ -106,7 +106,14 @@ class EngineImpl {
     return workers_[group]->progress();
   }
   void reset_imm(uint32_t imm) { imms_.reset(imm); }
-  EngineStats stats() const { return stats_.snapshot(imms_.total()); }
+  EngineStats stats() const {
+    EngineStats s = stats_.snapshot(imms_.total());
+    std::shared_lock lock(close_mu_);
+    for (size_t g = 0; g < s.groups.size() && g < workers_.size(); ++g) {
+      if (workers_[g]) workers_[g]->fill_stats(s.groups[g]);
+    }
+    return s;
+  }
 
  private:
   explicit EngineImpl(const Config& config) : config_(config) {}

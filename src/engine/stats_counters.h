@@ -75,11 +75,21 @@ class StatsCounters {
     for (size_t i = 0; i < n_; ++i) {
       const Group& g = groups_[i];
       constexpr auto r = std::memory_order_relaxed;
-      s.groups.push_back({g.transfers_submitted.load(r), g.transfers_completed.load(r),
-                          g.transfers_failed.load(r), g.bytes_submitted.load(r),
-                          g.messages_sent.load(r), g.messages_completed.load(r),
-                          g.messages_failed.load(r), g.messages_received.load(r),
-                          g.cuda_ipc_transfers.load(r), g.cuda_ipc_bytes.load(r)});
+      GroupStats& out = s.groups.emplace_back();
+      out.transfers_submitted = g.transfers_submitted.load(r);
+      out.transfers_completed = g.transfers_completed.load(r);
+      out.transfers_failed = g.transfers_failed.load(r);
+      out.bytes_submitted = g.bytes_submitted.load(r);
+      out.messages_sent = g.messages_sent.load(r);
+      out.messages_completed = g.messages_completed.load(r);
+      out.messages_failed = g.messages_failed.load(r);
+      out.messages_received = g.messages_received.load(r);
+      out.cuda_ipc_transfers = g.cuda_ipc_transfers.load(r);
+      out.cuda_ipc_bytes = g.cuda_ipc_bytes.load(r);
+      const uint64_t ended = out.transfers_completed + out.transfers_failed +
+                             out.messages_completed + out.messages_failed;
+      const uint64_t started = out.transfers_submitted + out.messages_sent;
+      out.in_flight = started > ended ? started - ended : 0;
     }
     return s;
   }

@@ -155,7 +155,10 @@ struct Transfer {
   size_t abandoned = 0;         // ops given up on (dead peer) that the provider still holds
   bool finished = false;        // the user callback has been queued
   bool while_stopping = false;  // may start while the engine stops (a write-fence Goodbye)
-  Status error;                 // the first failure
+  // When submit() handed it over (engine transfers; the epoch for the worker's own): the start
+  // of its completion time in TransferEngine::stats().
+  std::chrono::steady_clock::time_point submitted_at{};
+  Status error;  // the first failure
   // Staged path: per destination (indexed like dsts; empty when no destination is staged),
   // Commits sent and not yet acknowledged, and when their acknowledgment is overdue.
   std::vector<StagedDst> staged;

@@ -70,6 +70,7 @@ Result<std::unique_ptr<Worker>> Worker::create(
     w->fence_writes_ |= d.domain->info().key_checked_once;
     w->domains_.push_back(std::move(d));
   }
+  w->counters_ = std::make_unique<WorkerCounters>(w->domains_.size());
   // Registered send buffers, on every NIC: a message goes over the first NIC that is up.
   w->send_pool_ = std::make_unique<SendPool>();
   w->send_pool_->slot_bytes =
@@ -188,6 +189,7 @@ void Worker::stop() {
 void Worker::wake() {
   // One wake-up per sleep: the caller that clears the flag writes, the others need not.
   if (sleeping_.load() && sleeping_.exchange(false)) {
+    counters_->wakeups.fetch_add(1, std::memory_order_relaxed);
     uint64_t one = 1;
     [[maybe_unused]] ssize_t n = ::write(event_fd_, &one, sizeof(one));
   }
@@ -284,6 +286,7 @@ void Worker::run() {
 
 bool Worker::pass(bool& finished) {
   now_ = std::chrono::steady_clock::now();  // one clock read per pass
+  WorkerCounters::bump(counters_->passes);
   bool active = drain_inbox();
   if (!stopping_ && stop_requested_.load()) begin_stop();
   // Post before polling: a fresh submission reaches the wire without waiting for a pass of
@@ -407,6 +410,7 @@ void Worker::idle(bool active) {
     }
     timespec ts{static_cast<time_t>(nap.count() / 1000000000),
                 static_cast<long>(nap.count() % 1000000000)};
+    WorkerCounters::bump(counters_->sleeps);
     ::ppoll(fds, nfds, &ts, nullptr);
   }
   sleeping_.store(false);

@@ -26,6 +26,7 @@
 #include "engine/transfer_state.h"
 #include "engine/write_fence.h"
 #include "fabric/config.h"
+#include "fabric/stats.h"
 #include "transport/domain.h"
 
 namespace fabric::engine {
@@ -44,6 +45,32 @@ inline uint64_t round_up(uint64_t n, uint64_t to) {
 inline Status cancelled(std::string_view why) {
   return Status(ErrorCode::kCancelled, std::string(why));
 }
+
+// What a worker counts for TransferEngine::stats() (fabric/stats.h). The worker thread is the
+// only writer of all but `wakeups` (a plain relaxed store of load + 1, no read-modify-write);
+// stats() reads with relaxed loads. Each NIC's counters and the submitters' wake-up count have
+// cache lines of their own.
+struct WorkerCounters {
+  using Counter = std::atomic<uint64_t>;
+  struct alignas(64) Nic {
+    Counter posted{0}, completed{0}, failed{0}, retries{0};
+  };
+  explicit WorkerCounters(size_t nics) : nics(nics), nic(new Nic[nics]) {}
+  static void bump(Counter& c) {
+    c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
+  // Adds this worker's counts to `g`.
+  void fill(GroupStats& g) const;
+
+  size_t nics;
+  std::unique_ptr<Nic[]> nic;
+  alignas(64) Counter internal_posted{0};
+  Counter passes{0};
+  Counter sleeps{0};
+  std::array<Counter, std::tuple_size_v<decltype(GroupStats::errors_by_code)>> errors{};
+  std::array<Counter, LatencyHistogram::kBuckets> latency{};
+  alignas(64) Counter wakeups{0};  // bumped by submitters (fetch_add)
+};
 
 // The work requests of one domain towards one peer NIC: those waiting to be posted (FIFO), and
 // those posted and not yet completed (an intrusive list, for the dead-peer watchdog).
@@ -145,6 +172,8 @@ class Worker {
   // Failover: which of the group's NICs are up (not marked down). Thread-safe; submitting
   // threads plan new transfers over the NICs that are up.
   std::vector<bool> up_nics() const;
+  // This worker's counts, for TransferEngine::stats().
+  void fill_stats(GroupStats& g) const { counters_->fill(g); }
   // Weighted sharding: each NIC's measured write rate in bytes per second (0: not measured
   // yet), the weights of plan_single_up / split_even_up. Thread-safe.
   std::vector<uint64_t> nic_rates() const;
@@ -302,7 +331,11 @@ class Worker {
   void start_transfer(std::unique_ptr<Transfer> t);
   void enqueue(Op& op);
   bool post_some(DomainState& d);
+  // Posts `op` and counts the outcome for stats().
   transport::PostResult post(DomainState& d, Op& op, transport::PeerHandle peer);
+  transport::PostResult post_to_provider(DomainState& d, Op& op, transport::PeerHandle peer);
+  // A transfer of the engine's ends: its error code and completion time for stats().
+  void count_end(const Transfer& t);
   bool poll(uint32_t domain_index);
   void measure(uint32_t domain_index, const Op& op);  // a write completed: feed the RateMeter
   void complete_op(Op& op, const Status& status);
@@ -491,6 +524,7 @@ class Worker {
   std::vector<std::function<void()>> drained_commands_;
   std::atomic<bool> inbox_nonempty_{false};
   // Written by the worker around each sleep and read by every submitter: a line of its own.
+  std::unique_ptr<WorkerCounters> counters_;  // made in create(), once the NICs are known
   alignas(64) std::atomic<bool> sleeping_{false};
   char sleeping_pad_[64 - sizeof(std::atomic<bool>)];
   std::atomic<bool> stop_requested_{false};

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -66,6 +67,19 @@ void Worker::enqueue(Op& op) {
 }
 
 transport::PostResult Worker::post(DomainState& d, Op& op, transport::PeerHandle peer) {
+  transport::PostResult r = post_to_provider(d, op, peer);
+  WorkerCounters::Nic& c = counters_->nic[&d - domains_.data()];
+  if (r.kind == transport::PostResult::Kind::kPosted) {
+    WorkerCounters::bump(c.posted);
+    if ((op.transfer->id & kInternalTransfer) != 0)
+      WorkerCounters::bump(counters_->internal_posted);
+  } else if (r.kind == transport::PostResult::Kind::kAgain) {
+    WorkerCounters::bump(c.retries);
+  }
+  return r;
+}
+
+transport::PostResult Worker::post_to_provider(DomainState& d, Op& op, transport::PeerHandle peer) {
   if (op.kind == Op::Kind::kWrite) {
     return d.domain->post_write({reinterpret_cast<uint64_t>(&op), op.local, op.length,
                                  op.local_desc, peer, op.remote_addr, op.remote_key, op.has_imm,
@@ -162,6 +176,8 @@ bool Worker::poll(uint32_t index) {
           break;
         }
         op.queue->last_progress = now_;
+        WorkerCounters::bump(c.error == ErrorCode::kOk ? counters_->nic[index].completed
+                                                       : counters_->nic[index].failed);
         if (c.error == ErrorCode::kOk && op.kind == Op::Kind::kWrite && op.length > 0) {
           measure(index, op);
         }
@@ -297,6 +313,7 @@ void Worker::finish(Transfer& t) {
     detail::log().warn("group {}: an engine message could not be delivered: {}", group_,
                        t.error.to_string());
   }
+  if ((t.id & kInternalTransfer) == 0) count_end(t);
   if (!t.error.is_ok()) {
     if (t.callbacks.on_error) {
       jobs_.push_back([cb = std::move(t.callbacks.on_error), s = std::move(t.error)] { cb(s); });
@@ -307,6 +324,34 @@ void Worker::finish(Transfer& t) {
   t.finished = true;
   // Destroys t, unless the provider still holds some of its ops (a dead peer's).
   if (t.abandoned == 0) live_.erase(t.id);
+}
+
+void Worker::count_end(const Transfer& t) {
+  if (!t.error.is_ok()) {
+    const auto code = static_cast<size_t>(t.error.code());
+    if (code < counters_->errors.size()) WorkerCounters::bump(counters_->errors[code]);
+  }
+  if (t.submitted_at == std::chrono::steady_clock::time_point{}) return;
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(now_ - t.submitted_at);
+  const uint64_t n = us.count() > 0 ? static_cast<uint64_t>(us.count()) : 0;
+  const size_t bucket =
+      n < 2 ? 0 : std::min<size_t>(std::bit_width(n) - 1, LatencyHistogram::kBuckets - 1);
+  WorkerCounters::bump(counters_->latency[bucket]);
+}
+
+void WorkerCounters::fill(GroupStats& g) const {
+  constexpr auto r = std::memory_order_relaxed;
+  g.nics.resize(nics);
+  for (size_t i = 0; i < nics; ++i) {
+    g.nics[i] = {nic[i].posted.load(r), nic[i].completed.load(r), nic[i].failed.load(r),
+                 nic[i].retries.load(r)};
+  }
+  g.internal_work_requests_posted = internal_posted.load(r);
+  for (size_t i = 0; i < errors.size(); ++i) g.errors_by_code[i] = errors[i].load(r);
+  g.worker_passes = passes.load(r);
+  g.worker_sleeps = sleeps.load(r);
+  g.worker_wakeups = wakeups.load(r);
+  for (size_t i = 0; i < latency.size(); ++i) g.completion_latency.counts[i] = latency[i].load(r);
 }
 
 }  // namespace fabric::engine

@@ -77,6 +77,32 @@ def test_stats_count_writes_messages_and_immediates(pair):
     assert after_b.immediates_received - before_b.immediates_received == 3
 
 
+def test_worker_counts_work_requests_errors_and_completion_times(pair):
+    a, b = pair
+    g0 = a.stats().groups[0]
+    assert len(g0.nics) == 1 and isinstance(g0.nics[0], fabric_lib.NicStats)
+    src = a.register(bytearray(SIZE))
+    dst = b.register(bytearray(SIZE))
+    for _ in range(4):
+        a.write(src, dst.descriptor).result(TIMEOUT)
+    gone = b.register(bytearray(SIZE))
+    stale = gone.descriptor
+    b.unregister(gone)
+    with pytest.raises(fabric_lib.RemoteAccess):
+        a.write(src, stale).result(TIMEOUT)
+    g1 = a.stats().groups[0]
+
+    def user_wrs(g):
+        return sum(n.work_requests_posted for n in g.nics) - g.internal_work_requests_posted
+
+    assert user_wrs(g1) - user_wrs(g0) >= 5  # four writes, the stale one (and its retries)
+    assert g1.errors_by_code["RemoteAccess"] - g0.errors_by_code["RemoteAccess"] == 1
+    assert sum(g1.completion_latency_us) - sum(g0.completion_latency_us) == 5
+    assert len(g1.completion_latency_us) == 21
+    assert g1.in_flight == 0
+    assert g1.worker_passes > g0.worker_passes
+
+
 def test_scrape_shows_counters_moving_under_traffic(pair, endpoint):
     a, b = pair
     registry, url = endpoint
