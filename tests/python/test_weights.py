@@ -1,0 +1,226 @@
+"""fabric_lib.weights: a training process pushes versions of a small model into this process's
+inference tensors over tcp and shm, through a FileRegistry; checked bit for bit against plain
+PyTorch (copies, a fused QKV, a strided row slice, FP8 with block scales); bad layouts give
+the named error; a trainer SIGKILLed mid-push fails that version within a bound while the last
+complete version stays intact."""
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fabric_lib
+import fabric_lib.weights as fw
+from conftest import TIMEOUT
+from peer import make_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+import weights_model as model  # noqa: E402
+
+KILL_BOUND = 2.0  # seconds from SIGKILL to the version's error: FileRegistry polls every 0.1 s
+
+
+class Trainer:
+    """The training process (weights_model.serve_trainer), driven over a pipe."""
+
+    def __init__(self, provider, directory, max_temp_bytes=1 << 20):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=model.serve_trainer,
+                                   args=(child, provider, directory, max_temp_bytes), daemon=True)
+        self.process.start()
+        child.close()
+        self.reply(TIMEOUT)
+
+    def reply(self, timeout=TIMEOUT):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"the trainer did not answer within {timeout} s")
+        r = self.conn.recv()
+        if r[0] == "error":
+            raise getattr(fabric_lib, r[1], RuntimeError)(f"in the trainer: {r[2]}")
+        return r[1]
+
+    def call(self, method, *args):
+        self.conn.send((method, args))
+        return self.reply()
+
+    def close(self):
+        if self.process.is_alive():
+            try:
+                self.call("exit")
+            except (OSError, EOFError, TimeoutError):
+                pass
+        self.process.kill()
+        self.process.join(10)
+
+
+def inference_side(provider, directory, mode):
+    engine = fabric_lib.TransferEngine(make_config(provider))
+    registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
+    inf = fw.InferenceWeights(engine, 0, registry, mode=mode, timeout=20.0)
+    for name, kwargs, shape, dtype in model.inference_layout():
+        inf.add(name, torch.zeros(shape, dtype=dtype), **kwargs)
+    inf.publish()
+    return engine, registry, inf
+
+
+def expect_version(inf, version):
+    want = model.reference(version, fw.fp8_reference)
+    got = inf.tensors()
+    for name, tensor in want.items():
+        assert torch.equal(got[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), (
+            f"{name} differs from the reference after version {version}")
+
+
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def provider(request):
+    try:
+        fabric_lib.TransferEngine(make_config(request.param)).close()
+    except fabric_lib.Unsupported as e:
+        pytest.skip(f"provider {request.param} not available here: {e}")
+    return request.param
+
+
+@pytest.mark.parametrize("mode", ["flip", "in_place"])
+def test_push_versions_bit_exact(provider, mode, tmp_path):
+    directory = str(tmp_path / "registry")
+    engine, registry, inf = inference_side(provider, directory, mode)
+    trainer = Trainer(provider, directory)
+    try:
+        entries = trainer.call("connect", 1)
+        assert entries > 0
+        seen = []
+        inf.on_version(seen.append)
+        for version in (1, 2):
+            before = {n: t.clone() for n, t in inf.tensors().items()} if version > 1 else None
+            future = inf.prepare(version)
+            if mode == "flip" and before is not None:  # the served copy is not the one written
+                assert all(torch.equal(before[n], t) for n, t in inf.tensors().items())
+            stats = trainer.call("push", version, 0)
+            assert future.result(TIMEOUT) == version and inf.version == version
+            expect_version(inf, version)
+            assert stats["bytes"] == sum(t.numel() * t.element_size()
+                                         for t in inf.tensors().values())
+            assert stats["temp_high_water"] <= 1 << 20, "staging beyond max_temp_bytes"
+        assert seen == [1, 2]
+        assert inf.copies == (2 if mode == "flip" else 1)
+    finally:
+        trainer.close()
+        registry.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", ["flip", "in_place"])
+def test_trainer_killed_mid_push(provider, mode, tmp_path):
+    directory = str(tmp_path / "registry")
+    engine, registry, inf = inference_side(provider, directory, mode)
+    trainer = Trainer(provider, directory)
+    try:
+        trainer.call("connect", 1)
+        inf.prepare(1)
+        trainer.call("push", 1, 0)
+        expect_version(inf, 1)
+        future = inf.prepare(2)
+        trainer.conn.send(("push", (2, 5.0)))  # stalls 5 s after each parameter's writes
+        deadline = time.monotonic() + TIMEOUT
+        while inf.engine.imm_count(inf._pending[1]) == 0:  # some of version 2 has landed
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(trainer.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(fabric_lib.PeerUnreachable, match="version 2"):
+            future.result(TIMEOUT)
+        assert time.monotonic() - killed < KILL_BOUND
+        assert inf.version == 1
+        if mode == "flip":
+            expect_version(inf, 1)  # still serving the last complete version
+        else:
+            with pytest.raises(fabric_lib.InvalidArgument, match="half-written"):
+                inf.tensors()
+    finally:
+        trainer.close()
+        registry.close()
+        engine.close()
+
+
+def describe(trainers, inference):
+    t = [fabric_lib._fabric_lib._weights_encode_trainer(r, 1, shards)
+         for r, shards in enumerate(trainers)]
+    i = [fabric_lib._fabric_lib._weights_encode_inference(r, params)
+         for r, params in enumerate(inference)]
+    return fw.WeightSchedule.compute(t, i)
+
+
+def p(name, shape, dtype="bf16", dim=-1, start=0, length=0, kind="identity", sources=()):
+    return (name, dtype, list(shape), dim, start, length, kind, list(sources), 0, 128)
+
+
+def test_bad_layouts_name_the_parameter():
+    whole = [("w", "bf16", [8, 8], [], 0)]
+    with pytest.raises(fabric_lib.NotFound, match="'missing'"):
+        describe([whole], [[p("missing", (8, 8))]])
+    with pytest.raises(fabric_lib.InvalidArgument, match="'w': shape mismatch"):
+        describe([whole], [[p("w", (8, 4))]])
+    with pytest.raises(fabric_lib.InvalidArgument, match="'w': dtype bf16 -> f32 has no"):
+        describe([whole], [[p("w", (8, 8), dtype="f32")]])
+    halves = [[("w", "bf16", [8, 8], [(0, 5), (0, 8)], 0)],
+              [("w", "bf16", [8, 8], [(4, 4), (0, 8)], 0)]]
+    with pytest.raises(fabric_lib.InvalidArgument, match="'w': the shards of ranks 0 and 1"):
+        describe(halves, [[p("w", (8, 8))]])
+    gap = [[("w", "bf16", [8, 8], [(0, 4), (0, 8)], 0)]]
+    with pytest.raises(fabric_lib.InvalidArgument, match="'w': incomplete shards"):
+        describe(gap, [[p("w", (8, 8))]])
+    with pytest.raises(fabric_lib.InvalidArgument, match="unknown projection 'fuse'"):
+        describe([whole], [[p("w", (8, 8), kind="fuse")]])
+    # The Python side's own checks name the parameter too.
+    engine = fabric_lib.TransferEngine(make_config("tcp"))
+    try:
+        inf = fw.InferenceWeights(engine, 0, fabric_lib.LocalRegistry(fabric_lib.LocalRegistryState()))
+        with pytest.raises(fabric_lib.InvalidArgument, match="'t': the tensor must be contiguous"):
+            inf.add("t", torch.zeros(4, 4).t())
+    finally:
+        engine.close()
+
+
+def test_schedule_through_the_bindings_round_trips():
+    s = describe([[("w", "bf16", [64, 32], [], 0)]],
+                 [[p("w", (64, 32), dim=1, start=0, length=16)],
+                  [p("w", (64, 32), dim=1, start=16, length=16)]])
+    assert s.num_trainers == 1 and s.num_inference == 2
+    assert s.writes_into(0) == 64 and s.writes_into(1) == 64  # one per row of a column slice
+    assert s.bytes_from(0) == 64 * 32 * 2
+    back = fw.WeightSchedule.decode(s.encode())
+    assert back.entries() == s.entries() and back.params == s.params
+    with pytest.raises(fabric_lib.InvalidArgument, match="schedule"):
+        fw.WeightSchedule.decode(s.encode()[:-3])
+
+
+def test_fp8_cpu_quantiser_matches_the_pytorch_reference():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(333, 270, generator=g)
+    x[::13, ::7] *= 1e3
+    x[7] *= 1e-6  # subnormal e4m3 after scaling
+    x[0, :5] = torch.tensor([0.0, -0.0, 1.0, -1.0, 0.5])
+    x[256:, 256:] = 0.0  # an all-zero tile
+    x = x.to(torch.bfloat16)
+    q, s = fw.quantize_fp8(x)
+    rq, rs = fw.fp8_reference(x)
+    assert torch.equal(s, rs), "scales differ"
+    assert torch.equal(q, rq), f"{int((q != rq).sum())} of {q.numel()} e4m3 bytes differ"
+    assert s.shape == (3, 3) and int(q[0, 1]) == 0x80  # -0 keeps its sign
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device in this torch build "
+                    "(Debian's torch has no CUDA): the kernel's own test is tests/gpu")
+def test_fp8_cuda_kernel_matches_the_pytorch_reference():
+    if not fabric_lib._fabric_lib._WEIGHTS_HAS_CUDA:
+        pytest.skip("this build of fabric_lib has no CUDA projections")
+    x = (torch.randn(1000, 700) * 3).to(torch.bfloat16)
+    q, s = fw.quantize_fp8(x.cuda())
+    rq, rs = fw.fp8_reference(x)
+    assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu(), rq)

@@ -1,0 +1,106 @@
+"""The small model of the weight-push tests and the training process that pushes it.
+
+Both sides build their descriptions from MODEL; the trainer's weights for version v are
+pseudo-random (seeded by name and v), so the test process computes what every inference tensor
+must hold after push v with plain PyTorch (reference()).
+"""
+
+import time
+import zlib
+
+import torch
+
+# Training parameters: name -> (shape, dtype).
+TRAINING = {
+    "embed": ((64, 48), torch.bfloat16),
+    "q": ((32, 48), torch.bfloat16),
+    "k": ((16, 48), torch.bfloat16),
+    "v": ((16, 48), torch.bfloat16),
+    "o": ((48, 32), torch.bfloat16),
+    "up": ((300, 136), torch.bfloat16),
+    "norm": ((48,), torch.float32),
+    "big": ((512, 1024), torch.bfloat16),
+}
+
+
+def training_tensor(name, version, device="cpu"):
+    shape, dtype = TRAINING[name]
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 1000 + version)
+    t = torch.randn(shape, generator=g) * 0.05
+    if name == "up":  # outliers and tiny values: scales differ per tile, subnormals appear
+        t[::37, ::11] *= 300.0
+        t[5, :] *= 1e-5
+        t[128:256, 0:128] = 0.0  # an all-zero tile
+    return t.to(dtype).to(device)
+
+
+def inference_layout():
+    """(name, kwargs for InferenceWeights.add, local shape, dtype) of the one inference rank:
+    whole tensors, a fused QKV, a row-style slice of o (strided writes), FP8 up + scales."""
+    return [
+        ("embed", dict(), (64, 48), torch.bfloat16),
+        ("qkv", dict(projection="concat", sources=["q", "k", "v"], concat_dim=0),
+         (64, 48), torch.bfloat16),
+        ("o", dict(shape=(48, 32), dim=1, start=8), (48, 16), torch.bfloat16),
+        ("up", dict(projection="fp8_quantize", dtype="fp8_e4m3"), (300, 136), torch.uint8),
+        ("up.scale", dict(projection="fp8_scale", sources=["up"]), (3, 2), torch.float32),
+        ("norm", dict(), (48,), torch.float32),
+        ("big", dict(), (512, 1024), torch.bfloat16),
+    ]
+
+
+def reference(version, quantize):
+    """What each inference tensor holds after push `version` (quantize: the FP8 reference)."""
+    t = {n: training_tensor(n, version) for n in TRAINING}
+    q, s = quantize(t["up"])
+    return {
+        "embed": t["embed"],
+        "qkv": torch.cat([t["q"], t["k"], t["v"]], 0),
+        "o": t["o"][:, 8:24].contiguous(),
+        "up": q,
+        "up.scale": s,
+        "norm": t["norm"],
+        "big": t["big"],
+    }
+
+
+def serve_trainer(conn, provider, directory, max_temp_bytes):
+    """The training process: one rank holding every parameter whole, driven over `conn`."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import fabric_lib
+    import fabric_lib.weights as fw
+    from peer import make_config
+
+    try:
+        engine = fabric_lib.TransferEngine(make_config(provider))
+        registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
+        trainer = fw.TrainerWeights(engine, 0, 1, registry, max_temp_bytes=max_temp_bytes,
+                                    chunk_bytes=256 << 10, timeout=20.0)
+        weights = {n: training_tensor(n, 0) for n in TRAINING}
+        for n, t in weights.items():
+            trainer.add(n, t)
+        trainer.publish()
+    except Exception as e:
+        conn.send(("error", type(e).__name__, str(e)))
+        return
+    conn.send(("ok", None))
+    while True:
+        method, args = conn.recv()
+        try:
+            if method == "exit":
+                engine.close()
+                conn.send(("ok", None))
+                return
+            if method == "connect":
+                conn.send(("ok", len(trainer.connect(*args))))
+            elif method == "push":  # a training step (new values in place), then the push
+                version, pause = args
+                for n, t in weights.items():
+                    t.copy_(training_tensor(n, version))
+                stall = (lambda name: time.sleep(pause)) if pause else None
+                conn.send(("ok", trainer.push(version, on_param=stall)))
+        except Exception as e:
+            conn.send(("error", type(e).__name__, str(e)))
