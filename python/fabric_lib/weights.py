@@ -500,13 +500,15 @@ class TrainerWeights:
     def _gather(self, name):
         """The full tensor of training parameter `name`."""
         shard, shape, box, _ = self._shards.get(name, (None, None, None, None))
-        if shard is not None and not box:
-            return shard
         if self.world == 1:
-            raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
-                         f"training parameter '{name}': one rank holds only a shard of it")
+            if shard is None or box:
+                raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                             f"training parameter '{name}': one rank holds only a shard of it")
+            return shard
         import torch.distributed as dist
         holders = [(r, b[name]) for r, b in enumerate(self._boxes) if name in b]
+        if all(not b[0] for _, b in holders):  # whole wherever held: nothing to gather
+            return shard  # None on a rank that holds none: it is never its sender
         _, replica, shape, dtype = holders[0][1]
         mine = [(r, bx) for r, (bx, rep, _, _) in holders if rep == replica]
         sizes = [_box_numel(bx, shape) for _, bx in mine]
@@ -514,8 +516,10 @@ class TrainerWeights:
         flat = torch.zeros(max(sizes), dtype=dtype, device=device)
         if shard is not None and self._boxes[self.rank][name][1] == replica:
             flat[: shard.numel()] = shard.reshape(-1)
-        parts = [torch.empty_like(flat) for _ in range(self.world)]
-        dist.all_gather(parts, flat, group=self.process_group)
+        # As bytes: every backend all-gathers uint8 (gloo has no bfloat16).
+        parts = [torch.empty_like(flat).view(torch.uint8) for _ in range(self.world)]
+        dist.all_gather(parts, flat.view(torch.uint8), group=self.process_group)
+        parts = [q.view(dtype) for q in parts]
         full = torch.empty(shape, dtype=dtype, device=device)
         for (r, bx), n in zip(mine, sizes):
             region = full[tuple(slice(s, s + ln) for s, ln in _full_box(bx, shape))]

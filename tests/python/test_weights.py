@@ -28,14 +28,20 @@ KILL_BOUND = 2.0  # seconds from SIGKILL to the version's error: FileRegistry po
 class Trainer:
     """The training process (weights_model.serve_trainer), driven over a pipe."""
 
-    def __init__(self, provider, directory, max_temp_bytes=1 << 20):
+    def __init__(self, provider, directory, max_temp_bytes=1 << 20, rank=0, world=1, init=None):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=model.serve_trainer,
-                                   args=(child, provider, directory, max_temp_bytes), daemon=True)
+        self.process = ctx.Process(
+            target=model.serve_trainer,
+            args=(child, provider, directory, max_temp_bytes, rank, world, init), daemon=True)
         self.process.start()
         child.close()
-        self.reply(TIMEOUT)
+        self.started = False
+
+    def wait_started(self):
+        if not self.started:
+            self.reply(TIMEOUT)
+            self.started = True
 
     def reply(self, timeout=TIMEOUT):
         if not self.conn.poll(timeout):
@@ -46,6 +52,7 @@ class Trainer:
         return r[1]
 
     def call(self, method, *args):
+        self.wait_started()
         self.conn.send((method, args))
         return self.reply()
 
@@ -126,7 +133,7 @@ def test_trainer_killed_mid_push(provider, mode, tmp_path):
         trainer.call("push", 1, 0)
         expect_version(inf, 1)
         future = inf.prepare(2)
-        trainer.conn.send(("push", (2, 5.0)))  # stalls 5 s after each parameter's writes
+        trainer.conn.send(("push", (2, 5.0)))  # started: it answered the push of version 1  # stalls 5 s after each parameter's writes
         deadline = time.monotonic() + TIMEOUT
         while inf.engine.imm_count(inf._pending[1]) == 0:  # some of version 2 has landed
             assert time.monotonic() < deadline
@@ -144,6 +151,35 @@ def test_trainer_killed_mid_push(provider, mode, tmp_path):
                 inf.tensors()
     finally:
         trainer.close()
+        registry.close()
+        engine.close()
+
+
+def test_fsdp_trainers_gather_over_torch_distributed(tmp_path):
+    """Two FSDP training processes (dim-0 shards of every parameter, gloo): each gathers with
+    torch.distributed and sends its half of the schedule; the result is bit-exact."""
+    directory = str(tmp_path / "registry")
+    engine, registry, inf = inference_side("tcp", directory, "flip")
+    init = f"file://{tmp_path / 'dist-init'}"
+    trainers = [Trainer("tcp", directory, rank=r, world=2, init=init) for r in range(2)]
+    try:
+        for t in trainers:
+            t.wait_started()
+        for t in trainers:
+            t.conn.send(("connect", (1,)))
+        assert all(t.reply() > 0 for t in trainers), "a rank was scheduled nothing"
+        future = inf.prepare(1)
+        for t in trainers:
+            t.conn.send(("push", (1, 0)))
+        stats = [t.reply() for t in trainers]
+        assert future.result(TIMEOUT) == 1
+        expect_version(inf, 1)
+        total = sum(t.numel() * t.element_size() for t in inf.tensors().values())
+        assert sum(s["bytes"] for s in stats) == total
+        assert max(s["bytes"] for s in stats) <= total / 2 + (256 << 10), "unbalanced"
+    finally:
+        for t in trainers:
+            t.close()
         registry.close()
         engine.close()
 

@@ -64,8 +64,17 @@ def reference(version, quantize):
     }
 
 
-def serve_trainer(conn, provider, directory, max_temp_bytes):
-    """The training process: one rank holding every parameter whole, driven over `conn`."""
+def shard_of(name, full, rank, world):
+    """Rank `rank`'s FSDP shard (dim-0 chunk) of `full` and its box."""
+    rows = full.shape[0]
+    start, stop = rows * rank // world, rows * (rank + 1) // world
+    box = [(start, stop - start)] + [(0, d) for d in full.shape[1:]]
+    return full[start:stop].clone(), box
+
+
+def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, init=None):
+    """A training process, driven over `conn`: one rank holding every parameter whole, or
+    rank `rank` of `world` FSDP ranks (torch.distributed over gloo, `init` a file://)."""
     import sys
     from pathlib import Path
 
@@ -75,13 +84,23 @@ def serve_trainer(conn, provider, directory, max_temp_bytes):
     from peer import make_config
 
     try:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         engine = fabric_lib.TransferEngine(make_config(provider))
         registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
-        trainer = fw.TrainerWeights(engine, 0, 1, registry, max_temp_bytes=max_temp_bytes,
+        trainer = fw.TrainerWeights(engine, rank, world, registry, max_temp_bytes=max_temp_bytes,
                                     chunk_bytes=256 << 10, timeout=20.0)
-        weights = {n: training_tensor(n, 0) for n in TRAINING}
-        for n, t in weights.items():
-            trainer.add(n, t)
+        weights = {}
+        for n in TRAINING:
+            full = training_tensor(n, 0)
+            if world == 1:
+                weights[n] = full
+                trainer.add(n, full)
+            else:
+                weights[n], box = shard_of(n, full, rank, world)
+                trainer.add(n, weights[n], shape=full.shape, box=box)
         trainer.publish()
     except Exception as e:
         conn.send(("error", type(e).__name__, str(e)))
@@ -95,11 +114,12 @@ def serve_trainer(conn, provider, directory, max_temp_bytes):
                 conn.send(("ok", None))
                 return
             if method == "connect":
-                conn.send(("ok", len(trainer.connect(*args))))
+                conn.send(("ok", len(trainer.connect(*args).entries(rank))))
             elif method == "push":  # a training step (new values in place), then the push
                 version, pause = args
                 for n, t in weights.items():
-                    t.copy_(training_tensor(n, version))
+                    full = training_tensor(n, version)
+                    t.copy_(full if world == 1 else shard_of(n, full, rank, world)[0])
                 stall = (lambda name: time.sleep(pause)) if pause else None
                 conn.send(("ok", trainer.push(version, on_param=stall)))
         except Exception as e:
