@@ -193,7 +193,9 @@ class InferenceWeights:
         self._imm_base, self._seq = imm_base, 0
         self._params = []  # _Param
         self._copies = {}  # name -> [tensor per copy]
-        self._regs = {}  # name -> [Registration per copy]
+        self._regions = []  # Registration: arenas and tensors registered alone
+        self._arenas = []  # (start address, end address, region index)
+        self._where = {}  # name -> [(region index, byte offset) per copy]
         self._lock = threading.Lock()
         self._active = 0
         self._version = None
@@ -227,14 +229,37 @@ class InferenceWeights:
         if self.mode == "flip":
             copies.append(torch.empty_like(tensor) if spare is None else spare)
         self._copies[name] = copies
-        self._regs[name] = [self.engine.register(c) for c in copies]
+        self._where[name] = [self._locate(c) for c in copies]
+
+    def add_arena(self, buffer):
+        """Registers `buffer` (a contiguous tensor) once; tensors added later that lie inside
+        it are written through this one registration (one memory region instead of one per
+        tensor: fewer registrations, and for GPU memory one staging mirror, not thousands)."""
+        reg = self.engine.register(buffer)
+        start = buffer.data_ptr()
+        self._arenas.append((start, start + buffer.numel() * buffer.element_size(),
+                             len(self._regions)))
+        self._regions.append(reg)
+        self._keep = getattr(self, "_keep", []) + [buffer]
+
+    def _locate(self, tensor):
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        for lo, hi, index in self._arenas:
+            if lo <= start and end <= hi:
+                return index, start - lo
+        self._regions.append(self.engine.register(tensor))
+        return len(self._regions) - 1, 0
 
     def publish(self):
         """Publishes this rank's layout and registrations, and watches the training ranks."""
         desc = _ext._weights_encode_inference(self.rank, [p.as_tuple() for p in self._params])
-        chunks = [desc]
+        # The layout, the regions' descriptors, then (region, offset) of each copy of each
+        # parameter, in the layout's order.
+        chunks = [desc, struct.pack("<I", len(self._regions))]
+        chunks += [bytes(r.descriptor) for r in self._regions]
         for p in self._params:
-            chunks += [bytes(r.descriptor) for r in self._regs[p.name]]
+            chunks += [struct.pack("<IQ", *w) for w in self._where[p.name]]
         self.registry.join(Member(f"{self.group}.i{self.rank}", role=_ROLE_INFERENCE,
                                   instance=self.group, tp_rank=self.rank,
                                   address=bytes(self.engine.address).hex(),
@@ -459,9 +484,12 @@ class TrainerWeights:
         for m in inference:
             chunks = _unpack(bytes.fromhex(m.data))
             names = [p[0] for p in _ext._weights_decode_inference(chunks[0])]
-            per = (len(chunks) - 1) // max(1, len(names))
+            (num_regions,) = struct.unpack("<I", chunks[1])
+            regions = [RemoteMemory(c) for c in chunks[2 : 2 + num_regions]]
+            where = [struct.unpack("<IQ", c) for c in chunks[2 + num_regions :]]
+            per = len(where) // max(1, len(names))
             self._targets[m.tp_rank] = {
-                n: [RemoteMemory(chunks[1 + i * per + c]) for c in range(per)]
+                n: [(regions[where[i * per + c][0]], where[i * per + c][1]) for c in range(per)]
                 for i, n in enumerate(names)}
         self._entries = collections.defaultdict(list)
         for e in schedule.entries(self.rank):
@@ -604,7 +632,8 @@ class TrainerWeights:
     def _write(self, e, start, ready):
         _, nic, param, inference, src_offset, length, runs, src_stride, dst_offset, dst_stride = e
         imm, copy = ready[inference]
-        dst = self._targets[inference][self._params[param][0]][copy]
+        dst, base = self._targets[inference][self._params[param][0]][copy]
+        dst_offset += base
         routing = Routing.pinned(nic) if self.num_nics > 1 else None
         if runs == 1:
             return self.engine.write(self._ring.reg, dst, length, src_offset=start + src_offset,

@@ -70,8 +70,16 @@ def inference_side(provider, directory, mode):
     engine = fabric_lib.TransferEngine(make_config(provider))
     registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
     inf = fw.InferenceWeights(engine, 0, registry, mode=mode, timeout=20.0)
+    # "big" and its spare live in one registered arena (at offsets), the others alone.
+    arena = torch.zeros(2 * 512 * 1024 * 2 + 64, dtype=torch.uint8)
+    inf.add_arena(arena)
     for name, kwargs, shape, dtype in model.inference_layout():
-        inf.add(name, torch.zeros(shape, dtype=dtype), **kwargs)
+        if name == "big":
+            at = 64
+            kwargs = dict(kwargs, spare=arena[at + 512 * 1024 * 2 :].view(dtype).view(shape))
+            inf.add(name, arena[at : at + 512 * 1024 * 2].view(dtype).view(shape), **kwargs)
+        else:
+            inf.add(name, torch.zeros(shape, dtype=dtype), **kwargs)
     inf.publish()
     return engine, registry, inf
 
