@@ -387,6 +387,7 @@ class _Ring:
         self.size, self.head = size, 0
         self.live = collections.deque()  # (start, end, [Transfer])
         self.high_water = 0
+        self.before_wait = None  # posts what was staged but not written yet (push sets it)
 
     def take(self, n, name, timeout):
         if n > self.size:
@@ -394,9 +395,12 @@ class _Ring:
                          f"parameter '{name}': its projection needs {n} bytes, more than "
                          f"max_temp_bytes ({self.size})")
         while True:
-            start = self.head if self.head + n <= self.size else 0
+            start = _align(self.head)
+            start = start if start + n <= self.size else 0
             if not any(start < e and s < start + n for s, e, _ in self.live):
                 break
+            if self.before_wait is not None:
+                self.before_wait()  # the oldest range's writes must be posted to be waited on
             self.release_oldest(timeout)
         self.head = start + n
         return start
@@ -557,76 +561,106 @@ class TrainerWeights:
     def push(self, version, on_param=None):
         """Writes `version` of every parameter this rank is scheduled to send, once each target
         inference rank has prepared it. Blocks until every write completed; returns seconds per
-        stage {'wait_ready', 'gather', 'project', 'post', 'drain', 'total'} and the bytes.
-        on_param(name) runs after each parameter's writes are posted (progress; tests)."""
+        stage {'wait_ready', 'gather', 'project', 'post', 'drain', 'total'}, the bytes written
+        and the staging high-water mark. Projections are enqueued back to back and their
+        writes posted in batches of about max_temp_bytes / 4 (one stream synchronisation per
+        batch). on_param(name) runs after each parameter's writes are posted (progress; tests)."""
         t0 = time.perf_counter()
         stats = dict(wait_ready=0.0, gather=0.0, project=0.0, post=0.0, drain=0.0, bytes=0)
         targets = {e[3] for es in self._entries.values() for e in es}
         ready = self._wait_ready(version, targets)
         stats["wait_ready"] = time.perf_counter() - t0
-        done = set()
-        for index, p in enumerate(self._params):
-            name, dtype, shape, kind, sources = p[0], p[1], p[2], p[3], p[4]
-            # Every rank gathers every parameter in the same order (the gather is collective);
-            # only the ranks scheduled to send it project and write it.
-            need = index not in done and bool(self._entries.get(index))
-            if self.world == 1 and not need:
-                continue
+        batch = []  # (param index, ring start, bytes, its transfers, to fill) not posted yet
+        batch_limit = max(1, self._ring.size // 4)
+
+        def flush():
+            if not batch:
+                return
             t = time.perf_counter()
-            full = [self._gather(s) for s in sources]
-            stats["gather"] += time.perf_counter() - t
-            if not need:
-                continue
-            t = time.perf_counter()
-            staged = self._project(index, full, done)
             if self._ring.buffer.is_cuda:
                 torch.cuda.current_stream(self._ring.buffer.device).synchronize()
             stats["project"] += time.perf_counter() - t
             t = time.perf_counter()
-            for i, start, n in staged:
-                transfers = [self._write(e, start, ready) for e in self._entries.get(i, [])]
-                stats["bytes"] += sum(e[5] * e[6] for e in self._entries.get(i, []))
-                self._ring.hold(start, n, transfers)
+            for i, start, _, transfers in batch:
+                entries = self._entries.get(i, [])
+                transfers.extend(self._write(e, start, ready) for e in entries)
+                stats["bytes"] += sum(e[5] * e[6] for e in entries)
             stats["post"] += time.perf_counter() - t
+            posted = [self._params[i][0] for i, _, _, _ in batch]
+            batch.clear()
             if on_param is not None:
-                on_param(name)
-        t = time.perf_counter()
-        self._ring.drain(self.timeout)
-        stats["drain"] = time.perf_counter() - t
+                for name in posted:
+                    on_param(name)
+
+        self._ring.before_wait = flush
+        try:
+            done = set()
+            for index, p in enumerate(self._params):
+                # Every rank gathers every parameter in the same order (the gather is
+                # collective); only the ranks scheduled to send it project and write it.
+                need = index not in done and bool(self._entries.get(index))
+                if self.world == 1 and not need:
+                    continue
+                t = time.perf_counter()
+                full = [self._gather(s) for s in p[4]]
+                stats["gather"] += time.perf_counter() - t
+                if not need:
+                    continue
+                t = time.perf_counter()
+                batch.extend(self._project(index, full, done))
+                stats["project"] += time.perf_counter() - t
+                if sum(n for _, _, n, _ in batch) >= batch_limit:
+                    flush()
+            flush()
+            t = time.perf_counter()
+            self._ring.drain(self.timeout)
+            stats["drain"] = time.perf_counter() - t
+        finally:
+            self._ring.before_wait = None
         stats["total"] = time.perf_counter() - t0
         stats["temp_high_water"] = self._ring.high_water
         return stats
 
+    def _stage(self, n, name):
+        """n bytes of the ring, held at once (its transfers are added when posted)."""
+        start = self._ring.take(n, name, self.timeout)
+        transfers = []
+        self._ring.hold(start, n, transfers)
+        return start, transfers
+
     def _project(self, index, full, done):
-        """Projects parameter `index` into the ring; returns [(param index, start, bytes)] (two
-        for an FP8 weight whose scales are scheduled too: one kernel makes both)."""
+        """Projects parameter `index` into the ring (enqueued, for GPU tensors); returns
+        [(param index, start, bytes, transfers)]: two for an FP8 weight whose scales are
+        scheduled too, since one kernel makes both."""
         name, dtype, shape, kind, sources, concat_dim, block = self._params[index][:7]
         n = _numel(shape) * _element_bytes(dtype)
-        start = self._ring.take(n, name, self.timeout)
-        view = self._ring.buffer[start : start + n]
-        done.add(index)
-        if kind == "identity":
-            view.view(_TORCH[dtype]).view(shape).copy_(full[0])
-            return [(index, start, n)]
-        if kind == "concat":
-            torch.cat(full, dim=concat_dim, out=view.view(_TORCH[dtype]).view(shape))
-            return [(index, start, n)]
-        # FP8: the weight and its scales come from one quantisation.
+        if kind in ("identity", "concat"):
+            start, transfers = self._stage(n, name)
+            view = self._ring.buffer[start : start + n].view(_TORCH[dtype]).view(shape)
+            done.add(index)
+            if kind == "identity":
+                view.copy_(full[0])
+            else:
+                torch.cat(full, dim=concat_dim, out=view)
+            return [(index, start, n, transfers)]
+        # FP8: the weight and its scales come from one quantisation, into one ring range (so
+        # neither half can be reused while the other is pending); both share its transfers.
         partner = next((i for i, q in enumerate(self._params) if i != index and q[4] == sources
                         and q[3] in ("fp8_quantize", "fp8_scale") and q[6] == block), None)
         rows, cols = full[0].shape
         tiles = ((rows + block - 1) // block) * ((cols + block - 1) // block)
         other_n = tiles * 4 if kind == "fp8_quantize" else rows * cols
-        other = self._ring.take(other_n, name, self.timeout)
+        start, transfers = self._stage(_align(n) + other_n, name)
+        done.add(index)
+        view = self._ring.buffer[start : start + n]
+        other = start + _align(n)
         other_view = self._ring.buffer[other : other + other_n]
         q, s = (view, other_view) if kind == "fp8_quantize" else (other_view, view)
         _quantize_into(full[0], q.view(rows, cols), s.view(torch.float32).view(-1), block)
-        out = [(index, start, n)]
+        out = [(index, start, n, transfers)]
         if partner is not None and partner in self._entries:
             done.add(partner)
-            out.append((partner, other, other_n))
-        else:
-            self._ring.hold(other, other_n, [])
+            out.append((partner, other, other_n, transfers))
         return out
 
     def _write(self, e, start, ready):
@@ -642,6 +676,11 @@ class TrainerWeights:
         return self.engine.paged_write(self._ring.reg, dst, length, pages, pages,
                                        src_stride=src_stride, src_offset=start + src_offset,
                                        dst_stride=dst_stride, dst_offset=dst_offset, imm=imm)
+
+
+def _align(n, to=256):
+    """n rounded up to a multiple of `to`: every ring range starts aligned for any dtype."""
+    return (n + to - 1) // to * to
 
 
 def _numel(shape):
