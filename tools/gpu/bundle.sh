@@ -20,6 +20,8 @@ if [ -x build/bin/fabric-kv-gpu ]; then cp build/bin/fabric-kv-gpu .gpu/ && stri
 cp build/lib/libfabriclib.a .gpu/ && strip --strip-debug .gpu/libfabriclib.a
 # fabric::kv for the Python module's KV bindings (the etcd registry needs libcurl.so.4 there).
 for l in libfabrickv.a libfabrickvetcd.a; do cp build/lib/$l .gpu/ && strip --strip-debug .gpu/$l; done
+# fabric::weights (schedule, projections, the FP8 kernel) for the module's weights bindings.
+cp build/lib/libfabricweights.a .gpu/ && strip --strip-debug .gpu/libfabricweights.a
 cp /usr/local/cuda/lib64/libcudart_static.a .gpu/
 for l in libhwloc.so.15 libspdlog.so.1.10 libfmt.so.9; do cp "/lib/x86_64-linux-gnu/$l" .gpu/lib/; done
 cp -r /usr/include/rdma /usr/include/fmt /usr/include/spdlog .gpu/include/
