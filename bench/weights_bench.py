@@ -22,6 +22,7 @@ Medians of --iters. NCCL_NVLS_ENABLE=0 in every process. Prints a table; --json 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -296,6 +297,7 @@ def run_phase(args, shape_args, provider, cuda_ipc, group, with_baselines):
             p.join(30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(directory, ignore_errors=True)
     return out
 
 

@@ -7,6 +7,7 @@ complete version stays intact."""
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -190,6 +191,15 @@ def test_fsdp_trainers_gather_over_torch_distributed(tmp_path):
             t.close()
         registry.close()
         engine.close()
+
+
+def test_the_example_serves_each_new_version():
+    example = Path(__file__).parents[2] / "examples" / "weight_push.py"
+    run = subprocess.run([sys.executable, str(example), "shm"], capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for version in (1, 2, 3):
+        assert f"inference: serving version {version}:" in run.stdout, run.stdout
 
 
 def describe(trainers, inference):
