@@ -98,16 +98,34 @@ def config(provider, cuda_ipc):
     return fabric_lib.Config(provider=provider, nics=nics, cuda_ipc=cuda_ipc)
 
 
+def start(args, rank, provider, cuda_ipc, directory, nccl):
+    """A bench process: its GPU, NCCL (or gloo) when the baselines run, engine, registry."""
+    if not args.cpu:
+        torch.cuda.set_device(rank)
+    if nccl:
+        dist.init_process_group("gloo" if args.cpu else "nccl", init_method=nccl, rank=rank,
+                                world_size=2)
+    engine = fabric_lib.TransferEngine(config(provider, cuda_ipc))
+    return engine, fabric_lib.FileRegistry(directory, poll_interval=0.1)
+
+
+def project(weights, name, kwargs):
+    """The projected tensors of inference parameter `name`, computed outside the push (an FP8
+    weight gives its bytes and its scales; its scale parameter gives nothing)."""
+    kind = kwargs.get("projection", "identity")
+    if kind == "concat":
+        return [torch.cat([weights[s] for s in kwargs["sources"]], 0)]
+    if kind == "fp8_quantize":
+        return list(fw.quantize_fp8(weights[name]))
+    if kind == "fp8_scale":
+        return []
+    return [weights[name]]
+
+
 def trainer_main(conn, args, shape_args, provider, cuda_ipc, directory, group, nccl):
     dev0, dev1 = devices(args)
-    if not args.cpu:
-        torch.cuda.set_device(0)
-    if nccl:
-        dist.init_process_group("gloo" if args.cpu else "nccl", init_method=nccl, rank=0,
-                                world_size=2)
+    engine, registry = start(args, 0, provider, cuda_ipc, directory, nccl)
     train, layout = model(*shape_args)
-    engine = fabric_lib.TransferEngine(config(provider, cuda_ipc))
-    registry = fabric_lib.FileRegistry(directory, poll_interval=0.1)
     trainer = fw.TrainerWeights(engine, 0, 1, registry, group=group, device=dev0,
                                 max_temp_bytes=int(args.max_temp_gib * (1 << 30)), timeout=120.0)
     g = torch.Generator(device=dev0).manual_seed(1)
@@ -129,18 +147,10 @@ def trainer_main(conn, args, shape_args, provider, cuda_ipc, directory, group, n
         elif cmd == "checksums":  # the projection, computed here independently of the push
             out = {}
             for name, kwargs, shape, dtype in layout:
-                if name not in arg:
-                    continue
-                kind = kwargs.get("projection", "identity")
-                if kind == "concat":
-                    t = torch.cat([weights[s] for s in kwargs["sources"]], 0)
-                elif kind == "fp8_quantize":
-                    t = fw.quantize_fp8(weights[name])[0]
-                elif kind == "fp8_scale":
-                    t = fw.quantize_fp8(weights[kwargs["sources"][0]])[1]
-                else:
-                    t = weights[name]
-                out[name] = checksum(t)
+                if name in arg and kwargs.get("projection") == "fp8_scale":
+                    out[name] = checksum(fw.quantize_fp8(weights[kwargs["sources"][0]])[1])
+                elif name in arg:
+                    out[name] = checksum(project(weights, name, kwargs)[0])
             conn.send(out)
         elif cmd == "bound":  # cudaMemcpyPeerAsync of `arg` bytes in 1 GiB pieces
             piece = min(arg, 1 << 30)
@@ -161,15 +171,7 @@ def trainer_main(conn, args, shape_args, provider, cuda_ipc, directory, group, n
             del a, b
             conn.send(times)
         elif cmd == "broadcast":
-            projected = []
-            for name, kwargs, shape, dtype in layout:
-                kind = kwargs.get("projection", "identity")
-                if kind == "concat":
-                    projected.append(torch.cat([weights[s] for s in kwargs["sources"]], 0))
-                elif kind == "fp8_quantize":
-                    projected.extend(fw.quantize_fp8(weights[name]))
-                elif kind == "identity":
-                    projected.append(weights[name])
+            projected = [t for name, kwargs, _, _ in layout for t in project(weights, name, kwargs)]
             sync(args)
             times = []
             for _ in range(args.iters + 1):
@@ -189,14 +191,8 @@ def trainer_main(conn, args, shape_args, provider, cuda_ipc, directory, group, n
 
 def inference_main(conn, args, shape_args, provider, cuda_ipc, directory, group, nccl):
     _, dev1 = devices(args)
-    if not args.cpu:
-        torch.cuda.set_device(1)
-    if nccl:
-        dist.init_process_group("gloo" if args.cpu else "nccl", init_method=nccl, rank=1,
-                                world_size=2)
+    engine, registry = start(args, 1, provider, cuda_ipc, directory, nccl)
     _, layout = model(*shape_args)
-    engine = fabric_lib.TransferEngine(config(provider, cuda_ipc))
-    registry = fabric_lib.FileRegistry(directory, poll_interval=0.1)
     inf = fw.InferenceWeights(engine, 0, registry, group=group, mode="flip", timeout=120.0)
     total = sum(nbytes(s, d) + 256 for _, _, s, d in layout)
     arenas = [torch.zeros(total, dtype=torch.uint8, device=dev1) for _ in range(2)]

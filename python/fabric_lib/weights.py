@@ -294,6 +294,14 @@ class InferenceWeights:
     def __getitem__(self, name):
         return self.tensors()[name]
 
+    @property
+    def progress(self):
+        """(version, writes landed, writes expected) of the pending version, or None."""
+        pending = self._pending
+        if pending is None:
+            return None
+        return pending[0], self.engine.imm_count(pending[1]), self._expected
+
     # --- a version ---
 
     def prepare(self, version):
@@ -328,6 +336,7 @@ class InferenceWeights:
             self._pending = (version, imm, copy, future, timer)
             self._trainers = {m.name: bytes.fromhex(m.address) for m in trainers}
         count = self._schedule.writes_into(self.rank)
+        self._expected = count
         if count == 0:
             self._complete(version)
             return future

@@ -4,6 +4,7 @@ PyTorch (copies, a fused QKV, a strided row slice, FP8 with block scales); bad l
 the named error; a trainer SIGKILLed mid-push fails that version within a bound while the last
 complete version stays intact."""
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -102,14 +103,31 @@ def provider(request):
     return request.param
 
 
-@pytest.mark.parametrize("mode", ["flip", "in_place"])
-def test_push_versions_bit_exact(provider, mode, tmp_path):
+@contextlib.contextmanager
+def pushing(provider, tmp_path, mode, world=1):
+    """This process as the inference rank and `world` training processes (FSDP over gloo when
+    world > 1), connected through a FileRegistry in tmp_path."""
     directory = str(tmp_path / "registry")
     engine, registry, inf = inference_side(provider, directory, mode)
-    trainer = Trainer(provider, directory)
+    init = f"file://{tmp_path / 'dist-init'}"
+    trainers = [Trainer(provider, directory, rank=r, world=world, init=init) for r in range(world)]
     try:
-        entries = trainer.call("connect", 1)
-        assert entries > 0
+        for t in trainers:
+            t.wait_started()
+        for t in trainers:
+            t.conn.send(("connect", (1,)))
+        assert all(t.reply() > 0 for t in trainers), "a training rank was scheduled nothing"
+        yield inf, trainers
+    finally:
+        for t in trainers:
+            t.close()
+        registry.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", ["flip", "in_place"])
+def test_push_versions_bit_exact(provider, mode, tmp_path):
+    with pushing(provider, tmp_path, mode) as (inf, [trainer]):
         seen = []
         inf.on_version(seen.append)
         for version in (1, 2):
@@ -123,60 +141,41 @@ def test_push_versions_bit_exact(provider, mode, tmp_path):
             assert stats["bytes"] == sum(t.numel() * t.element_size()
                                          for t in inf.tensors().values())
             assert stats["temp_high_water"] <= 1 << 20, "staging beyond max_temp_bytes"
-        assert seen == [1, 2]
+        assert seen == [1, 2] and inf.progress is None
         assert inf.copies == (2 if mode == "flip" else 1)
-    finally:
-        trainer.close()
-        registry.close()
-        engine.close()
 
 
 @pytest.mark.parametrize("mode", ["flip", "in_place"])
 def test_trainer_killed_mid_push(provider, mode, tmp_path):
-    directory = str(tmp_path / "registry")
-    engine, registry, inf = inference_side(provider, directory, mode)
-    trainer = Trainer(provider, directory)
-    try:
-        trainer.call("connect", 1)
+    with pushing(provider, tmp_path, mode) as (inf, [trainer]):
         inf.prepare(1)
         trainer.call("push", 1, 0)
         expect_version(inf, 1)
         future = inf.prepare(2)
-        trainer.conn.send(("push", (2, 5.0)))  # started: it answered the push of version 1  # stalls 5 s after each parameter's writes
+        trainer.conn.send(("push", (2, 5.0)))  # stalls 5 s after each batch of writes
         deadline = time.monotonic() + TIMEOUT
-        while inf.engine.imm_count(inf._pending[1]) == 0:  # some of version 2 has landed
+        while inf.progress[1] == 0:  # wait until some of version 2 has landed
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        version, landed, expected = inf.progress
+        assert version == 2 and 0 < landed < expected, "the push was not cut in the middle"
         os.kill(trainer.process.pid, signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(fabric_lib.PeerUnreachable, match="version 2"):
             future.result(TIMEOUT)
         assert time.monotonic() - killed < KILL_BOUND
-        assert inf.version == 1
+        assert inf.version == 1 and inf.progress is None
         if mode == "flip":
             expect_version(inf, 1)  # still serving the last complete version
         else:
             with pytest.raises(fabric_lib.InvalidArgument, match="half-written"):
                 inf.tensors()
-    finally:
-        trainer.close()
-        registry.close()
-        engine.close()
 
 
 def test_fsdp_trainers_gather_over_torch_distributed(tmp_path):
     """Two FSDP training processes (dim-0 shards of every parameter, gloo): each gathers with
-    torch.distributed and sends its half of the schedule; the result is bit-exact."""
-    directory = str(tmp_path / "registry")
-    engine, registry, inf = inference_side("tcp", directory, "flip")
-    init = f"file://{tmp_path / 'dist-init'}"
-    trainers = [Trainer("tcp", directory, rank=r, world=2, init=init) for r in range(2)]
-    try:
-        for t in trainers:
-            t.wait_started()
-        for t in trainers:
-            t.conn.send(("connect", (1,)))
-        assert all(t.reply() > 0 for t in trainers), "a rank was scheduled nothing"
+    torch.distributed and sends its part of the schedule; the result is bit-exact."""
+    with pushing("tcp", tmp_path, "flip", world=2) as (inf, trainers):
         future = inf.prepare(1)
         for t in trainers:
             t.conn.send(("push", (1, 0)))
@@ -186,11 +185,6 @@ def test_fsdp_trainers_gather_over_torch_distributed(tmp_path):
         total = sum(t.numel() * t.element_size() for t in inf.tensors().values())
         assert sum(s["bytes"] for s in stats) == total
         assert max(s["bytes"] for s in stats) <= total / 2 + (256 << 10), "unbalanced"
-    finally:
-        for t in trainers:
-            t.close()
-        registry.close()
-        engine.close()
 
 
 def test_the_example_serves_each_new_version():
