@@ -30,12 +30,14 @@ KILL_BOUND = 2.0  # seconds from SIGKILL to the version's error: FileRegistry po
 class Trainer:
     """The training process (weights_model.serve_trainer), driven over a pipe."""
 
-    def __init__(self, provider, directory, max_temp_bytes=1 << 20, rank=0, world=1, init=None):
+    def __init__(self, provider, directory, max_temp_bytes=1 << 20, rank=0, world=1, init=None,
+                 device="cpu"):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=model.serve_trainer,
-            args=(child, provider, directory, max_temp_bytes, rank, world, init), daemon=True)
+            args=(child, provider, directory, max_temp_bytes, rank, world, init, device),
+            daemon=True)
         self.process.start()
         child.close()
         self.started = False
@@ -68,12 +70,12 @@ class Trainer:
         self.process.join(10)
 
 
-def inference_side(provider, directory, mode):
+def inference_side(provider, directory, mode, device="cpu"):
     engine = fabric_lib.TransferEngine(make_config(provider))
     registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
     inf = fw.InferenceWeights(engine, 0, registry, mode=mode, timeout=20.0)
     # "big" and its spare live in one registered arena (at offsets), the others alone.
-    arena = torch.zeros(2 * 512 * 1024 * 2 + 64, dtype=torch.uint8)
+    arena = torch.zeros(2 * 512 * 1024 * 2 + 64, dtype=torch.uint8, device=device)
     inf.add_arena(arena)
     for name, kwargs, shape, dtype in model.inference_layout():
         if name == "big":
@@ -81,7 +83,7 @@ def inference_side(provider, directory, mode):
             kwargs = dict(kwargs, spare=arena[at + 512 * 1024 * 2 :].view(dtype).view(shape))
             inf.add(name, arena[at : at + 512 * 1024 * 2].view(dtype).view(shape), **kwargs)
         else:
-            inf.add(name, torch.zeros(shape, dtype=dtype), **kwargs)
+            inf.add(name, torch.zeros(shape, dtype=dtype, device=device), **kwargs)
     inf.publish()
     return engine, registry, inf
 
@@ -90,7 +92,7 @@ def expect_version(inf, version):
     want = model.reference(version, fw.fp8_reference)
     got = inf.tensors()
     for name, tensor in want.items():
-        assert torch.equal(got[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), (
+        assert torch.equal(got[name].cpu().view(torch.uint8), tensor.contiguous().view(torch.uint8)), (
             f"{name} differs from the reference after version {version}")
 
 
@@ -104,13 +106,16 @@ def provider(request):
 
 
 @contextlib.contextmanager
-def pushing(provider, tmp_path, mode, world=1):
+def pushing(provider, tmp_path, mode, world=1, device="cpu"):
     """This process as the inference rank and `world` training processes (FSDP over gloo when
-    world > 1), connected through a FileRegistry in tmp_path."""
+    world > 1), connected through a FileRegistry in tmp_path; tensors on `device` ("cuda": the
+    trainer on GPU 0, the inference tensors on the last GPU)."""
     directory = str(tmp_path / "registry")
-    engine, registry, inf = inference_side(provider, directory, mode)
+    last = f"cuda:{torch.cuda.device_count() - 1}" if device == "cuda" else "cpu"
+    engine, registry, inf = inference_side(provider, directory, mode, last)
     init = f"file://{tmp_path / 'dist-init'}"
-    trainers = [Trainer(provider, directory, rank=r, world=world, init=init) for r in range(world)]
+    trainers = [Trainer(provider, directory, rank=r, world=world, init=init,
+                        device="cuda:0" if device == "cuda" else "cpu") for r in range(world)]
     try:
         for t in trainers:
             t.wait_started()
@@ -125,9 +130,16 @@ def pushing(provider, tmp_path, mode, world=1):
         engine.close()
 
 
-@pytest.mark.parametrize("mode", ["flip", "in_place"])
-def test_push_versions_bit_exact(provider, mode, tmp_path):
-    with pushing(provider, tmp_path, mode) as (inf, [trainer]):
+NO_CUDA = "no CUDA device in this torch build (Debian's torch has no CUDA)"
+
+
+@pytest.mark.parametrize("mode,device", [
+    ("flip", "cpu"), ("in_place", "cpu"),
+    pytest.param("flip", "cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or not fabric_lib.HAS_CUDA, reason=NO_CUDA +
+        " or fabric_lib was built without CUDA: GPU tensors on both sides"))])
+def test_push_versions_bit_exact(provider, mode, device, tmp_path):
+    with pushing(provider, tmp_path, mode, device=device) as (inf, [trainer]):
         seen = []
         inf.on_version(seen.append)
         for version in (1, 2):
@@ -263,8 +275,8 @@ def test_fp8_cpu_quantiser_matches_the_pytorch_reference():
     assert s.shape == (3, 3) and int(q[0, 1]) == 0x80  # -0 keeps its sign
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device in this torch build "
-                    "(Debian's torch has no CUDA): the kernel's own test is tests/gpu")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA + ": the kernel's own test "
+                    "is tests/gpu")
 def test_fp8_cuda_kernel_matches_the_pytorch_reference():
     if not fabric_lib._fabric_lib._WEIGHTS_HAS_CUDA:
         pytest.skip("this build of fabric_lib has no CUDA projections")

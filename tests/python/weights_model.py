@@ -72,9 +72,11 @@ def shard_of(name, full, rank, world):
     return full[start:stop].clone(), box
 
 
-def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, init=None):
+def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, init=None,
+                  device="cpu"):
     """A training process, driven over `conn`: one rank holding every parameter whole, or
-    rank `rank` of `world` FSDP ranks (torch.distributed over gloo, `init` a file://)."""
+    rank `rank` of `world` FSDP ranks (torch.distributed over gloo, `init` a file://); its
+    tensors and staging on `device`."""
     import sys
     from pathlib import Path
 
@@ -91,10 +93,10 @@ def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, in
         engine = fabric_lib.TransferEngine(make_config(provider))
         registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
         trainer = fw.TrainerWeights(engine, rank, world, registry, max_temp_bytes=max_temp_bytes,
-                                    chunk_bytes=256 << 10, timeout=20.0)
+                                    chunk_bytes=256 << 10, timeout=20.0, device=device)
         weights = {}
         for n in TRAINING:
-            full = training_tensor(n, 0)
+            full = training_tensor(n, 0, device)
             if world == 1:
                 weights[n] = full
                 trainer.add(n, full)
@@ -118,7 +120,7 @@ def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, in
             elif method == "push":  # a training step (new values in place), then the push
                 version, pause = args
                 for n, t in weights.items():
-                    full = training_tensor(n, version)
+                    full = training_tensor(n, version, device)
                     t.copy_(full if world == 1 else shard_of(n, full, rank, world)[0])
                 stall = (lambda name: time.sleep(pause)) if pause else None
                 conn.send(("ok", trainer.push(version, on_param=stall)))
