@@ -92,7 +92,8 @@ def expect_version(inf, version):
     want = model.reference(version, fw.fp8_reference)
     got = inf.tensors()
     for name, tensor in want.items():
-        assert torch.equal(got[name].cpu().view(torch.uint8), tensor.contiguous().view(torch.uint8)), (
+        have = got[name].cpu().view(torch.uint8)
+        assert torch.equal(have, tensor.contiguous().view(torch.uint8)), (
             f"{name} differs from the reference after version {version}")
 
 
@@ -240,7 +241,8 @@ def test_bad_layouts_name_the_parameter():
     # The Python side's own checks name the parameter too.
     engine = fabric_lib.TransferEngine(make_config("tcp"))
     try:
-        inf = fw.InferenceWeights(engine, 0, fabric_lib.LocalRegistry(fabric_lib.LocalRegistryState()))
+        registry = fabric_lib.LocalRegistry(fabric_lib.LocalRegistryState())
+        inf = fw.InferenceWeights(engine, 0, registry)
         with pytest.raises(fabric_lib.InvalidArgument, match="'t': the tensor must be contiguous"):
             inf.add("t", torch.zeros(4, 4).t())
     finally:
