@@ -338,8 +338,9 @@ def main():
                 f"{gbs:7.1f} GB/s  (project {p['project'] * 1e3:.1f}, post {p['post'] * 1e3:.1f}, "
                 f"drain {p['drain'] * 1e3:.1f}, wait_ready {p['wait_ready'] * 1e3:.1f} ms; "
                 f"inference prepare->complete {r['complete_s'] * 1e3:.1f} ms; temp high-water "
-                f"{p['temp_high_water'] / GB:.2f} GB)  verified {len(r['verified'])}/"
-                f"{len(r['verified']) + len(r['mismatched'])}")
+                f"{p['temp_high_water'] / GB:.2f} GB; {p['writes']:.0f} submissions, "
+                f"{p['post'] / max(1, p['writes']) * 1e6:.1f} us each)  verified "
+                f"{len(r['verified'])}/{len(r['verified']) + len(r['mismatched'])}")
         print(line)
         if "bound_s" in r:
             b = p["bytes"] / r["bound_s"] / GB

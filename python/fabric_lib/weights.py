@@ -570,12 +570,14 @@ class TrainerWeights:
     def push(self, version, on_param=None):
         """Writes `version` of every parameter this rank is scheduled to send, once each target
         inference rank has prepared it. Blocks until every write completed; returns seconds per
-        stage {'wait_ready', 'gather', 'project', 'post', 'drain', 'total'}, the bytes written
-        and the staging high-water mark. Projections are enqueued back to back and their
+        stage {'wait_ready', 'gather', 'project', 'post', 'drain', 'total'}, the bytes and the
+        write submissions ('writes', a paged write counting once) and the staging high-water
+        mark ('temp_high_water'). Projections are enqueued back to back and their
         writes posted in batches of about max_temp_bytes / 4 (one stream synchronisation per
         batch). on_param(name) runs after each parameter's writes are posted (progress; tests)."""
         t0 = time.perf_counter()
-        stats = dict(wait_ready=0.0, gather=0.0, project=0.0, post=0.0, drain=0.0, bytes=0)
+        stats = dict(wait_ready=0.0, gather=0.0, project=0.0, post=0.0, drain=0.0, bytes=0,
+                     writes=0)
         targets = {e[3] for es in self._entries.values() for e in es}
         ready = self._wait_ready(version, targets)
         stats["wait_ready"] = time.perf_counter() - t0
@@ -594,6 +596,7 @@ class TrainerWeights:
                 entries = self._entries.get(i, [])
                 transfers.extend(self._write(e, start, ready) for e in entries)
                 stats["bytes"] += sum(e[5] * e[6] for e in entries)
+                stats["writes"] += len(entries)
             stats["post"] += time.perf_counter() - t
             posted = [self._params[i][0] for i, _, _, _ in batch]
             batch.clear()
