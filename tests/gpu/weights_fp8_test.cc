@@ -1,5 +1,6 @@
 // The FP8 block quantiser's CUDA kernel against the CPU reference, bit for bit: odd shapes
-// (partial tiles), all-zero tiles, values that saturate and values in the subnormal range.
+// (partial tiles; rows the kernel loads 8 elements at a time and rows it takes one by one),
+// all-zero tiles, values that saturate and values in the subnormal range.
 // Skips with its reason in a build without CUDA or on a machine without a GPU.
 #include <gtest/gtest.h>
 
@@ -48,7 +49,7 @@ TEST(WeightsFp8Cuda, KernelMatchesTheCpuReferenceBitForBit) {
     uint32_t block;
   };
   for (const Case c : {Case{128, 128, 128}, Case{300, 517, 128}, Case{1, 7, 128},
-                       Case{2048, 7168, 128}, Case{64, 96, 32}}) {
+                       Case{2048, 7168, 128}, Case{64, 96, 32}, Case{256, 264, 128}}) {
     SCOPED_TRACE(testing::Message() << c.rows << " x " << c.cols << " block " << c.block);
     const uint64_t n = c.rows * c.cols;
     auto host = random_bf16(n, c.rows * 31 + c.cols);

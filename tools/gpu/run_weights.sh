@@ -62,4 +62,6 @@ PYTHONPATH=$PKG timeout "$(left 0)" python3 bench/weights_bench.py --json "$OUT/
   ${BENCH_ARGS:-} >"$OUT/weights_bench.txt" 2>&1
 echo "bench exit $?"
 tail -40 "$OUT/weights_bench.txt"
+echo "== bench/weights_predict.py (the 1T model from the measured rates) =="
+[ -f "$OUT/weights_bench.json" ] && python3 bench/weights_predict.py --json "$OUT/weights_bench.json"
 echo "== done ($(elapsed)) =="
