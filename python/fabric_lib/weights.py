@@ -40,7 +40,7 @@ import torch
 
 from . import _fabric_lib as _ext
 from ._fabric_lib import (
-    Address,
+    Closed,
     InvalidArgument,
     Member,
     NotFound,
@@ -113,6 +113,13 @@ def _wait_members(registry, want, timeout, what):
             raise _error(Timeout, _ext.ErrorCode.TIMEOUT, f"weights: {what} not in the registry "
                          f"after {timeout} s")
         time.sleep(0.02)
+
+
+def _leave(registry, name):
+    try:
+        registry.leave(name)
+    except NotFound:
+        pass
 
 
 def quantize_fp8(src, block=128):
@@ -265,6 +272,21 @@ class InferenceWeights:
                                   address=bytes(self.engine.address).hex(),
                                   data=_pack(chunks).hex()))
         self.registry.watch(self._on_member)
+
+    def close(self):
+        """Fails a pending version with Closed and leaves the registry (the tensors and their
+        registrations stay as they are until dropped). Also on leaving a `with` block."""
+        pending = self._pending
+        if pending is not None:
+            self._fail(pending[0], _error(Closed, _ext.ErrorCode.CLOSED,
+                                          f"version {pending[0]}: InferenceWeights closed"))
+        _leave(self.registry, f"{self.group}.i{self.rank}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def on_version(self, callback):
         """callback(version) runs (engine callback thread) each time a version completes."""
@@ -452,6 +474,19 @@ class TrainerWeights:
         self._boxes = None  # all ranks' {name: (box, replica, shape)} for the gather
         self.schedule = None
         engine.set_receive_handler(self._on_message)
+
+    def close(self):
+        """Leaves the registry (and withdraws the schedule, on rank 0). Also on leaving a
+        `with` block; a push in progress is not interrupted."""
+        _leave(self.registry, f"{self.group}.t{self.rank}")
+        if self.rank == 0 and self.schedule is not None:
+            _leave(self.registry, f"{self.group}.schedule")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def add(self, name, shard, *, shape=None, box=None, replica=0):
         """This rank's shard of training parameter `name`: box = [(start, length)] per dim of

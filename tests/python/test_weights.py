@@ -127,6 +127,7 @@ def pushing(provider, tmp_path, mode, world=1, device="cpu"):
     finally:
         for t in trainers:
             t.close()
+        inf.close()
         registry.close()
         engine.close()
 
@@ -156,6 +157,11 @@ def test_push_versions_bit_exact(provider, mode, device, tmp_path):
             assert stats["temp_high_water"] <= 1 << 20, "staging beyond max_temp_bytes"
         assert seen == [1, 2] and inf.progress is None
         assert inf.copies == (2 if mode == "flip" else 1)
+        pending = inf.prepare(3)  # never pushed: closing fails it
+        inf.close()
+        with pytest.raises(fabric_lib.Closed, match="version 3"):
+            pending.result(TIMEOUT)
+        assert inf.version == 2
 
 
 @pytest.mark.parametrize("mode", ["flip", "in_place"])
