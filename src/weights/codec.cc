@@ -29,6 +29,12 @@ void put_shape(ByteWriter& w, const Shape& s) {
   w.u32(static_cast<uint32_t>(s.size()));
   for (uint64_t d : s) w.u64(d);
 }
+// The head of a shard, an inference parameter and a scheduled parameter.
+void put_tensor(ByteWriter& w, const std::string& name, DType dtype, const Shape& shape) {
+  put_string(w, name);
+  w.u8(static_cast<uint8_t>(dtype));
+  put_shape(w, shape);
+}
 void put_projection(ByteWriter& w, const Projection& p) {
   w.u8(static_cast<uint8_t>(p.kind));
   w.u32(static_cast<uint32_t>(p.sources.size()));
@@ -90,6 +96,15 @@ class Fields {
     if (v > static_cast<uint8_t>(DType::kFloat8E4M3)) fail(f);
     return static_cast<DType>(v);
   }
+  // put_tensor's fields; `what` prefixes their names in errors ("shard.name").
+  void tensor(const std::string& what, std::string& name, DType& dtype, Shape& shape) {
+    field_ = what + ".name";
+    name = str(field_.c_str());
+    field_ = what + ".dtype";
+    dtype = this->dtype(field_.c_str());
+    field_ = what + ".shape";
+    shape = this->shape(field_.c_str());
+  }
   Projection projection() {
     Projection p;
     const uint8_t kind = u8("projection.kind");
@@ -112,6 +127,7 @@ class Fields {
  private:
   ByteReader r_;
   std::string failed_;
+  std::string field_;  // the name tensor() reads under; failed_ copies it
 };
 
 }  // namespace
@@ -124,9 +140,7 @@ Bytes encode(const TrainerRank& rank) {
   w.u32(rank.num_nics);
   w.u32(static_cast<uint32_t>(rank.shards.size()));
   for (const Shard& s : rank.shards) {
-    put_string(w, s.name);
-    w.u8(static_cast<uint8_t>(s.dtype));
-    put_shape(w, s.shape);
+    put_tensor(w, s.name, s.dtype, s.shape);
     w.u32(static_cast<uint32_t>(s.box.size()));
     for (const Range& r : s.box) {
       w.u64(r.start);
@@ -146,9 +160,7 @@ Result<TrainerRank> decode_trainer(std::span<const std::byte> bytes) {
   const uint32_t n = f.count("shards", 17);
   for (uint32_t i = 0; f.ok() && i < n; ++i) {
     Shard s;
-    s.name = f.str("shard.name");
-    s.dtype = f.dtype("shard.dtype");
-    s.shape = f.shape("shard.shape");
+    f.tensor("shard", s.name, s.dtype, s.shape);
     const uint32_t dims = f.count("shard.box", 16);
     if (dims > kMaxDims) f.fail("shard.box");
     for (uint32_t d = 0; f.ok() && d < dims; ++d) {
@@ -170,9 +182,7 @@ Bytes encode(const InferenceRank& rank) {
   w.u32(rank.rank);
   w.u32(static_cast<uint32_t>(rank.params.size()));
   for (const InferenceParam& p : rank.params) {
-    put_string(w, p.name);
-    w.u8(static_cast<uint8_t>(p.dtype));
-    put_shape(w, p.shape);
+    put_tensor(w, p.name, p.dtype, p.shape);
     w.u32(static_cast<uint32_t>(p.placement.dim));
     w.u64(p.placement.range.start);
     w.u64(p.placement.range.length);
@@ -189,9 +199,7 @@ Result<InferenceRank> decode_inference(std::span<const std::byte> bytes) {
   const uint32_t n = f.count("params", 38);
   for (uint32_t i = 0; f.ok() && i < n; ++i) {
     InferenceParam p;
-    p.name = f.str("param.name");
-    p.dtype = f.dtype("param.dtype");
-    p.shape = f.shape("param.shape");
+    f.tensor("param", p.name, p.dtype, p.shape);
     p.placement.dim = static_cast<int32_t>(f.u32("param.placement"));
     p.placement.range.start = f.u64("param.placement");
     p.placement.range.length = f.u64("param.placement");
@@ -211,9 +219,7 @@ Bytes Schedule::encode() const {
   w.u32(num_inference);
   w.u32(static_cast<uint32_t>(params.size()));
   for (const ScheduledParam& p : params) {
-    put_string(w, p.name);
-    w.u8(static_cast<uint8_t>(p.dtype));
-    put_shape(w, p.shape);
+    put_tensor(w, p.name, p.dtype, p.shape);
     put_projection(w, p.projection);
     w.u32(static_cast<uint32_t>(p.source_dtypes.size()));
     for (size_t i = 0; i < p.source_dtypes.size(); ++i) {
@@ -248,9 +254,7 @@ Result<Schedule> Schedule::decode(std::span<const std::byte> bytes) {
   const uint32_t n = f.count("params", 30);
   for (uint32_t i = 0; f.ok() && i < n; ++i) {
     ScheduledParam p;
-    p.name = f.str("param.name");
-    p.dtype = f.dtype("param.dtype");
-    p.shape = f.shape("param.shape");
+    f.tensor("param", p.name, p.dtype, p.shape);
     p.projection = f.projection();
     const uint32_t sources = f.count("param.sources", 5);
     for (uint32_t k = 0; f.ok() && k < sources; ++k) {
