@@ -539,6 +539,7 @@ class TrainerWeights:
             self._targets[m.tp_rank] = {
                 n: [(regions[where[i * per + c][0]], where[i * per + c][1]) for c in range(per)]
                 for i, n in enumerate(names)}
+        self._peers = self.engine.add_peer_group([bytes.fromhex(m.address) for m in inference])
         self._entries = collections.defaultdict(list)
         for e in schedule.entries(self.rank):
             self._entries[e[2]].append(e)
@@ -605,9 +606,9 @@ class TrainerWeights:
     def push(self, version, on_param=None):
         """Writes `version` of every parameter this rank is scheduled to send, once each target
         inference rank has prepared it. Blocks until every write completed; returns seconds per
-        stage {'wait_ready', 'gather', 'project', 'post', 'drain', 'total'}, the bytes and the
-        write submissions ('writes', a paged write counting once) and the staging high-water
-        mark ('temp_high_water'). Projections are enqueued back to back and their
+        stage {'wait_ready', 'gather', 'project', 'post', 'drain', 'total'}, the bytes, the
+        submissions ('writes': a scatter or a paged write counts once) and the staging
+        high-water mark ('temp_high_water'). Projections are enqueued back to back and their
         writes posted in batches of about max_temp_bytes / 4 (one stream synchronisation per
         batch). on_param(name) runs after each parameter's writes are posted (progress; tests)."""
         t0 = time.perf_counter()
@@ -627,11 +628,7 @@ class TrainerWeights:
                 torch.cuda.current_stream(self._ring.buffer.device).synchronize()
             stats["project"] += time.perf_counter() - t
             t = time.perf_counter()
-            for i, start, _, transfers in batch:
-                entries = self._entries.get(i, [])
-                transfers.extend(self._write(e, start, ready) for e in entries)
-                stats["bytes"] += sum(e[5] * e[6] for e in entries)
-                stats["writes"] += len(entries)
+            self._post(batch, ready, stats)
             stats["post"] += time.perf_counter() - t
             posted = [self._params[i][0] for i, _, _, _ in batch]
             batch.clear()
@@ -709,6 +706,31 @@ class TrainerWeights:
             done.add(partner)
             out.append((partner, other, other_n, transfers))
         return out
+
+    def _post(self, batch, ready, stats):
+        """Submits the writes of a batch of projected parameters: contiguous entries as one
+        scatter per inference rank (one submission; each target counts one immediate, as a
+        single write would), strided ones as paged writes. With several NICs every entry is
+        its own write pinned to the schedule's NIC (a scatter picks NICs itself)."""
+        singles = collections.defaultdict(list)  # inference rank -> ScatterTarget tuples
+        holders = collections.defaultdict(list)  # inference rank -> transfer lists to extend
+        for i, start, _, transfers in batch:
+            for e in self._entries.get(i, []):
+                stats["bytes"] += e[5] * e[6]
+                if e[6] == 1 and self.num_nics == 1:
+                    inference, src_offset, length, dst_offset = e[3], e[4], e[5], e[8]
+                    dst, base = self._targets[inference][self._params[i][0]][ready[inference][1]]
+                    singles[inference].append((dst, length, start + src_offset, base + dst_offset))
+                    if not holders[inference] or holders[inference][-1] is not transfers:
+                        holders[inference].append(transfers)
+                else:
+                    transfers.append(self._write(e, start, ready))
+                    stats["writes"] += 1
+        for inference, targets in singles.items():
+            t = self.engine.scatter(self._ring.reg, self._peers, targets, imm=ready[inference][0])
+            stats["writes"] += 1
+            for transfers in holders[inference]:
+                transfers.append(t)
 
     def _write(self, e, start, ready):
         _, nic, param, inference, src_offset, length, runs, src_stride, dst_offset, dst_stride = e

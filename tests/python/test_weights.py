@@ -31,12 +31,13 @@ class Trainer:
     """The training process (weights_model.serve_trainer), driven over a pipe."""
 
     def __init__(self, provider, directory, max_temp_bytes=1 << 20, rank=0, world=1, init=None,
-                 device="cpu"):
+                 device="cpu", num_nics=1):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=model.serve_trainer,
-            args=(child, provider, directory, max_temp_bytes, rank, world, init, device),
+            args=(child, provider, directory, max_temp_bytes, rank, world, init, device,
+                  num_nics),
             daemon=True)
         self.process.start()
         child.close()
@@ -107,7 +108,7 @@ def provider(request):
 
 
 @contextlib.contextmanager
-def pushing(provider, tmp_path, mode, world=1, device="cpu"):
+def pushing(provider, tmp_path, mode, world=1, device="cpu", num_nics=1):
     """This process as the inference rank and `world` training processes (FSDP over gloo when
     world > 1), connected through a FileRegistry in tmp_path; tensors on `device` ("cuda": the
     trainer on GPU 0, the inference tensors on the last GPU)."""
@@ -116,13 +117,16 @@ def pushing(provider, tmp_path, mode, world=1, device="cpu"):
     engine, registry, inf = inference_side(provider, directory, mode, last)
     init = f"file://{tmp_path / 'dist-init'}"
     trainers = [Trainer(provider, directory, rank=r, world=world, init=init,
-                        device="cuda:0" if device == "cuda" else "cpu") for r in range(world)]
+                        device="cuda:0" if device == "cuda" else "cpu", num_nics=num_nics)
+                for r in range(world)]
     try:
         for t in trainers:
             t.wait_started()
         for t in trainers:
             t.conn.send(("connect", (1,)))
-        assert all(t.reply() > 0 for t in trainers), "a training rank was scheduled nothing"
+        for t in trainers:
+            t.entries = t.reply()
+            assert t.entries > 0, "a training rank was scheduled nothing"
         yield inf, trainers
     finally:
         for t in trainers:
@@ -155,6 +159,8 @@ def test_push_versions_bit_exact(provider, mode, device, tmp_path):
             assert stats["bytes"] == sum(t.numel() * t.element_size()
                                          for t in inf.tensors().values())
             assert stats["temp_high_water"] <= 1 << 20, "staging beyond max_temp_bytes"
+            # Contiguous entries go out as one scatter per batch: fewer submissions.
+            assert 0 < stats["writes"] < trainer.entries
         assert seen == [1, 2] and inf.progress is None
         assert inf.copies == (2 if mode == "flip" else 1)
         pending = inf.prepare(3)  # never pushed: closing fails it
@@ -189,6 +195,17 @@ def test_trainer_killed_mid_push(provider, mode, tmp_path):
         else:
             with pytest.raises(fabric_lib.InvalidArgument, match="half-written"):
                 inf.tensors()
+
+
+def test_two_nics_get_pinned_writes(provider, tmp_path):
+    """A trainer with two NICs: the schedule spreads its entries over both (checked in the
+    trainer), each posted as its own write pinned to its NIC; bit-exact."""
+    with pushing(provider, tmp_path, "flip", num_nics=2) as (inf, [trainer]):
+        future = inf.prepare(1)
+        stats = trainer.call("push", 1, 0)
+        assert future.result(TIMEOUT) == 1
+        expect_version(inf, 1)
+        assert stats["writes"] == trainer.entries, "an entry was not its own pinned write"
 
 
 def test_fsdp_trainers_gather_over_torch_distributed(tmp_path):

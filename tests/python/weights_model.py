@@ -73,10 +73,10 @@ def shard_of(name, full, rank, world):
 
 
 def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, init=None,
-                  device="cpu"):
+                  device="cpu", num_nics=1):
     """A training process, driven over `conn`: one rank holding every parameter whole, or
     rank `rank` of `world` FSDP ranks (torch.distributed over gloo, `init` a file://); its
-    tensors and staging on `device`."""
+    tensors and staging on `device`; its engine's group with `num_nics` NICs."""
     import sys
     from pathlib import Path
 
@@ -90,10 +90,13 @@ def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, in
             import torch.distributed as dist
 
             dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        engine = fabric_lib.TransferEngine(make_config(provider))
+        config = make_config(provider)
+        config.groups[0].nics = list(config.groups[0].nics) * num_nics
+        engine = fabric_lib.TransferEngine(config)
         registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
         trainer = fw.TrainerWeights(engine, rank, world, registry, max_temp_bytes=max_temp_bytes,
-                                    chunk_bytes=256 << 10, timeout=20.0, device=device)
+                                    chunk_bytes=256 << 10, timeout=20.0, device=device,
+                                    num_nics=num_nics)
         weights = {}
         for n in TRAINING:
             full = training_tensor(n, 0, device)
@@ -116,7 +119,9 @@ def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, in
                 conn.send(("ok", None))
                 return
             if method == "connect":
-                conn.send(("ok", len(trainer.connect(*args).entries(rank))))
+                entries = trainer.connect(*args).entries(rank)
+                assert {e[1] for e in entries} == set(range(num_nics)), "a NIC has no entries"
+                conn.send(("ok", len(entries)))
             elif method == "push":  # a training step (new values in place), then the push
                 version, pause = args
                 for n, t in weights.items():
