@@ -1,7 +1,8 @@
 """RL weight push between two GPUs of one host (tools/gpu/run_weights.sh runs it there).
 
 A synthetic MoE model shaped like Qwen3-235B-A22B (hidden 4096, 64 query and 4 KV heads of 128,
-128 experts of intermediate 1536 per layer), cut to --layers layers (5: 24.5 GB of BF16), lives
+128 experts of intermediate 1536 per layer, stacked per layer unless --per-expert), cut to
+--layers layers (5: 24.9 GB of BF16), lives
 on GPU 0 in a training process; an inference process on GPU 1 holds it in its inference layout
 (fused QKV; experts as FP8 e4m3 with 128x128 block scales unless --no-fp8) in two copies (flip
 mode). In one run, on the same bytes:
@@ -40,8 +41,11 @@ import fabric_lib.weights as fw  # noqa: E402
 GB = 1e9
 
 
-def model(layers, experts, hidden, inter, q_heads, kv_heads, head_dim, fp8):
-    """(training params {name: shape}, inference layout [(name, add kwargs, shape, dtype)])."""
+def model(layers, experts, hidden, inter, q_heads, kv_heads, head_dim, fp8, stacked):
+    """(training params {name: shape}, inference layout [(name, add kwargs, shape, dtype)]).
+    stacked: each layer's experts as one [experts x rows, cols] tensor per matrix (the fused-MoE
+    layout; 128-row tiles never straddle two experts, so the FP8 bytes are the per-expert
+    ones); otherwise one parameter per expert matrix (thousands of small parameters)."""
     train, layout = {}, []
     bf16, u8, f32 = torch.bfloat16, torch.uint8, torch.float32
     for layer in range(layers):
@@ -53,18 +57,20 @@ def model(layers, experts, hidden, inter, q_heads, kv_heads, head_dim, fp8):
         layout += [(p + "qkv", dict(projection="concat", sources=[p + "q", p + "k", p + "v"]),
                     (q + 2 * kv, hidden), bf16)]
         layout += [(p + n, {}, train[p + n], bf16) for n in ("o", "norm1", "norm2", "router")]
-        for e in range(experts):
-            for n, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)),
-                             ("down", (hidden, inter))):
-                name = f"{p}e{e}.{n}"
-                train[name] = shape
-                if not fp8:
-                    layout.append((name, {}, shape, bf16))
-                    continue
-                tiles = ((shape[0] + 127) // 128, (shape[1] + 127) // 128)
-                layout.append((name, dict(projection="fp8_quantize", dtype="fp8_e4m3"), shape, u8))
-                layout.append((name + ".scale", dict(projection="fp8_scale", sources=[name]),
-                               tiles, f32))
+        mats = (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))
+        if stacked:
+            expert_params = [(f"{p}experts.{n}", (experts * r, c)) for n, (r, c) in mats]
+        else:
+            expert_params = [(f"{p}e{e}.{n}", shape) for e in range(experts) for n, shape in mats]
+        for name, shape in expert_params:
+            train[name] = shape
+            if not fp8:
+                layout.append((name, {}, shape, bf16))
+                continue
+            tiles = ((shape[0] + 127) // 128, (shape[1] + 127) // 128)
+            layout.append((name, dict(projection="fp8_quantize", dtype="fp8_e4m3"), shape, u8))
+            layout.append((name + ".scale", dict(projection="fp8_scale", sources=[name]),
+                           tiles, f32))
     return train, layout
 
 
@@ -307,6 +313,8 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--per-expert", action="store_true",
+                    help="one parameter per expert matrix instead of one stacked per layer")
     ap.add_argument("--provider", default="shm", help="the engines' transport for messages")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--max-temp-gib", type=float, default=2.0)
@@ -322,12 +330,13 @@ def main():
         return 2
     fp8 = not args.no_fp8
     shape = (args.layers, args.experts, args.hidden, args.inter, args.q_heads, args.kv_heads,
-             args.head_dim, fp8)
+             args.head_dim, fp8, not args.per_expert)
     rows = [run_phase(args, shape, args.provider, "auto", "ipc", True)]
     small = (args.staged_layers, args.staged_experts) + shape[2:]
     for provider in args.staged_providers.split():
         rows.append(run_phase(args, small, provider, "off", "staged-" + provider, False))
-    print(f"model: {args.layers} layers x {args.experts} experts, "
+    print(f"model: {args.layers} layers x {args.experts} experts "
+          f"({'per-expert parameters' if args.per_expert else 'stacked per layer'}), "
           f"{rows[0]['train_bytes'] / GB:.2f} GB BF16 on GPU 0; inference layout "
           f"{'FP8 experts' if fp8 else 'BF16'}, {rows[0]['inference_bytes_per_copy'] / GB:.2f} "
           f"GB per copy x 2 (flip) on GPU 1; iters {args.iters} (medians)")
