@@ -6,7 +6,7 @@
 # variant runs there), then bench/weights_bench.py (a >= 20 GB BF16 MoE-shaped model GPU 0 ->
 # GPU 1 against cudaMemcpyPeerAsync and per-tensor NCCL broadcast, and the staged fabric path).
 # Logs go under OUT (default /tmp/weights-out). Every step runs under `timeout`, cut to what is
-# left of a 540-second budget (the bench keeps its last 300 s). NVLink multicast stays off in
+# left of a 540-second budget (the benches keep their last 300 s). NVLink multicast stays off in
 # every process. BENCH_ARGS adds options to the bench (e.g. --layers 3 --iters 5).
 set -u
 BUNDLE=${BUNDLE:-.gpu}
@@ -58,10 +58,15 @@ grep -E "PASSED|FAILED|SKIPPED|ERROR|^E " "$OUT/test_weights.log" | head -40
 tail -3 "$OUT/test_weights.log"
 
 echo "== bench/weights_bench.py ${BENCH_ARGS:-} ($(elapsed)) =="
-PYTHONPATH=$PKG timeout "$(left 0)" python3 bench/weights_bench.py --json "$OUT/weights_bench.json" \
+PYTHONPATH=$PKG timeout "$(left 150)" python3 bench/weights_bench.py --json "$OUT/weights_bench.json" \
   ${BENCH_ARGS:-} >"$OUT/weights_bench.txt" 2>&1
 echo "bench exit $?"
 tail -40 "$OUT/weights_bench.txt"
+echo "== bench/weights_bench.py --per-expert (1920 expert parameters; no staged rows) ($(elapsed)) =="
+PYTHONPATH=$PKG timeout "$(left 0)" python3 bench/weights_bench.py --per-expert --staged-providers "" \
+  --json "$OUT/weights_bench_per_expert.json" ${BENCH_ARGS:-} >"$OUT/weights_bench_per_expert.txt" 2>&1
+echo "bench exit $?"
+tail -10 "$OUT/weights_bench_per_expert.txt"
 echo "== bench/weights_predict.py (the 1T model from the measured rates) =="
 [ -f "$OUT/weights_bench.json" ] && python3 bench/weights_predict.py --json "$OUT/weights_bench.json"
 echo "== done ($(elapsed)) =="
