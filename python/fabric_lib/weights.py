@@ -186,8 +186,8 @@ class InferenceWeights:
     concurrent.futures.Future that resolves to the version once every byte of it landed (or
     fails with PeerUnreachable / Timeout), and tells the training ranks where to write; in
     ``"flip"`` mode, ``tensors()`` keeps returning the last complete version until then.
-    The object takes the engine's unexpected-immediate handler for nothing; it uses immediates
-    ``imm_base + n`` (n counts prepares) and must own that range on its engine.
+    It counts immediates ``imm_base + n`` (n counts prepares, never reused) and must own that
+    range on its engine; it installs no handler on the engine.
     """
 
     def __init__(self, engine, rank, registry, *, group="weights", mode="flip",
@@ -211,6 +211,7 @@ class InferenceWeights:
         self._schedule = None
         self._on_version = []
         self._trainers = {}  # member name -> address (bytes)
+        self._keep = []  # the arenas' tensors, alive as long as their registrations
 
     # --- setup ---
 
@@ -220,16 +221,26 @@ class InferenceWeights:
         the range [start, start + tensor.shape[dim]) of dimension `dim` of the global `shape`.
         `projection`: "identity", "concat" (of `sources` along `concat_dim`), "fp8_quantize"
         (dtype "fp8_e4m3" in a uint8 tensor) or "fp8_scale" (f32, of source `sources[0]`).
-        In flip mode `spare` is the second copy (allocated like `tensor` when None)."""
+        In flip mode `spare` is the second copy (allocated like `tensor` when None; ignored in
+        place). InvalidArgument naming the parameter for a non-contiguous tensor, or one whose
+        element size or element count does not match the declared dtype and slice."""
+        def bad(what):
+            return _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                          f"parameter '{name}': {what}")
         if not tensor.is_contiguous():
-            raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
-                         f"parameter '{name}': the tensor must be contiguous")
+            raise bad("the tensor must be contiguous")
         dtype = _dtype_name(dtype if dtype is not None else tensor.dtype, name)
         shape = list(tensor.shape) if shape is None else list(shape)
         if dim is None:
-            d, length = -1, 0
+            d, length, local = -1, 0, _numel(shape)
         else:
             d, length = dim, tensor.shape[dim]
+            local = _numel(shape) // max(1, shape[dim]) * length
+        if tensor.element_size() != _element_bytes(dtype):
+            raise bad(f"a {tensor.dtype} tensor cannot hold {dtype} elements")
+        if tensor.numel() != local:
+            raise bad(f"the tensor has {tensor.numel()} elements, its slice of {shape} has "
+                      f"{local}")
         self._params.append(_Param(name, dtype, shape, d, start, length, projection,
                                    sources, concat_dim, block))
         copies = [tensor]
@@ -247,7 +258,7 @@ class InferenceWeights:
         self._arenas.append((start, start + buffer.numel() * buffer.element_size(),
                              len(self._regions)))
         self._regions.append(reg)
-        self._keep = getattr(self, "_keep", []) + [buffer]
+        self._keep.append(buffer)
 
     def _locate(self, tensor):
         start = tensor.data_ptr()

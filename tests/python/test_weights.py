@@ -268,6 +268,11 @@ def test_bad_layouts_name_the_parameter():
         inf = fw.InferenceWeights(engine, 0, registry)
         with pytest.raises(fabric_lib.InvalidArgument, match="'t': the tensor must be contiguous"):
             inf.add("t", torch.zeros(4, 4).t())
+        with pytest.raises(fabric_lib.InvalidArgument, match="'t': a torch.float32 tensor cannot "
+                           "hold bf16"):
+            inf.add("t", torch.zeros(4, 4), dtype="bf16")
+        with pytest.raises(fabric_lib.InvalidArgument, match="'t': the tensor has 16 elements"):
+            inf.add("t", torch.zeros(4, 4), shape=(8, 8), dim=1)
     finally:
         engine.close()
 
