@@ -30,6 +30,7 @@ completion callbacks run on the engine's callback thread, failure callbacks on t
 or a timer thread.
 """
 
+import asyncio
 import collections
 import concurrent.futures
 import struct
@@ -51,7 +52,8 @@ from ._fabric_lib import (
     WeightSchedule,
 )
 
-__all__ = ["InferenceWeights", "TrainerWeights", "WeightSchedule", "quantize_fp8", "fp8_reference"]
+__all__ = ["InferenceWeights", "TrainerWeights", "Version", "WeightSchedule", "quantize_fp8",
+           "fp8_reference"]
 
 _DTYPES = {
     torch.uint8: "u8",
@@ -66,6 +68,15 @@ _READY_TAG = b"FWRD"
 _ROLE_TRAINER = "weights-trainer"
 _ROLE_INFERENCE = "weights-inference"
 _ROLE_SCHEDULE = "weights-schedule"
+
+
+class Version(concurrent.futures.Future):
+    """A version being pushed (InferenceWeights.prepare): resolves to the version number once
+    every byte of it landed, or raises PeerUnreachable / Timeout / Closed. ``await`` takes it
+    too."""
+
+    def __await__(self):
+        return asyncio.wrap_future(self).__await__()
 
 
 def _error(cls, code, message):
@@ -339,8 +350,9 @@ class InferenceWeights:
 
     def prepare(self, version):
         """Arms the immediate count of `version` and tells every training rank (found in the
-        registry) to write it; returns a Future of the version. Blocks until the schedule is
-        in the registry (up to `timeout`). In place, stop serving until the Future resolves."""
+        registry) to write it; returns a Version (a Future, also awaitable). Blocks until the
+        schedule is in the registry (up to `timeout`). In place, stop serving until the Version
+        resolves."""
         if self._schedule is None:
             members = _wait_members(
                 self.registry, lambda ms: any(m.role == _ROLE_SCHEDULE and m.instance ==
@@ -350,7 +362,7 @@ class InferenceWeights:
             self._schedule = WeightSchedule.decode(bytes.fromhex(data))
         trainers = [m for m in self.registry.members()
                     if m.role == _ROLE_TRAINER and m.instance == self.group]
-        future = concurrent.futures.Future()
+        future = Version()
         with self._lock:
             if self._pending is not None:
                 raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
