@@ -203,6 +203,52 @@ def test_trainer_killed_mid_push(provider, mode, tmp_path):
                 inf.tensors()
 
 
+def test_inference_killed_mid_push_fails_the_push(provider, tmp_path):
+    """The other way round: this process trains, the inference process is SIGKILLed after the
+    first batch of version 2 was posted; push raises the engine's error within a bound."""
+    directory = str(tmp_path / "registry")
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=model.serve_inference, args=(child, provider, directory),
+                       daemon=True)
+    proc.start()
+    child.close()
+    engine = fabric_lib.TransferEngine(make_config(provider))
+    registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
+    trainer = fw.TrainerWeights(engine, 0, 1, registry, max_temp_bytes=1 << 20,
+                                chunk_bytes=256 << 10, timeout=20.0)
+    try:
+        assert conn.poll(TIMEOUT) and conn.recv()[0] == "ok"
+        for name in model.TRAINING:
+            trainer.add(name, model.training_tensor(name, 1))
+        trainer.publish()
+        trainer.connect(1)
+        conn.send(("prepare", (1,)))
+        assert conn.poll(TIMEOUT) and conn.recv()[0] == "ok"
+        assert trainer.push(1)["bytes"] > 0
+        conn.send(("wait", ()))
+        assert conn.poll(TIMEOUT) and conn.recv() == ("ok", 1)
+        conn.send(("prepare", (2,)))
+        assert conn.poll(TIMEOUT) and conn.recv()[0] == "ok"
+        killed = []
+
+        def kill_once(name):
+            if not killed:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(10)
+                killed.append(time.monotonic())
+
+        with pytest.raises(fabric_lib.PeerUnreachable):  # tcp: after peer_timeout; shm: at once
+            trainer.push(2, on_param=kill_once)
+        assert killed and time.monotonic() - killed[0] < KILL_BOUND + 3.0  # + peer_timeout
+    finally:
+        proc.kill()
+        proc.join(10)
+        trainer.close()
+        registry.close()
+        engine.close()
+
+
 def test_two_nics_get_pinned_writes(provider, tmp_path):
     """A trainer with two NICs: the schedule spreads its entries over both (checked in the
     trainer), each posted as its own write pinned to its NIC; bit-exact."""

@@ -131,3 +131,34 @@ def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, in
                 conn.send(("ok", trainer.push(version, on_param=stall)))
         except Exception as e:
             conn.send(("error", type(e).__name__, str(e)))
+
+
+def serve_inference(conn, provider, directory):
+    """An inference process (flip mode, the layout above), driven over `conn`: "prepare"
+    answers once the version is armed, "wait" once it completed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import fabric_lib
+    import fabric_lib.weights as fw
+    from peer import make_config
+
+    engine = fabric_lib.TransferEngine(make_config(provider))
+    registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
+    inf = fw.InferenceWeights(engine, 0, registry, timeout=20.0)
+    for name, kwargs, shape, dtype in inference_layout():
+        inf.add(name, torch.zeros(shape, dtype=dtype), **kwargs)
+    inf.publish()
+    conn.send(("ok", None))
+    pending = None
+    while True:
+        method, args = conn.recv()
+        try:
+            if method == "prepare":
+                pending = inf.prepare(*args)
+                conn.send(("ok", None))
+            elif method == "wait":
+                conn.send(("ok", pending.result(20.0)))
+        except Exception as e:
+            conn.send(("error", type(e).__name__, str(e)))
