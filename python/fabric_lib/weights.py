@@ -597,18 +597,20 @@ class TrainerWeights:
                 self._cond.wait(left)
             return self._ready.pop(version)
 
-    def _gather(self, name):
-        """The full tensor of training parameter `name`."""
+    def _gather_start(self, name):
+        """Starts gathering training parameter `name` (an asynchronous all-gather when it is
+        sharded over the process group); returns a function that waits for it and returns the
+        full tensor."""
         shard, shape, box, _ = self._shards.get(name, (None, None, None, None))
         if self.world == 1:
             if shard is None or box:
                 raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
                              f"training parameter '{name}': one rank holds only a shard of it")
-            return shard
+            return lambda: shard
         import torch.distributed as dist
         holders = [(r, b[name]) for r, b in enumerate(self._boxes) if name in b]
         if all(not b[0] for _, b in holders):  # whole wherever held: nothing to gather
-            return shard  # None on a rank that holds none: it is never its sender
+            return lambda: shard  # None on a rank that holds none: it is never its sender
         _, replica, shape, dtype = holders[0][1]
         mine = [(r, bx) for r, (bx, rep, _, _) in holders if rep == replica]
         sizes = [_box_numel(bx, shape) for _, bx in mine]
@@ -618,13 +620,18 @@ class TrainerWeights:
             flat[: shard.numel()] = shard.reshape(-1)
         # As bytes: every backend all-gathers uint8 (gloo has no bfloat16).
         parts = [torch.empty_like(flat).view(torch.uint8) for _ in range(self.world)]
-        dist.all_gather(parts, flat.view(torch.uint8), group=self.process_group)
-        parts = [q.view(dtype) for q in parts]
-        full = torch.empty(shape, dtype=dtype, device=device)
-        for (r, bx), n in zip(mine, sizes):
-            region = full[tuple(slice(s, s + ln) for s, ln in _full_box(bx, shape))]
-            region.copy_(parts[r][:n].view(region.shape))
-        return full
+        work = dist.all_gather(parts, flat.view(torch.uint8), group=self.process_group,
+                               async_op=True)
+
+        def finish():
+            work.wait()
+            full = torch.empty(shape, dtype=dtype, device=device)
+            for (r, bx), n in zip(mine, sizes):
+                region = full[tuple(slice(s, s + ln) for s, ln in _full_box(bx, shape))]
+                region.copy_(parts[r].view(dtype)[:n].view(region.shape))
+            return full
+
+        return finish
 
     def push(self, version, on_param=None):
         """Writes `version` of every parameter this rank is scheduled to send, once each target
@@ -662,16 +669,24 @@ class TrainerWeights:
         self._ring.before_wait = flush
         try:
             done = set()
-            for index, p in enumerate(self._params):
-                # Every rank gathers every parameter in the same order (the gather is
-                # collective); only the ranks scheduled to send it project and write it.
-                need = index not in done and bool(self._entries.get(index))
-                if self.world == 1 and not need:
-                    continue
+            # Every rank gathers every parameter in the same order (the gather is collective),
+            # the next one's in flight while this one is projected and posted; only the ranks
+            # scheduled to send a parameter project and write it.
+            order = [i for i in range(len(self._params))
+                     if self.world > 1 or self._entries.get(i)]
+
+            def start(k):
+                if k >= len(order):
+                    return []
+                return [self._gather_start(s) for s in self._params[order[k]][4]]
+
+            following = start(0)
+            for k, index in enumerate(order):
                 t = time.perf_counter()
-                full = [self._gather(s) for s in p[4]]
+                full = [finish() for finish in following]
+                following = start(k + 1)
                 stats["gather"] += time.perf_counter() - t
-                if not need:
+                if index in done or not self._entries.get(index):
                     continue
                 t = time.perf_counter()
                 batch.extend(self._project(index, full, done))
