@@ -240,7 +240,8 @@ def test_inference_killed_mid_push_fails_the_push(provider, tmp_path):
 
         with pytest.raises(fabric_lib.PeerUnreachable):  # tcp: after peer_timeout; shm: at once
             trainer.push(2, on_param=kill_once)
-        assert killed and time.monotonic() - killed[0] < KILL_BOUND + 3.0  # + peer_timeout
+        # tcp: peer_timeout (3 s) and its check; shm: at once. Generous for a loaded CI machine.
+        assert killed and time.monotonic() - killed[0] < 3.0 + 5.0
     finally:
         proc.kill()
         proc.join(10)
