@@ -17,6 +17,7 @@
 namespace fabric::weights {
 namespace {
 
+#ifdef FABRIC_WITH_CUDA
 std::vector<uint16_t> random_bf16(uint64_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -35,6 +36,7 @@ std::vector<uint16_t> random_bf16(uint64_t n, uint64_t seed) {
   }
   return out;
 }
+#endif
 
 TEST(WeightsFp8Cuda, KernelMatchesTheCpuReferenceBitForBit) {
   if (!has_cuda_projections()) GTEST_SKIP() << "this build has no CUDA (FABRIC_WITH_CUDA off)";
