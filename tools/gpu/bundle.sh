@@ -8,7 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ -x build/bin/fabric_gpu_tests ] || { echo "build first (make build, with nvcc present)"; exit 1; }
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+# (git's path for the exclude file: .git is a file in a worktree.)
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 rm -rf .gpu && mkdir -p .gpu/lib .gpu/include .gpu/bin
 # fabric_test_peer: the other process of the CUDA IPC tests (run_tests.sh points
 # FABRIC_TEST_PEER_BIN at it).
