@@ -1,12 +1,12 @@
 # cmake --install: the public headers, the static libraries, the CMake package `fabric`
-# (find_package(fabric CONFIG) gives fabric::fabric, fabric::kv, fabric::kv_etcd and, in CUDA
-# builds, fabric::cuda) and fabric.pc / fabric-kv.pc for pkg-config. tests/consumer builds
-# against an installed copy both ways (ctest -L consumer).
+# (find_package(fabric CONFIG) gives fabric::fabric, fabric::kv, fabric::kv_etcd,
+# fabric::weights and, in CUDA builds, fabric::cuda) and fabric.pc / fabric-kv.pc for
+# pkg-config. tests/consumer builds against an installed copy both ways (ctest -L consumer).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 set(FABRIC_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/fabric)
-set(FABRIC_INSTALL_TARGETS fabric_lib fabric_kv fabric_kv_etcd)
+set(FABRIC_INSTALL_TARGETS fabric_lib fabric_kv fabric_kv_etcd fabric_weights)
 if(FABRIC_CUDA_ENABLED)
   # The CUDA parts (UvmWatcher, GPU memory) live in fabric::fabric; fabric::cuda adds the
   # device-side header's needs (the CUDA runtime) for code that launches watcher stores.

@@ -13,7 +13,9 @@ sender writes into it, and the receiver counts the immediates that arrive::
     await engine.write(src_reg, dst_descriptor)       # every submission is also awaitable
 
 fabric_lib also carries fabric::kv (KvLayout, KvDecoder, KvPrefiller: disaggregated KV-cache
-transfer, docs/kv.md) and its membership registries (LocalRegistry, FileRegistry, EtcdRegistry).
+transfer, docs/kv.md) and its membership registries (LocalRegistry, FileRegistry, EtcdRegistry),
+and the RL weight push's schedule (WeightSchedule; the push itself is fabric_lib.weights,
+docs/weights.md).
 
 Every library status is raised as its own exception class, derived from FabricError.
 """
@@ -67,6 +69,7 @@ from ._fabric_lib import (
     Unsupported,
     UvmWatchers,
     Watcher,
+    WeightSchedule,
     __version__,
     _close_all,
     _kv_close_all,
@@ -136,6 +139,7 @@ __all__ = [
     "Unsupported",
     "UvmWatchers",
     "Watcher",
+    "WeightSchedule",
     "__version__",
     "error_class",
     "info",

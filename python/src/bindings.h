@@ -179,5 +179,7 @@ void bind_info(py::module_& m);
 void bind_kv(py::module_& m);
 // fabric::ep: the MoE all-to-all on device addresses (ep.cc).
 void bind_ep(py::module_& m);
+// fabric::weights: rank descriptions, the schedule, the FP8 quantiser (weights.cc).
+void bind_weights(py::module_& m);
 
 }  // namespace fabric::python

@@ -28,4 +28,5 @@ PYBIND11_MODULE(_fabric_lib, m) {
   fp::bind_info(m);
   fp::bind_kv(m);
   fp::bind_ep(m);
+  fp::bind_weights(m);
 }

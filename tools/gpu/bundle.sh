@@ -8,7 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ -x build/bin/fabric_gpu_tests ] || { echo "build first (make build, with nvcc present)"; exit 1; }
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+# (git's path for the exclude file: .git is a file in a worktree.)
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 rm -rf .gpu && mkdir -p .gpu/lib .gpu/include .gpu/bin
 # fabric_test_peer: the other process of the CUDA IPC tests (run_tests.sh points
 # FABRIC_TEST_PEER_BIN at it).
@@ -20,6 +22,8 @@ if [ -x build/bin/fabric-kv-gpu ]; then cp build/bin/fabric-kv-gpu .gpu/ && stri
 cp build/lib/libfabriclib.a .gpu/ && strip --strip-debug .gpu/libfabriclib.a
 # fabric::kv for the Python module's KV bindings (the etcd registry needs libcurl.so.4 there).
 for l in libfabrickv.a libfabrickvetcd.a; do cp build/lib/$l .gpu/ && strip --strip-debug .gpu/$l; done
+# fabric::weights (schedule, projections, the FP8 kernel) for the module's weights bindings.
+cp build/lib/libfabricweights.a .gpu/ && strip --strip-debug .gpu/libfabricweights.a
 cp /usr/local/cuda/lib64/libcudart_static.a .gpu/
 for l in libhwloc.so.15 libspdlog.so.1.10 libfmt.so.9; do cp "/lib/x86_64-linux-gnu/$l" .gpu/lib/; done
 cp -r /usr/include/rdma /usr/include/fmt /usr/include/spdlog .gpu/include/

@@ -36,7 +36,7 @@ for f in python/src/*.cc; do
 done
 wait
 timeout "$(left 100)" c++ -shared "$OBJ"/*.o "$BUNDLE/libfabrickvetcd.a" "$BUNDLE/libfabrickv.a" \
-  "$BUNDLE/libfabriclib.a" "$BUNDLE/libcudart_static.a" -L"$BUNDLE/lib" -l:libfabric.so.1 \
+  "$BUNDLE/libfabricweights.a" "$BUNDLE/libfabriclib.a" "$BUNDLE/libcudart_static.a" -L"$BUNDLE/lib" -l:libfabric.so.1 \
   -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt \
   -o "$PKG/fabric_lib/_fabric_lib$EXT" >>"$OUT/build.log" 2>&1 ||
   { echo "the module did not build:"; tail -40 "$OUT/build.log"; exit 1; }

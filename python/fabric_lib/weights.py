@@ -1,0 +1,805 @@
+"""fabric_lib.weights: RL weight push, trainer tensors written straight into inference tensors.
+
+The inference side registers the tensors it already owns, by name, with their layouts
+(:class:`InferenceWeights`); each training rank describes its shards (:class:`TrainerWeights`).
+Both publish their descriptions in a fabric_lib registry (``FileRegistry``, ``EtcdRegistry``,
+``LocalRegistry``); training rank 0 computes the static schedule once (the C++
+``fabric::weights::compute_schedule``, through ``WeightSchedule``) and publishes its bytes, which
+every other rank decodes. Each push then runs, per parameter: gather (``torch.distributed``
+all-gather of the shards when the trainer is sharded; the tensor itself when one rank holds it
+whole), project into a bounded staging buffer (identity, concatenation, BF16 -> FP8 e4m3 with
+128x128 block scales), and one-sided writes with an immediate into the inference tensors'
+registered memory. An inference rank learns that version N is complete when it has counted
+``schedule.writes_into(rank)`` immediates of the value it chose for N.
+
+Two ways to never expose a half-written model (``mode``):
+
+- ``"flip"``: every parameter has two registered copies; a push writes into the copy not being
+  served and the serving copy flips when the version is complete. Costs one more copy of the
+  rank's parameters (2x parameter memory). A failed push leaves the served copy untouched.
+- ``"in_place"``: one copy; the caller pauses serving between :meth:`InferenceWeights.prepare`
+  and the version's completion. No extra memory; a failed push leaves the tensors half-written,
+  so :meth:`InferenceWeights.tensors` raises until a later version completes.
+
+Failures: a training rank that leaves the registry (a SIGKILLed process leaves a FileRegistry
+within its poll interval) while a version is pending fails that version with PeerUnreachable;
+a version not complete within ``timeout`` fails with Timeout. docs/weights.md has the protocol.
+
+Threads: ``prepare`` and ``push`` block the calling thread only as documented on each;
+completion callbacks run on the engine's callback thread, failure callbacks on the registry's
+or a timer thread.
+"""
+
+import asyncio
+import collections
+import concurrent.futures
+import struct
+import threading
+import time
+
+import torch
+
+from . import _fabric_lib as _ext
+from ._fabric_lib import (
+    Closed,
+    InvalidArgument,
+    Member,
+    NotFound,
+    PeerUnreachable,
+    RemoteMemory,
+    Routing,
+    Timeout,
+    WeightSchedule,
+)
+
+__all__ = ["InferenceWeights", "TrainerWeights", "Version", "WeightSchedule", "quantize_fp8",
+           "fp8_reference"]
+
+_DTYPES = {
+    torch.uint8: "u8",
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float32: "f32",
+}
+_TORCH = {"u8": torch.uint8, "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
+          "fp8_e4m3": torch.uint8}  # torch without float8 holds e4m3 bytes as uint8
+_READY = struct.Struct("<4sQIIB")  # tag, version, imm, inference rank, copy
+_READY_TAG = b"FWRD"
+_ROLE_TRAINER = "weights-trainer"
+_ROLE_INFERENCE = "weights-inference"
+_ROLE_SCHEDULE = "weights-schedule"
+
+
+class Version(concurrent.futures.Future):
+    """A version being pushed (InferenceWeights.prepare): resolves to the version number once
+    every byte of it landed, or raises PeerUnreachable / Timeout / Closed. ``await`` takes it
+    too."""
+
+    def __await__(self):
+        return asyncio.wrap_future(self).__await__()
+
+
+def _error(cls, code, message):
+    exc = cls(message)
+    exc.code, exc.message = code, message
+    return exc
+
+
+def _dtype_name(dtype, what):
+    if isinstance(dtype, str):
+        return dtype
+    if getattr(torch, "float8_e4m3fn", None) is not None and dtype == torch.float8_e4m3fn:
+        return "fp8_e4m3"
+    if dtype not in _DTYPES:
+        raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                     f"parameter '{what}': dtype {dtype} has no fabric name")
+    return _DTYPES[dtype]
+
+
+def _element_bytes(name):
+    return {"u8": 1, "fp8_e4m3": 1, "bf16": 2, "f16": 2, "f32": 4}[name]
+
+
+def _pack(chunks):
+    return b"".join(struct.pack("<I", len(c)) + c for c in chunks)
+
+
+def _unpack(data):
+    out, at = [], 0
+    while at < len(data):
+        (n,) = struct.unpack_from("<I", data, at)
+        out.append(data[at + 4 : at + 4 + n])
+        at += 4 + n
+    return out
+
+
+def _wait_members(registry, want, timeout, what):
+    """Members until want(members) is true, polling; Timeout naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        members = registry.members()
+        if want(members):
+            return members
+        if time.monotonic() > deadline:
+            raise _error(Timeout, _ext.ErrorCode.TIMEOUT, f"weights: {what} not in the registry "
+                         f"after {timeout} s")
+        time.sleep(0.02)
+
+
+def _leave(registry, name):
+    try:
+        registry.leave(name)
+    except NotFound:
+        pass
+
+
+def quantize_fp8(src, block=128):
+    """BF16 2-D tensor -> (e4m3 bytes as uint8, f32 scales [ceil(r/b), ceil(c/b)]): the CUDA
+    kernel for a CUDA tensor (on the current stream), the C++ CPU reference otherwise."""
+    rows, cols = src.shape
+    out = torch.empty((rows, cols), dtype=torch.uint8, device=src.device)
+    scales = torch.empty(((rows + block - 1) // block, (cols + block - 1) // block),
+                         dtype=torch.float32, device=src.device)
+    _quantize_into(src, out, scales, block)
+    return out, scales
+
+
+def _quantize_into(src, out, scales, block):
+    src = src.contiguous()
+    stream = torch.cuda.current_stream(src.device).cuda_stream if src.is_cuda else 0
+    _ext._weights_quantize_fp8(src.view(torch.int16), src.shape[0], src.shape[1], out, scales,
+                              block, stream)
+
+
+def fp8_reference(src, block=128):
+    """The same quantisation in plain PyTorch ops (no fabric code): the tests' reference.
+    Returns (e4m3 bits as uint8, f32 scales)."""
+    x = src.float()
+    rows, cols = x.shape
+    tr, tc = (rows + block - 1) // block, (cols + block - 1) // block
+    padded = torch.zeros(tr * block, tc * block)
+    padded[:rows, :cols] = x.abs()
+    amax = padded.view(tr, block, tc, block).amax(dim=(1, 3))
+    scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    per_elem = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    q = (x / per_elem).clamp(-448.0, 448.0)
+    a = q.abs()
+    # e4m3: exponent bias 7, 3 mantissa bits, subnormals below 2^-6 in steps of 2^-9.
+    _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1)
+    step_exp = torch.clamp(e - 1, min=-6) - 3
+    r = torch.round(a * torch.pow(2.0, -step_exp.float())) * torch.pow(2.0, step_exp.float())
+    _, e2 = torch.frexp(r)
+    normal = r >= 2.0 ** -6
+    exp_field = torch.where(normal, e2 - 1 + 7, torch.zeros_like(e2))
+    mant = torch.where(normal, (r / torch.pow(2.0, (e2 - 1).float()) - 1.0) * 8.0, r * 512.0)
+    bits = exp_field * 8 + mant.round().to(torch.int64)
+    sign = torch.signbit(q).to(torch.int64) * 128
+    return (bits + sign).to(torch.uint8), scales
+
+
+class _Param:
+    def __init__(self, name, dtype, shape, dim, start, length, kind, sources, concat_dim, block):
+        self.name, self.dtype, self.shape = name, dtype, [int(s) for s in shape]
+        self.dim, self.start, self.length = dim, start, length
+        self.kind, self.sources = kind, list(sources)
+        self.concat_dim, self.block = concat_dim, block
+
+    def as_tuple(self):
+        return (self.name, self.dtype, self.shape, self.dim, self.start, self.length, self.kind,
+                self.sources, self.concat_dim, self.block)
+
+
+class InferenceWeights:
+    """An inference rank's parameters, written by training ranks on the schedule.
+
+    ``add`` each tensor (the rank's local slice, contiguous, its memory registered with
+    `engine`, no copy), then ``publish``. Per version: ``prepare(version)`` returns a
+    concurrent.futures.Future that resolves to the version once every byte of it landed (or
+    fails with PeerUnreachable / Timeout), and tells the training ranks where to write; in
+    ``"flip"`` mode, ``tensors()`` keeps returning the last complete version until then.
+    It counts immediates ``imm_base + n`` (n counts prepares, never reused) and must own that
+    range on its engine; it installs no handler on the engine.
+    """
+
+    def __init__(self, engine, rank, registry, *, group="weights", mode="flip",
+                 imm_base=0xA0000000, timeout=30.0):
+        if mode not in ("flip", "in_place"):
+            raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                         f"mode must be 'flip' or 'in_place', not {mode!r}")
+        self.engine, self.rank, self.registry = engine, rank, registry
+        self.group, self.mode, self.timeout = group, mode, timeout
+        self._imm_base, self._seq = imm_base, 0
+        self._params = []  # _Param
+        self._copies = {}  # name -> [tensor per copy]
+        self._regions = []  # Registration: arenas and tensors registered alone
+        self._arenas = []  # (start address, end address, region index)
+        self._where = {}  # name -> [(region index, byte offset) per copy]
+        self._lock = threading.Lock()
+        self._active = 0
+        self._version = None
+        self._dirty = False  # in_place: a push failed part way
+        self._pending = None  # (version, imm, copy, future, timer)
+        self._schedule = None
+        self._on_version = []
+        self._trainers = {}  # member name -> address (bytes)
+        self._keep = []  # the arenas' tensors, alive as long as their registrations
+
+    # --- setup ---
+
+    def add(self, name, tensor, *, shape=None, dim=None, start=0, projection="identity",
+            sources=(), concat_dim=0, block=128, dtype=None, spare=None):
+        """Registers `tensor` as this rank's part of parameter `name`: all of it (dim None) or
+        the range [start, start + tensor.shape[dim]) of dimension `dim` of the global `shape`.
+        `projection`: "identity", "concat" (of `sources` along `concat_dim`), "fp8_quantize"
+        (dtype "fp8_e4m3" in a uint8 tensor) or "fp8_scale" (f32, of source `sources[0]`).
+        In flip mode `spare` is the second copy (allocated like `tensor` when None; ignored in
+        place). InvalidArgument naming the parameter for a non-contiguous tensor, or one whose
+        element size or element count does not match the declared dtype and slice."""
+        def bad(what):
+            return _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                          f"parameter '{name}': {what}")
+        if not tensor.is_contiguous():
+            raise bad("the tensor must be contiguous")
+        dtype = _dtype_name(dtype if dtype is not None else tensor.dtype, name)
+        shape = list(tensor.shape) if shape is None else list(shape)
+        if dim is None:
+            d, length, local = -1, 0, _numel(shape)
+        else:
+            d, length = dim, tensor.shape[dim]
+            local = _numel(shape) // max(1, shape[dim]) * length
+        if tensor.element_size() != _element_bytes(dtype):
+            raise bad(f"a {tensor.dtype} tensor cannot hold {dtype} elements")
+        if tensor.numel() != local:
+            raise bad(f"the tensor has {tensor.numel()} elements, its slice of {shape} has "
+                      f"{local}")
+        self._params.append(_Param(name, dtype, shape, d, start, length, projection,
+                                   sources, concat_dim, block))
+        copies = [tensor]
+        if self.mode == "flip":
+            copies.append(torch.empty_like(tensor) if spare is None else spare)
+        self._copies[name] = copies
+        self._where[name] = [self._locate(c) for c in copies]
+
+    def add_arena(self, buffer):
+        """Registers `buffer` (a contiguous tensor) once; tensors added later that lie inside
+        it are written through this one registration (one memory region instead of one per
+        tensor: fewer registrations, and for GPU memory one staging mirror, not thousands)."""
+        reg = self.engine.register(buffer)
+        start = buffer.data_ptr()
+        self._arenas.append((start, start + buffer.numel() * buffer.element_size(),
+                             len(self._regions)))
+        self._regions.append(reg)
+        self._keep.append(buffer)
+
+    def _locate(self, tensor):
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        for lo, hi, index in self._arenas:
+            if lo <= start and end <= hi:
+                return index, start - lo
+        self._regions.append(self.engine.register(tensor))
+        return len(self._regions) - 1, 0
+
+    def publish(self):
+        """Publishes this rank's layout and registrations, and watches the training ranks."""
+        desc = _ext._weights_encode_inference(self.rank, [p.as_tuple() for p in self._params])
+        # The layout, the regions' descriptors, then (region, offset) of each copy of each
+        # parameter, in the layout's order.
+        chunks = [desc, struct.pack("<I", len(self._regions))]
+        chunks += [bytes(r.descriptor) for r in self._regions]
+        for p in self._params:
+            chunks += [struct.pack("<IQ", *w) for w in self._where[p.name]]
+        self.registry.join(Member(f"{self.group}.i{self.rank}", role=_ROLE_INFERENCE,
+                                  instance=self.group, tp_rank=self.rank,
+                                  address=bytes(self.engine.address).hex(),
+                                  data=_pack(chunks).hex()))
+        self.registry.watch(self._on_member)
+
+    def close(self):
+        """Fails a pending version with Closed and leaves the registry (the tensors and their
+        registrations stay as they are until dropped). Also on leaving a `with` block."""
+        pending = self._pending
+        if pending is not None:
+            self._fail(pending[0], _error(Closed, _ext.ErrorCode.CLOSED,
+                                          f"version {pending[0]}: InferenceWeights closed"))
+        _leave(self.registry, f"{self.group}.i{self.rank}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def on_version(self, callback):
+        """callback(version) runs (engine callback thread) each time a version completes."""
+        self._on_version.append(callback)
+
+    # --- serving ---
+
+    @property
+    def version(self):
+        """The last complete version (None before the first)."""
+        return self._version
+
+    @property
+    def copies(self):
+        """Copies of each parameter this mode keeps (2 for flip, 1 in place): the memory cost."""
+        return 2 if self.mode == "flip" else 1
+
+    def tensors(self):
+        """{name: tensor} of the last complete version. In place, raises InvalidArgument after
+        a failed push (the tensors are half-written) until a version completes."""
+        with self._lock:
+            if self._dirty:
+                raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                             "in-place weights are half-written: the last push failed")
+            return {n: c[self._active] for n, c in self._copies.items()}
+
+    def __getitem__(self, name):
+        return self.tensors()[name]
+
+    @property
+    def progress(self):
+        """(version, writes landed, writes expected) of the pending version, or None."""
+        pending = self._pending
+        if pending is None:
+            return None
+        return pending[0], self.engine.imm_count(pending[1]), self._expected
+
+    # --- a version ---
+
+    def prepare(self, version):
+        """Arms the immediate count of `version` and tells every training rank (found in the
+        registry) to write it; returns a Version (a Future, also awaitable). Blocks until the
+        schedule is in the registry (up to `timeout`). In place, stop serving until the Version
+        resolves."""
+        if self._schedule is None:
+            members = _wait_members(
+                self.registry, lambda ms: any(m.role == _ROLE_SCHEDULE and m.instance ==
+                                              self.group for m in ms), self.timeout, "the schedule")
+            data = next(m.data for m in members if m.role == _ROLE_SCHEDULE and
+                        m.instance == self.group)
+            self._schedule = WeightSchedule.decode(bytes.fromhex(data))
+        trainers = [m for m in self.registry.members()
+                    if m.role == _ROLE_TRAINER and m.instance == self.group]
+        future = Version()
+        with self._lock:
+            if self._pending is not None:
+                raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                             f"version {self._pending[0]} is still pending")
+            if len(trainers) < self._schedule.num_trainers:
+                raise _error(PeerUnreachable, _ext.ErrorCode.PEER_UNREACHABLE,
+                             f"version {version}: {len(trainers)} of "
+                             f"{self._schedule.num_trainers} training ranks are in the registry")
+            imm = self._imm_base + self._seq
+            self._seq += 1
+            copy = 1 - self._active if self.mode == "flip" else 0
+            timer = threading.Timer(self.timeout, self._fail, (version, _error(
+                Timeout, _ext.ErrorCode.TIMEOUT,
+                f"version {version} not complete after {self.timeout} s")))
+            timer.daemon = True
+            self._pending = (version, imm, copy, future, timer)
+            self._trainers = {m.name: bytes.fromhex(m.address) for m in trainers}
+        count = self._schedule.writes_into(self.rank)
+        self._expected = count
+        if count == 0:
+            self._complete(version)
+            return future
+        self.engine.reset_imm(imm)
+        self.engine.expect_imm(imm, count, on_reached=lambda: self._complete(version))
+        timer.start()
+        message = _READY.pack(_READY_TAG, version, imm, self.rank, copy)
+        for address in self._trainers.values():
+            self.engine.send(address, message)
+        return future
+
+    def _complete(self, version):
+        with self._lock:
+            if self._pending is None or self._pending[0] != version:
+                return
+            _, _, copy, future, timer = self._pending
+            self._pending = None
+            self._active, self._version, self._dirty = copy, version, False
+        timer.cancel()
+        for cb in self._on_version:
+            cb(version)
+        future.set_result(version)
+
+    def _fail(self, version, exc):
+        with self._lock:
+            if self._pending is None or self._pending[0] != version:
+                return
+            _, imm, _, future, timer = self._pending
+            self._pending = None
+            if self.mode == "in_place":
+                self._dirty = True
+        timer.cancel()
+        try:
+            self.engine.cancel_expect_imm(imm)
+        except NotFound:
+            pass
+        future.set_exception(exc)
+
+    def _on_member(self, joined, member):
+        if joined or member.role != _ROLE_TRAINER or member.instance != self.group:
+            return
+        pending = self._pending
+        if pending is not None and member.name in self._trainers:
+            self._fail(pending[0], _error(
+                PeerUnreachable, _ext.ErrorCode.PEER_UNREACHABLE,
+                f"version {pending[0]}: training rank {member.tp_rank} ({member.name}) left "
+                "the registry before the version was complete"))
+
+
+class _Ring:
+    """The staging buffer: projected tensors taken first in, first out; a range is reused only
+    once every write from it has completed."""
+
+    def __init__(self, engine, size, device):
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        self.reg = engine.register(self.buffer)
+        self.size, self.head = size, 0
+        self.live = collections.deque()  # (start, end, [Transfer])
+        self.high_water = 0
+        self.before_wait = None  # posts what was staged but not written yet (push sets it)
+
+    def take(self, n, name, timeout):
+        if n > self.size:
+            raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                         f"parameter '{name}': its projection needs {n} bytes, more than "
+                         f"max_temp_bytes ({self.size})")
+        while True:
+            start = _align(self.head)
+            start = start if start + n <= self.size else 0
+            if not any(start < e and s < start + n for s, e, _ in self.live):
+                break
+            if self.before_wait is not None:
+                self.before_wait()  # the oldest range's writes must be posted to be waited on
+            self.release_oldest(timeout)
+        self.head = start + n
+        return start
+
+    def release_oldest(self, timeout):
+        _, _, transfers = self.live.popleft()
+        for t in transfers:
+            t.result(timeout)
+
+    def hold(self, start, n, transfers):
+        self.live.append((start, start + n, transfers))
+        self.high_water = max(self.high_water, sum(e - s for s, e, _ in self.live))
+
+    def drain(self, timeout):
+        while self.live:
+            self.release_oldest(timeout)
+
+
+class TrainerWeights:
+    """A training rank's side of the push.
+
+    ``add`` each local shard (its box of the global tensor), ``publish``, then ``connect``
+    once (waits for every rank in the registry; rank 0 computes and publishes the schedule),
+    then ``push(version)`` after each step. With ``world > 1`` the shards are gathered with
+    ``torch.distributed`` (the default process group unless `process_group`): every rank
+    calls ``push`` for every version. Takes the engine's receive handler.
+    ``max_temp_bytes`` bounds the staging memory of projected tensors (allocated on `device`).
+    """
+
+    def __init__(self, engine, rank, world, registry, *, group="weights", num_nics=1,
+                 max_temp_bytes=256 << 20, chunk_bytes=64 << 20, device="cpu",
+                 process_group=None, timeout=30.0):
+        self.engine, self.rank, self.world, self.registry = engine, rank, world, registry
+        self.group, self.num_nics, self.timeout = group, num_nics, timeout
+        self.chunk_bytes, self.process_group = chunk_bytes, process_group
+        self._shards = {}  # name -> (tensor, shape, box, replica)
+        self._ring = _Ring(engine, max_temp_bytes, device)
+        self._ready = {}  # version -> {inference rank: (imm, copy)}
+        self._cond = threading.Condition()
+        self._boxes = None  # all ranks' {name: (box, replica, shape)} for the gather
+        self.schedule = None
+        engine.set_receive_handler(self._on_message)
+
+    def close(self):
+        """Leaves the registry (and withdraws the schedule, on rank 0). Also on leaving a
+        `with` block; a push in progress is not interrupted."""
+        _leave(self.registry, f"{self.group}.t{self.rank}")
+        if self.rank == 0 and self.schedule is not None:
+            _leave(self.registry, f"{self.group}.schedule")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def add(self, name, shard, *, shape=None, box=None, replica=0):
+        """This rank's shard of training parameter `name`: box = [(start, length)] per dim of
+        the global `shape` (None: the whole tensor)."""
+        shape = list(shard.shape) if shape is None else [int(s) for s in shape]
+        box = [] if box is None else [(int(s), int(n)) for s, n in box]
+        self._shards[name] = (shard, shape, box, replica)
+
+    def publish(self):
+        desc = _ext._weights_encode_trainer(self.rank, self.num_nics, [
+            (n, _dtype_name(t.dtype, n), shape, box, rep)
+            for n, (t, shape, box, rep) in self._shards.items()])
+        self._desc = desc
+        self.registry.join(Member(f"{self.group}.t{self.rank}", role=_ROLE_TRAINER,
+                                  instance=self.group, tp_size=self.world, tp_rank=self.rank,
+                                  address=bytes(self.engine.address).hex(), data=desc.hex()))
+
+    def connect(self, num_inference):
+        """Waits for `world` training and `num_inference` inference ranks in the registry;
+        rank 0 computes the schedule (raising its error naming the parameter) and publishes it,
+        the others read it. Returns the schedule."""
+        def mine(ms, role):
+            return [m for m in ms if m.role == role and m.instance == self.group]
+        members = _wait_members(
+            self.registry, lambda ms: len(mine(ms, _ROLE_TRAINER)) >= self.world and
+            len(mine(ms, _ROLE_INFERENCE)) >= num_inference, self.timeout, "every rank")
+        inference = sorted(mine(members, _ROLE_INFERENCE), key=lambda m: m.tp_rank)
+        if self.rank == 0:
+            trainers = sorted(mine(members, _ROLE_TRAINER), key=lambda m: m.tp_rank)
+            schedule = WeightSchedule.compute(
+                [bytes.fromhex(m.data) for m in trainers],
+                [_unpack(bytes.fromhex(m.data))[0] for m in inference], self.chunk_bytes)
+            self.registry.join(Member(f"{self.group}.schedule", role=_ROLE_SCHEDULE,
+                                      instance=self.group, data=schedule.encode().hex()))
+        else:
+            members = _wait_members(self.registry, lambda ms: bool(mine(ms, _ROLE_SCHEDULE)),
+                                    self.timeout, "the schedule")
+            schedule = WeightSchedule.decode(bytes.fromhex(mine(members, _ROLE_SCHEDULE)[0].data))
+        self.schedule = schedule
+        self._params = schedule.params
+        # Each inference rank's descriptors by parameter name and copy.
+        self._targets = {}
+        for m in inference:
+            chunks = _unpack(bytes.fromhex(m.data))
+            names = [p[0] for p in _ext._weights_decode_inference(chunks[0])]
+            (num_regions,) = struct.unpack("<I", chunks[1])
+            regions = [RemoteMemory(c) for c in chunks[2 : 2 + num_regions]]
+            where = [struct.unpack("<IQ", c) for c in chunks[2 + num_regions :]]
+            per = len(where) // max(1, len(names))
+            self._targets[m.tp_rank] = {
+                n: [(regions[where[i * per + c][0]], where[i * per + c][1]) for c in range(per)]
+                for i, n in enumerate(names)}
+        self._peers = self.engine.add_peer_group([bytes.fromhex(m.address) for m in inference])
+        self._entries = collections.defaultdict(list)
+        for e in schedule.entries(self.rank):
+            self._entries[e[2]].append(e)
+        if self.world > 1:
+            import torch.distributed as dist
+            boxes = {n: (box, rep, shape, t.dtype) for n, (t, shape, box, rep) in
+                     self._shards.items()}
+            self._boxes = [None] * self.world
+            dist.all_gather_object(self._boxes, boxes, group=self.process_group)
+        return schedule
+
+    def _on_message(self, message):
+        if len(message) != _READY.size:
+            return
+        tag, version, imm, inference, copy = _READY.unpack(message)
+        if tag != _READY_TAG:
+            return
+        with self._cond:
+            self._ready.setdefault(version, {})[inference] = (imm, copy)
+            self._cond.notify_all()
+
+    def _wait_ready(self, version, ranks):
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while not ranks <= set(self._ready.get(version, {})):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(ranks - set(self._ready.get(version, {})))
+                    raise _error(Timeout, _ext.ErrorCode.TIMEOUT,
+                                 f"version {version}: inference ranks {missing} did not prepare "
+                                 f"within {self.timeout} s")
+                self._cond.wait(left)
+            return self._ready.pop(version)
+
+    def _gather_start(self, name):
+        """Starts gathering training parameter `name` (an asynchronous all-gather when it is
+        sharded over the process group); returns a function that waits for it and returns the
+        full tensor."""
+        shard, shape, box, _ = self._shards.get(name, (None, None, None, None))
+        if self.world == 1:
+            if shard is None or box:
+                raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                             f"training parameter '{name}': one rank holds only a shard of it")
+            return lambda: shard
+        import torch.distributed as dist
+        holders = [(r, b[name]) for r, b in enumerate(self._boxes) if name in b]
+        if all(not b[0] for _, b in holders):  # whole wherever held: nothing to gather
+            return lambda: shard  # None on a rank that holds none: it is never its sender
+        _, replica, shape, dtype = holders[0][1]
+        mine = [(r, bx) for r, (bx, rep, _, _) in holders if rep == replica]
+        sizes = [_box_numel(bx, shape) for _, bx in mine]
+        device = self._ring.buffer.device
+        flat = torch.zeros(max(sizes), dtype=dtype, device=device)
+        if shard is not None and self._boxes[self.rank][name][1] == replica:
+            flat[: shard.numel()] = shard.reshape(-1)
+        # As bytes: every backend all-gathers uint8 (gloo has no bfloat16).
+        parts = [torch.empty_like(flat).view(torch.uint8) for _ in range(self.world)]
+        work = dist.all_gather(parts, flat.view(torch.uint8), group=self.process_group,
+                               async_op=True)
+
+        def finish():
+            work.wait()
+            full = torch.empty(shape, dtype=dtype, device=device)
+            for (r, bx), n in zip(mine, sizes):
+                region = full[tuple(slice(s, s + ln) for s, ln in _full_box(bx, shape))]
+                region.copy_(parts[r].view(dtype)[:n].view(region.shape))
+            return full
+
+        return finish
+
+    def push(self, version, on_param=None):
+        """Writes `version` of every parameter this rank is scheduled to send, once each target
+        inference rank has prepared it. Blocks until every write completed; returns seconds per
+        stage {'wait_ready', 'gather', 'project', 'post', 'drain', 'total'}, the bytes, the
+        submissions ('writes': a scatter or a paged write counts once) and the staging
+        high-water mark ('temp_high_water'). Projections are enqueued back to back and their
+        writes posted in batches of about max_temp_bytes / 4 (one stream synchronisation per
+        batch). on_param(name) runs after each parameter's writes are posted (progress; tests)."""
+        t0 = time.perf_counter()
+        stats = dict(wait_ready=0.0, gather=0.0, project=0.0, post=0.0, drain=0.0, bytes=0,
+                     writes=0)
+        targets = {e[3] for es in self._entries.values() for e in es}
+        ready = self._wait_ready(version, targets)
+        stats["wait_ready"] = time.perf_counter() - t0
+        batch = []  # (param index, ring start, bytes, its transfers, to fill) not posted yet
+        batch_limit = max(1, self._ring.size // 4)
+
+        def flush():
+            if not batch:
+                return
+            t = time.perf_counter()
+            if self._ring.buffer.is_cuda:
+                torch.cuda.current_stream(self._ring.buffer.device).synchronize()
+            stats["project"] += time.perf_counter() - t
+            t = time.perf_counter()
+            self._post(batch, ready, stats)
+            stats["post"] += time.perf_counter() - t
+            posted = [self._params[i][0] for i, _, _, _ in batch]
+            batch.clear()
+            if on_param is not None:
+                for name in posted:
+                    on_param(name)
+
+        self._ring.before_wait = flush
+        try:
+            done = set()
+            # Every rank gathers every parameter in the same order (the gather is collective),
+            # the next one's in flight while this one is projected and posted; only the ranks
+            # scheduled to send a parameter project and write it.
+            order = [i for i in range(len(self._params))
+                     if self.world > 1 or self._entries.get(i)]
+
+            def start(k):
+                if k >= len(order):
+                    return []
+                return [self._gather_start(s) for s in self._params[order[k]][4]]
+
+            following = start(0)
+            for k, index in enumerate(order):
+                t = time.perf_counter()
+                full = [finish() for finish in following]
+                following = start(k + 1)
+                stats["gather"] += time.perf_counter() - t
+                if index in done or not self._entries.get(index):
+                    continue
+                t = time.perf_counter()
+                batch.extend(self._project(index, full, done))
+                stats["project"] += time.perf_counter() - t
+                if sum(n for _, _, n, _ in batch) >= batch_limit:
+                    flush()
+            flush()
+            t = time.perf_counter()
+            self._ring.drain(self.timeout)
+            stats["drain"] = time.perf_counter() - t
+        finally:
+            self._ring.before_wait = None
+        stats["total"] = time.perf_counter() - t0
+        stats["temp_high_water"] = self._ring.high_water
+        return stats
+
+    def _stage(self, n, name):
+        """n bytes of the ring, held at once (its transfers are added when posted)."""
+        start = self._ring.take(n, name, self.timeout)
+        transfers = []
+        self._ring.hold(start, n, transfers)
+        return start, transfers
+
+    def _project(self, index, full, done):
+        """Projects parameter `index` into the ring (enqueued, for GPU tensors); returns
+        [(param index, start, bytes, transfers)]: two for an FP8 weight whose scales are
+        scheduled too, since one kernel makes both."""
+        name, dtype, shape, kind, sources, concat_dim, block = self._params[index][:7]
+        n = _numel(shape) * _element_bytes(dtype)
+        if kind in ("identity", "concat"):
+            start, transfers = self._stage(n, name)
+            view = self._ring.buffer[start : start + n].view(_TORCH[dtype]).view(shape)
+            done.add(index)
+            if kind == "identity":
+                view.copy_(full[0])
+            else:
+                torch.cat(full, dim=concat_dim, out=view)
+            return [(index, start, n, transfers)]
+        # FP8: the weight and its scales come from one quantisation, into one ring range (so
+        # neither half can be reused while the other is pending); both share its transfers.
+        partner = next((i for i, q in enumerate(self._params) if i != index and q[4] == sources
+                        and q[3] in ("fp8_quantize", "fp8_scale") and q[6] == block), None)
+        rows, cols = full[0].shape
+        tiles = ((rows + block - 1) // block) * ((cols + block - 1) // block)
+        other_n = tiles * 4 if kind == "fp8_quantize" else rows * cols
+        start, transfers = self._stage(_align(n) + other_n, name)
+        done.add(index)
+        view = self._ring.buffer[start : start + n]
+        other = start + _align(n)
+        other_view = self._ring.buffer[other : other + other_n]
+        q, s = (view, other_view) if kind == "fp8_quantize" else (other_view, view)
+        _quantize_into(full[0], q.view(rows, cols), s.view(torch.float32).view(-1), block)
+        out = [(index, start, n, transfers)]
+        if partner is not None and partner in self._entries:
+            done.add(partner)
+            out.append((partner, other, other_n, transfers))
+        return out
+
+    def _post(self, batch, ready, stats):
+        """Submits the writes of a batch of projected parameters: contiguous entries as one
+        scatter per inference rank (one submission; each target counts one immediate, as a
+        single write would), strided ones as paged writes. With several NICs every entry is
+        its own write pinned to the schedule's NIC (a scatter picks NICs itself)."""
+        singles = collections.defaultdict(list)  # inference rank -> ScatterTarget tuples
+        holders = collections.defaultdict(list)  # inference rank -> transfer lists to extend
+        for i, start, _, transfers in batch:
+            for e in self._entries.get(i, []):
+                stats["bytes"] += e[5] * e[6]
+                if e[6] == 1 and self.num_nics == 1:
+                    inference, src_offset, length, dst_offset = e[3], e[4], e[5], e[8]
+                    dst, base = self._targets[inference][self._params[i][0]][ready[inference][1]]
+                    singles[inference].append((dst, length, start + src_offset, base + dst_offset))
+                    if not holders[inference] or holders[inference][-1] is not transfers:
+                        holders[inference].append(transfers)
+                else:
+                    transfers.append(self._write(e, start, ready))
+                    stats["writes"] += 1
+        for inference, targets in singles.items():
+            t = self.engine.scatter(self._ring.reg, self._peers, targets, imm=ready[inference][0])
+            stats["writes"] += 1
+            for transfers in holders[inference]:
+                transfers.append(t)
+
+    def _write(self, e, start, ready):
+        _, nic, param, inference, src_offset, length, runs, src_stride, dst_offset, dst_stride = e
+        imm, copy = ready[inference]
+        dst, base = self._targets[inference][self._params[param][0]][copy]
+        dst_offset += base
+        routing = Routing.pinned(nic) if self.num_nics > 1 else None
+        if runs == 1:
+            return self.engine.write(self._ring.reg, dst, length, src_offset=start + src_offset,
+                                     dst_offset=dst_offset, imm=imm, routing=routing)
+        pages = list(range(runs))
+        return self.engine.paged_write(self._ring.reg, dst, length, pages, pages,
+                                       src_stride=src_stride, src_offset=start + src_offset,
+                                       dst_stride=dst_stride, dst_offset=dst_offset, imm=imm)
+
+
+def _align(n, to=256):
+    """n rounded up to a multiple of `to`: every ring range starts aligned for any dtype."""
+    return (n + to - 1) // to * to
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _full_box(box, shape):
+    return box if box else [(0, s) for s in shape]
+
+
+def _box_numel(box, shape):
+    return _numel([ln for _, ln in _full_box(box, shape)])

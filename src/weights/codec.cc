@@ -1,0 +1,296 @@
+// The byte forms of the schedule and of each rank's description: little-endian, a 4-byte tag
+// and a version first, each string and list prefixed by its length. decode checks every length
+// against what is left, so bad bytes are an error naming the field, never an overread.
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "common/codec.h"
+#include "fabric/weights.h"
+
+namespace fabric::weights {
+namespace {
+
+using detail::ByteReader;
+using detail::ByteWriter;
+
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kScheduleTag = 0x53574246;   // "FBWS"
+constexpr uint32_t kTrainerTag = 0x54574246;    // "FBWT"
+constexpr uint32_t kInferenceTag = 0x49574246;  // "FBWI"
+// Bounds on counts read from bytes, so a bad length cannot make decode allocate gigabytes.
+constexpr uint64_t kMaxDims = 16;
+
+void put_string(ByteWriter& w, const std::string& s) {
+  w.u32(static_cast<uint32_t>(s.size()));
+  w.bytes(std::as_bytes(std::span(s.data(), s.size())));
+}
+void put_shape(ByteWriter& w, const Shape& s) {
+  w.u32(static_cast<uint32_t>(s.size()));
+  for (uint64_t d : s) w.u64(d);
+}
+// The head of a shard, an inference parameter and a scheduled parameter.
+void put_tensor(ByteWriter& w, const std::string& name, DType dtype, const Shape& shape) {
+  put_string(w, name);
+  w.u8(static_cast<uint8_t>(dtype));
+  put_shape(w, shape);
+}
+void put_projection(ByteWriter& w, const Projection& p) {
+  w.u8(static_cast<uint8_t>(p.kind));
+  w.u32(static_cast<uint32_t>(p.sources.size()));
+  for (const auto& s : p.sources) put_string(w, s);
+  w.u32(p.dim);
+  w.u32(p.block);
+}
+
+// Reads fields in order; the first that fails is remembered and every later read is a no-op.
+class Fields {
+ public:
+  explicit Fields(std::span<const std::byte> in) : r_(in) {}
+  bool ok() const { return failed_.empty(); }
+  Status status(std::string_view what) const {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("weights {}: bad bytes at field '{}'", what, failed_));
+  }
+  void fail(const char* field) {
+    if (ok()) failed_ = field;
+  }
+  uint8_t u8(const char* f) {
+    uint8_t v = 0;
+    if (ok() && !r_.u8(v)) fail(f);
+    return v;
+  }
+  uint32_t u32(const char* f) {
+    uint32_t v = 0;
+    if (ok() && !r_.u32(v)) fail(f);
+    return v;
+  }
+  uint64_t u64(const char* f) {
+    uint64_t v = 0;
+    if (ok() && !r_.u64(v)) fail(f);
+    return v;
+  }
+  // A count of items of at least `min_item_bytes` each: no more than the bytes left allow.
+  uint32_t count(const char* f, uint64_t min_item_bytes) {
+    const uint32_t n = u32(f);
+    if (ok() && n * min_item_bytes > r_.remaining()) fail(f);
+    return ok() ? n : 0;
+  }
+  std::string str(const char* f) {
+    const uint32_t n = count(f, 1);
+    std::vector<std::byte> b;
+    if (ok() && !r_.bytes(n, b)) fail(f);
+    std::string s(b.size(), '\0');
+    if (!b.empty()) std::memcpy(s.data(), b.data(), b.size());
+    return s;
+  }
+  Shape shape(const char* f) {
+    const uint32_t n = count(f, 8);
+    if (n > kMaxDims) fail(f);
+    Shape s;
+    for (uint32_t i = 0; ok() && i < n; ++i) s.push_back(u64(f));
+    return s;
+  }
+  DType dtype(const char* f) {
+    const uint8_t v = u8(f);
+    if (v > static_cast<uint8_t>(DType::kFloat8E4M3)) fail(f);
+    return static_cast<DType>(v);
+  }
+  // put_tensor's fields; `what` prefixes their names in errors ("shard.name").
+  void tensor(const std::string& what, std::string& name, DType& dtype, Shape& shape) {
+    field_ = what + ".name";
+    name = str(field_.c_str());
+    field_ = what + ".dtype";
+    dtype = this->dtype(field_.c_str());
+    field_ = what + ".shape";
+    shape = this->shape(field_.c_str());
+  }
+  Projection projection() {
+    Projection p;
+    const uint8_t kind = u8("projection.kind");
+    if (kind > static_cast<uint8_t>(ProjectionKind::kFp8Scale)) fail("projection.kind");
+    p.kind = static_cast<ProjectionKind>(kind);
+    const uint32_t n = count("projection.sources", 4);
+    for (uint32_t i = 0; ok() && i < n; ++i) p.sources.push_back(str("projection.source"));
+    p.dim = u32("projection.dim");
+    p.block = u32("projection.block");
+    return p;
+  }
+  void header(uint32_t tag) {
+    if (u32("tag") != tag) fail("tag");
+    if (u32("version") != kVersion) fail("version");
+  }
+  void end() {
+    if (ok() && r_.remaining() != 0) fail("end (trailing bytes)");
+  }
+
+ private:
+  ByteReader r_;
+  std::string failed_;
+  std::string field_;  // the name tensor() reads under; failed_ copies it
+};
+
+}  // namespace
+
+Bytes encode(const TrainerRank& rank) {
+  ByteWriter w;
+  w.u32(kTrainerTag);
+  w.u32(kVersion);
+  w.u32(rank.rank);
+  w.u32(rank.num_nics);
+  w.u32(static_cast<uint32_t>(rank.shards.size()));
+  for (const Shard& s : rank.shards) {
+    put_tensor(w, s.name, s.dtype, s.shape);
+    w.u32(static_cast<uint32_t>(s.box.size()));
+    for (const Range& r : s.box) {
+      w.u64(r.start);
+      w.u64(r.length);
+    }
+    w.u32(s.replica);
+  }
+  return w.take();
+}
+
+Result<TrainerRank> decode_trainer(std::span<const std::byte> bytes) {
+  Fields f(bytes);
+  f.header(kTrainerTag);
+  TrainerRank t;
+  t.rank = f.u32("rank");
+  t.num_nics = f.u32("num_nics");
+  const uint32_t n = f.count("shards", 17);
+  for (uint32_t i = 0; f.ok() && i < n; ++i) {
+    Shard s;
+    f.tensor("shard", s.name, s.dtype, s.shape);
+    const uint32_t dims = f.count("shard.box", 16);
+    if (dims > kMaxDims) f.fail("shard.box");
+    for (uint32_t d = 0; f.ok() && d < dims; ++d) {
+      const uint64_t start = f.u64("shard.box");
+      s.box.push_back({start, f.u64("shard.box")});
+    }
+    s.replica = f.u32("shard.replica");
+    t.shards.push_back(std::move(s));
+  }
+  f.end();
+  if (!f.ok()) return f.status("training rank");
+  return t;
+}
+
+Bytes encode(const InferenceRank& rank) {
+  ByteWriter w;
+  w.u32(kInferenceTag);
+  w.u32(kVersion);
+  w.u32(rank.rank);
+  w.u32(static_cast<uint32_t>(rank.params.size()));
+  for (const InferenceParam& p : rank.params) {
+    put_tensor(w, p.name, p.dtype, p.shape);
+    w.u32(static_cast<uint32_t>(p.placement.dim));
+    w.u64(p.placement.range.start);
+    w.u64(p.placement.range.length);
+    put_projection(w, p.projection);
+  }
+  return w.take();
+}
+
+Result<InferenceRank> decode_inference(std::span<const std::byte> bytes) {
+  Fields f(bytes);
+  f.header(kInferenceTag);
+  InferenceRank r;
+  r.rank = f.u32("rank");
+  const uint32_t n = f.count("params", 38);
+  for (uint32_t i = 0; f.ok() && i < n; ++i) {
+    InferenceParam p;
+    f.tensor("param", p.name, p.dtype, p.shape);
+    p.placement.dim = static_cast<int32_t>(f.u32("param.placement"));
+    p.placement.range.start = f.u64("param.placement");
+    p.placement.range.length = f.u64("param.placement");
+    p.projection = f.projection();
+    r.params.push_back(std::move(p));
+  }
+  f.end();
+  if (!f.ok()) return f.status("inference rank");
+  return r;
+}
+
+Bytes Schedule::encode() const {
+  ByteWriter w;
+  w.u32(kScheduleTag);
+  w.u32(kVersion);
+  w.u32(num_trainers);
+  w.u32(num_inference);
+  w.u32(static_cast<uint32_t>(params.size()));
+  for (const ScheduledParam& p : params) {
+    put_tensor(w, p.name, p.dtype, p.shape);
+    put_projection(w, p.projection);
+    w.u32(static_cast<uint32_t>(p.source_dtypes.size()));
+    for (size_t i = 0; i < p.source_dtypes.size(); ++i) {
+      w.u8(static_cast<uint8_t>(p.source_dtypes[i]));
+      put_shape(w, p.source_shapes[i]);
+    }
+    w.u32(static_cast<uint32_t>(p.senders.size()));
+    for (uint32_t s : p.senders) w.u32(s);
+  }
+  w.u64(entries.size());
+  for (const Entry& e : entries) {
+    w.u32(e.trainer);
+    w.u32(e.nic);
+    w.u32(e.param);
+    w.u32(e.inference);
+    w.u64(e.src_offset);
+    w.u64(e.length);
+    w.u64(e.runs);
+    w.u64(e.src_stride);
+    w.u64(e.dst_offset);
+    w.u64(e.dst_stride);
+  }
+  return w.take();
+}
+
+Result<Schedule> Schedule::decode(std::span<const std::byte> bytes) {
+  Fields f(bytes);
+  f.header(kScheduleTag);
+  Schedule s;
+  s.num_trainers = f.u32("num_trainers");
+  s.num_inference = f.u32("num_inference");
+  const uint32_t n = f.count("params", 30);
+  for (uint32_t i = 0; f.ok() && i < n; ++i) {
+    ScheduledParam p;
+    f.tensor("param", p.name, p.dtype, p.shape);
+    p.projection = f.projection();
+    const uint32_t sources = f.count("param.sources", 5);
+    for (uint32_t k = 0; f.ok() && k < sources; ++k) {
+      p.source_dtypes.push_back(f.dtype("param.source_dtype"));
+      p.source_shapes.push_back(f.shape("param.source_shape"));
+    }
+    const uint32_t senders = f.count("param.senders", 4);
+    for (uint32_t k = 0; f.ok() && k < senders; ++k) {
+      p.senders.push_back(f.u32("param.sender"));
+      if (p.senders.back() >= s.num_trainers) f.fail("param.sender");
+    }
+    s.params.push_back(std::move(p));
+  }
+  constexpr uint64_t kEntryBytes = 4 * 4 + 6 * 8;
+  const uint64_t entries = f.u64("entries");
+  if (f.ok() && entries > bytes.size() / kEntryBytes) f.fail("entries");
+  for (uint64_t i = 0; f.ok() && i < entries; ++i) {
+    Entry e;
+    e.trainer = f.u32("entry.trainer");
+    e.nic = f.u32("entry.nic");
+    e.param = f.u32("entry.param");
+    e.inference = f.u32("entry.inference");
+    e.src_offset = f.u64("entry.src_offset");
+    e.length = f.u64("entry.length");
+    e.runs = f.u64("entry.runs");
+    e.src_stride = f.u64("entry.src_stride");
+    e.dst_offset = f.u64("entry.dst_offset");
+    e.dst_stride = f.u64("entry.dst_stride");
+    if (e.trainer >= s.num_trainers) f.fail("entry.trainer");
+    if (e.inference >= s.num_inference) f.fail("entry.inference");
+    if (e.param >= s.params.size()) f.fail("entry.param");
+    s.entries.push_back(e);
+  }
+  f.end();
+  if (!f.ok()) return f.status("schedule");
+  return s;
+}
+
+}  // namespace fabric::weights

@@ -1,0 +1,15 @@
+// Builds without CUDA: the FP8 kernel is not there (the CPU reference is).
+#include "fabric/weights_projection.h"
+
+namespace fabric::weights {
+
+Status quantize_fp8_blocks_cuda(const void*, uint64_t, uint64_t, uint32_t, void*, float*, void*) {
+  return Status(ErrorCode::kUnsupported,
+                "quantize_fp8_blocks_cuda: this build of fabric-lib has no CUDA");
+}
+
+bool has_cuda_projections() {
+  return false;
+}
+
+}  // namespace fabric::weights

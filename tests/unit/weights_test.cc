@@ -1,0 +1,433 @@
+// fabric::weights: the schedule (coverage, balance, errors naming the parameter, bytes), the CPU
+// projections, and a property test over random shardings.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "fabric/weights.h"
+#include "fabric/weights_projection.h"
+
+namespace fabric::weights {
+namespace {
+
+// Which projected-tensor byte each byte of an inference rank's local tensor comes from, by the
+// schedule's entries; -1 where none wrote, -2 where two did.
+std::vector<int64_t> apply(const Schedule& s, uint32_t inference, const std::string& name,
+                           uint64_t local_size) {
+  std::vector<int64_t> dst(local_size, -1);
+  const int64_t param = s.find(name);
+  for (const Entry& e : s.entries) {
+    if (e.inference != inference || e.param != param) continue;
+    for (uint64_t r = 0; r < e.runs; ++r) {
+      for (uint64_t b = 0; b < e.length; ++b) {
+        const uint64_t at = e.dst_offset + r * e.dst_stride + b;
+        if (at >= local_size) {
+          ADD_FAILURE() << name << ": entry writes past the local tensor";
+          return dst;
+        }
+        dst[at] = dst[at] == -1 ? static_cast<int64_t>(e.src_offset + r * e.src_stride + b) : -2;
+      }
+    }
+  }
+  return dst;
+}
+
+// The same mapping computed from the placement directly, element by element.
+std::vector<int64_t> expected_map(const InferenceParam& p) {
+  const uint64_t eb = element_bytes(p.dtype);
+  std::vector<int64_t> out;
+  const uint64_t n = num_elements(p.shape);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (p.placement.dim >= 0) {
+      uint64_t rest = i;
+      for (size_t d = p.shape.size(); d-- > 0;) {
+        const uint64_t coord = rest % p.shape[d];
+        rest /= p.shape[d];
+        if (static_cast<int32_t>(d) == p.placement.dim &&
+            (coord < p.placement.range.start ||
+             coord >= p.placement.range.start + p.placement.range.length)) {
+          goto skip;
+        }
+      }
+    }
+    for (uint64_t b = 0; b < eb; ++b) out.push_back(static_cast<int64_t>(i * eb + b));
+  skip:;
+  }
+  return out;
+}
+
+// Every byte of every local tensor written once, from the right projected byte.
+void expect_exact_cover(const Schedule& s, const std::vector<InferenceRank>& inference) {
+  for (const InferenceRank& r : inference) {
+    for (const InferenceParam& p : r.params) {
+      const auto want = expected_map(p);
+      ASSERT_EQ(want.size(), local_bytes(p)) << p.name;
+      EXPECT_EQ(apply(s, r.rank, p.name, local_bytes(p)), want)
+          << p.name << " on inference rank " << r.rank;
+    }
+  }
+}
+
+Shard shard(std::string name, Shape shape, std::vector<Range> box = {},
+            DType d = DType::kBFloat16) {
+  return Shard{std::move(name), d, std::move(shape), std::move(box), 0};
+}
+
+InferenceParam param(std::string name, Shape shape, Placement placement = {},
+                     Projection projection = {}, DType d = DType::kBFloat16) {
+  return InferenceParam{std::move(name), d, std::move(shape), placement, std::move(projection)};
+}
+
+// Two FSDP trainers (dim-0 halves) into two TP ranks: column slices of w, row slices of o,
+// a replicated norm; every local byte once, load balanced.
+TEST(WeightsSchedule, FsdpTrainersIntoTensorParallelRanks) {
+  std::vector<TrainerRank> trainers(2);
+  for (uint32_t t = 0; t < 2; ++t) {
+    trainers[t].rank = t;
+    trainers[t].shards = {shard("w", {64, 32}, {{t * 32, 32}, {0, 32}}),
+                          shard("o", {32, 64}, {{t * 16, 16}, {0, 64}}),
+                          shard("norm", {32}, {{t * 16, 16}})};
+  }
+  std::vector<InferenceRank> inference(2);
+  for (uint32_t r = 0; r < 2; ++r) {
+    inference[r].rank = r;
+    inference[r].params = {param("w", {64, 32}, {0, {r * 32, 32}}),
+                           param("o", {32, 64}, {1, {r * 32, 32}}), param("norm", {32})};
+  }
+  auto s = compute_schedule(trainers, inference, {.chunk_bytes = 512});
+  ASSERT_TRUE(s) << s.status().to_string();
+  expect_exact_cover(*s, inference);
+  const uint64_t total = s->bytes_from(0) + s->bytes_from(1);
+  EXPECT_EQ(total, 2 * (64 * 32 / 2 + 32 * 64 / 2 + 32) * 2u);  // halves of w and o, all of norm
+  EXPECT_LE(std::max(s->bytes_from(0), s->bytes_from(1)), total / 2 + 512);
+  // Row slices of o are strided: 32 runs of 64 bytes per rank.
+  uint64_t o_runs = 0;
+  for (const Entry& e : s->entries) {
+    if (e.param == s->find("o") && e.inference == 1) o_runs += e.runs;
+  }
+  EXPECT_EQ(o_runs, 32u);
+  uint64_t writes = 0;
+  for (const Entry& e : s->entries) {
+    if (e.inference == 1) writes += e.runs;
+  }
+  EXPECT_EQ(s->writes_into(1), writes);
+}
+
+TEST(WeightsSchedule, FusedQkvAndFp8Projections) {
+  TrainerRank t{
+      0,
+      2,
+      {shard("q", {8, 16}), shard("k", {4, 16}), shard("v", {4, 16}), shard("up", {256, 200})}};
+  InferenceRank r{
+      0,
+      {param("qkv", {16, 16}, {}, {ProjectionKind::kConcat, {"q", "k", "v"}, 0, 128}),
+       param("up", {256, 200}, {}, {ProjectionKind::kFp8Quantize, {}, 0, 128}, DType::kFloat8E4M3),
+       param("up.scale", {2, 2}, {}, {ProjectionKind::kFp8Scale, {"up"}, 0, 128},
+             DType::kFloat32)}};
+  auto s = compute_schedule({t}, {r});
+  ASSERT_TRUE(s) << s.status().to_string();
+  expect_exact_cover(*s, {r});
+  const auto& qkv = s->params[static_cast<size_t>(s->find("qkv"))];
+  EXPECT_EQ(qkv.projection.sources, (std::vector<std::string>{"q", "k", "v"}));
+  EXPECT_EQ(qkv.source_shapes[1], (Shape{4, 16}));
+  const auto& up = s->params[static_cast<size_t>(s->find("up"))];
+  EXPECT_EQ(up.projection.sources, std::vector<std::string>{"up"});
+  EXPECT_EQ(up.source_dtypes[0], DType::kBFloat16);
+  // Both NICs carry bytes.
+  uint64_t nic_bytes[2] = {0, 0};
+  for (const Entry& e : s->entries) nic_bytes[e.nic] += e.bytes();
+  EXPECT_GT(nic_bytes[0], 0u);
+  EXPECT_GT(nic_bytes[1], 0u);
+}
+
+// A parameter held by only some training ranks (EP experts) goes only to them.
+TEST(WeightsSchedule, ExpertsGoOnlyToTheRanksHoldingThem) {
+  std::vector<TrainerRank> trainers(4);
+  for (uint32_t t = 0; t < 4; ++t) {
+    trainers[t].rank = t;
+    const uint32_t group = t / 2;  // EP 2, FSDP 2 inside each group
+    trainers[t].shards = {shard("experts", {4, 16, 8}, {{group * 2, 2}, {t % 2 * 8, 8}, {0, 8}})};
+  }
+  // A stacked [experts, ...] tensor is one parameter every holder may send; experts as
+  // parameters of their own go only to the ranks of their EP group.
+  InferenceRank r{0, {param("experts", {4, 16, 8}, {0, {0, 4}})}};
+  auto s = compute_schedule(trainers, {r}, {.chunk_bytes = 64});
+  ASSERT_TRUE(s) << s.status().to_string();
+  expect_exact_cover(*s, {r});
+  std::vector<TrainerRank> split(4);
+  for (uint32_t t = 0; t < 4; ++t) {
+    split[t].rank = t;
+    split[t].shards = {shard("e" + std::to_string(t / 2), {32, 8}, {{t % 2 * 16, 16}, {0, 8}})};
+  }
+  InferenceRank r2{0, {param("e0", {32, 8}), param("e1", {32, 8})}};
+  auto s2 = compute_schedule(split, {r2}, {.chunk_bytes = 64});
+  ASSERT_TRUE(s2) << s2.status().to_string();
+  for (const Entry& e : s2->entries) {
+    EXPECT_EQ(e.trainer / 2, static_cast<uint32_t>(e.param)) << "an expert sent by a rank that "
+                                                                "does not hold it";
+  }
+  EXPECT_EQ(s2->bytes_from(0) + s2->bytes_from(1), 32u * 8 * 2);
+}
+
+// Each bad layout is refused with the parameter named.
+TEST(WeightsSchedule, BadLayoutsNameTheParameter) {
+  const TrainerRank t{0, 1, {shard("w", {8, 8})}};
+  struct Case {
+    std::vector<TrainerRank> trainers;
+    InferenceRank inference;
+    ErrorCode code;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {{t}, {0, {param("missing", {8, 8})}}, ErrorCode::kNotFound, "'missing'"},
+      {{t}, {0, {param("w", {8, 4})}}, ErrorCode::kInvalidArgument, "'w': shape mismatch"},
+      {{t},
+       {0, {param("w", {8, 8}, {}, {}, DType::kFloat16)}},
+       ErrorCode::kInvalidArgument,
+       "'w': dtype bf16 -> f16 has no identity projection"},
+      {{{0, 1, {shard("x", {8, 8}, {}, DType::kFloat32)}}},
+       {0,
+        {param("x", {8, 8}, {}, {ProjectionKind::kFp8Quantize, {}, 0, 128}, DType::kFloat8E4M3)}},
+       ErrorCode::kInvalidArgument,
+       "'x': dtype f32 -> fp8_e4m3 has no fp8_quantize"},
+      {{{0, 1, {shard("w", {8, 8}, {{0, 5}, {0, 8}})}},
+        {1, 1, {shard("w", {8, 8}, {{4, 4}, {0, 8}})}}},
+       {0, {param("w", {8, 8})}},
+       ErrorCode::kInvalidArgument,
+       "'w': the shards of ranks 0 and 1 overlap"},
+      {{{0, 1, {shard("w", {8, 8}, {{0, 4}, {0, 8}})}},
+        {1, 1, {shard("w", {8, 8}, {{4, 3}, {0, 8}})}}},
+       {0, {param("w", {8, 8})}},
+       ErrorCode::kInvalidArgument,
+       "'w': incomplete shards: replica 0 covers 56 of 64"},
+      {{t},
+       {0, {param("w", {8, 8}, {1, {6, 4}})}},
+       ErrorCode::kInvalidArgument,
+       "'w' (inference rank 0): placement"},
+      {{t},
+       {0, {param("w", {16, 8}, {}, {ProjectionKind::kConcat, {"w", "nope"}})}},
+       ErrorCode::kNotFound,
+       "'w': no training rank holds its source 'nope'"},
+      {{{0, 1, {shard("w", {8, 8}), shard("w", {8, 8})}}},
+       {0, {param("w", {8, 8})}},
+       ErrorCode::kInvalidArgument,
+       "'w' (rank 0): two shards"},
+  };
+  for (const Case& c : cases) {
+    auto s = compute_schedule(c.trainers, {c.inference});
+    ASSERT_FALSE(s) << c.needle;
+    EXPECT_EQ(s.status().code(), c.code) << s.status().to_string();
+    EXPECT_NE(s.status().message().find(c.needle), std::string::npos)
+        << "'" << s.status().message() << "' lacks '" << c.needle << "'";
+  }
+}
+
+TEST(WeightsSchedule, RoundTripsThroughBytesAndRefusesDamagedBytes) {
+  TrainerRank t{0, 2, {shard("q", {8, 16}, {}), shard("up", {256, 200})}};
+  InferenceRank r{0,
+                  {param("qkv", {8, 16}, {1, {0, 8}}, {ProjectionKind::kConcat, {"q"}, 0, 128}),
+                   param("up", {256, 200}, {0, {128, 128}},
+                         {ProjectionKind::kFp8Quantize, {}, 0, 128}, DType::kFloat8E4M3)}};
+  auto s = compute_schedule({t}, {r}, {.chunk_bytes = 100});
+  ASSERT_TRUE(s) << s.status().to_string();
+  const Bytes bytes = s->encode();
+  auto back = Schedule::decode(bytes);
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(*back, *s);
+  auto t2 = decode_trainer(encode(t));
+  ASSERT_TRUE(t2);
+  EXPECT_EQ(*t2, t);
+  auto r2 = decode_inference(encode(r));
+  ASSERT_TRUE(r2);
+  EXPECT_EQ(*r2, r);
+  for (size_t n = 0; n < bytes.size(); n += 7) {
+    auto cut = Schedule::decode(std::span(bytes).first(n));
+    EXPECT_FALSE(cut) << "a schedule cut to " << n << " bytes decoded";
+  }
+  Bytes longer = bytes;
+  longer.push_back(std::byte{0});
+  EXPECT_FALSE(Schedule::decode(longer));
+  EXPECT_FALSE(decode_trainer(encode(r)));  // the wrong tag
+}
+
+// Random shardings on both sides: every local byte once from the right source byte, senders
+// hold the parameter, and with every rank eligible no rank (nor NIC) exceeds mean + one chunk.
+TEST(WeightsSchedule, PropertyRandomShardings) {
+  std::mt19937_64 rng(19);
+  auto pick = [&](uint64_t lo, uint64_t hi) {
+    return std::uniform_int_distribution<uint64_t>(lo, hi)(rng);
+  };
+  int scheduled = 0;
+  for (int iter = 0; iter < 300; ++iter) {
+    const auto num_trainers = static_cast<uint32_t>(pick(1, 6));
+    const auto num_inference = static_cast<uint32_t>(pick(1, 4));
+    const bool everyone_holds_all = iter % 2 == 0;
+    std::vector<TrainerRank> trainers(num_trainers);
+    for (uint32_t t = 0; t < num_trainers; ++t)
+      trainers[t] = {t, static_cast<uint32_t>(pick(1, 3)), {}};
+    std::vector<InferenceRank> inference(num_inference);
+    for (uint32_t r = 0; r < num_inference; ++r) inference[r].rank = r;
+    const int num_params = static_cast<int>(pick(1, 5));
+    for (int pi = 0; pi < num_params; ++pi) {
+      const std::string name = "p" + std::to_string(pi);
+      Shape shape;
+      for (uint64_t d = pick(1, 3); d > 0; --d) shape.push_back(pick(1, 9));
+      const DType dtype = pick(0, 1) ? DType::kBFloat16 : DType::kFloat32;
+      // Training side: one or two replicas, each a tiling along a random dim over distinct ranks.
+      const uint32_t replicas = everyone_holds_all ? 1 : static_cast<uint32_t>(pick(1, 2));
+      for (uint32_t rep = 0; rep < replicas; ++rep) {
+        const size_t dim = pick(0, shape.size() - 1);
+        const uint64_t max_pieces = std::min<uint64_t>(shape[dim], num_trainers);
+        const uint64_t pieces = everyone_holds_all ? max_pieces : pick(1, max_pieces);
+        std::vector<uint64_t> cuts{0, shape[dim]};
+        while (cuts.size() < pieces + 1) {
+          const uint64_t c = pick(1, shape[dim] - 1);
+          if (std::find(cuts.begin(), cuts.end(), c) == cuts.end()) cuts.push_back(c);
+        }
+        std::sort(cuts.begin(), cuts.end());
+        std::vector<uint32_t> owners(num_trainers);
+        std::iota(owners.begin(), owners.end(), 0);
+        std::shuffle(owners.begin(), owners.end(), rng);
+        for (uint64_t k = 0; k < pieces; ++k) {
+          std::vector<Range> box;
+          for (size_t d = 0; d < shape.size(); ++d) box.push_back({0, shape[d]});
+          box[dim] = {cuts[k], cuts[k + 1] - cuts[k]};
+          // A rank holds one shard of a parameter: a piece whose rank has one already (from
+          // the other replica) is dropped, and the schedule must find the tiling incomplete.
+          auto& held = trainers[owners[k]].shards;
+          if (std::none_of(held.begin(), held.end(),
+                           [&](const Shard& x) { return x.name == name; })) {
+            held.push_back(Shard{name, dtype, shape, box, rep});
+          }
+        }
+        // With everyone eligible, the ranks left without a piece hold full copies (replicas
+        // of their own).
+        for (uint64_t k = pieces; everyone_holds_all && k < num_trainers; ++k) {
+          trainers[owners[k]].shards.push_back(Shard{name, dtype, shape, {}, 1 + owners[k]});
+        }
+      }
+      // Inference side: each rank holds it or not, whole or a slice along a random dim.
+      for (auto& r : inference) {
+        if (!everyone_holds_all && pick(0, 3) == 0) continue;
+        Placement pl;
+        if (pick(0, 2) != 0) {
+          pl.dim = static_cast<int32_t>(pick(0, shape.size() - 1));
+          const uint64_t n = shape[static_cast<size_t>(pl.dim)];
+          const uint64_t start = pick(0, n - 1);
+          pl.range = {start, pick(1, n - start)};
+        }
+        r.params.push_back(InferenceParam{name, dtype, shape, pl, {}});
+      }
+    }
+    const uint64_t chunk = pick(1, 64);
+    // Skip draws whose tilings collided (a piece left without a free rank): the schedule must
+    // then say so, naming the parameter.
+    auto s = compute_schedule(trainers, inference, {.chunk_bytes = chunk});
+    if (!s) {
+      EXPECT_NE(s.status().message().find("incomplete shards"), std::string::npos)
+          << s.status().to_string();
+      continue;
+    }
+    ++scheduled;
+    SCOPED_TRACE("iteration " + std::to_string(iter));
+    expect_exact_cover(*s, inference);
+    uint64_t total = 0, max_entry = 0;
+    for (const Entry& e : s->entries) {
+      const auto& sp = s->params[e.param];
+      EXPECT_TRUE(std::binary_search(sp.senders.begin(), sp.senders.end(), e.trainer));
+      const auto& held = trainers[e.trainer].shards;
+      EXPECT_TRUE(
+          std::any_of(held.begin(), held.end(), [&](const Shard& x) { return x.name == sp.name; }));
+      EXPECT_LT(e.nic, trainers[e.trainer].num_nics);
+      EXPECT_LE(e.bytes(), chunk);
+      total += e.bytes();
+      max_entry = std::max(max_entry, e.bytes());
+    }
+    if (everyone_holds_all) {
+      for (uint32_t t = 0; t < num_trainers; ++t) {
+        const uint64_t mine = s->bytes_from(t);
+        EXPECT_LE(mine, total / num_trainers + max_entry) << "trainer " << t;
+        std::vector<uint64_t> nic(trainers[t].num_nics);
+        for (const Entry& e : s->entries) {
+          if (e.trainer == t) nic[e.nic] += e.bytes();
+        }
+        for (uint64_t b : nic) EXPECT_LE(b, mine / nic.size() + max_entry);
+      }
+    }
+  }
+  EXPECT_GE(scheduled, 200) << "too few draws gave a valid layout to check";
+}
+
+TEST(WeightsProjection, E4m3RoundsToNearestEvenAndSaturates) {
+  EXPECT_EQ(float_to_e4m3(0.0f), 0x00);
+  EXPECT_EQ(float_to_e4m3(-0.0f), 0x80);
+  EXPECT_EQ(float_to_e4m3(1.0f), 0x38);
+  EXPECT_EQ(float_to_e4m3(448.0f), 0x7e);
+  EXPECT_EQ(float_to_e4m3(1e6f), 0x7e);
+  EXPECT_EQ(float_to_e4m3(-1e6f), 0xfe);
+  EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);  // halfway between 1 and 1.125: to even (1)
+  EXPECT_EQ(float_to_e4m3(1.1875f), 0x3a);  // halfway between 1.125 and 1.25: to even (1.25)
+  EXPECT_EQ(float_to_e4m3(std::ldexp(1.0f, -9)), 0x01);    // smallest subnormal
+  EXPECT_EQ(float_to_e4m3(std::ldexp(1.0f, -10)), 0x00);   // half of it: to even (0)
+  EXPECT_EQ(float_to_e4m3(std::ldexp(3.0f, -10)), 0x02);   // 1.5 ulps: to even (2)
+  EXPECT_EQ(float_to_e4m3(std::ldexp(15.5f, -10)), 0x08);  // rounds up into the normals
+  // Every encoding (but NaN) decodes and encodes back to itself.
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7f) == 0x7f) continue;
+    EXPECT_EQ(float_to_e4m3(e4m3_to_float(static_cast<uint8_t>(b))), b) << b;
+  }
+}
+
+TEST(WeightsProjection, Fp8BlocksScaleByTileAmax) {
+  const uint64_t rows = 130, cols = 3;
+  std::vector<uint16_t> w(rows * cols);
+  auto bf16 = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>(u >> 16);
+  };
+  for (uint64_t i = 0; i < w.size(); ++i) w[i] = bf16(static_cast<float>(i % 17) - 8.0f);
+  std::fill(w.begin() + 128 * cols, w.end(), 0);  // the second tile: rows 128, 129
+  w[128 * cols] = bf16(-2.0f);
+  std::vector<uint8_t> out(rows * cols);
+  std::vector<float> scales(2);
+  ASSERT_TRUE(quantize_fp8_blocks_cpu(w, rows, cols, 128, out, scales));
+  EXPECT_EQ(scales[0], 8.0f / 448.0f);
+  EXPECT_EQ(scales[1], 2.0f / 448.0f);
+  EXPECT_EQ(out[128 * cols], 0xfe);  // -2 / (2/448) = -448
+  for (uint64_t i = 0; i < 128 * cols; ++i) {
+    const float x = bf16_to_float(w[i]);
+    const float back = e4m3_to_float(out[i]) * scales[0];
+    EXPECT_NEAR(back, x, std::fabs(x) / 16 + 1e-6) << i;
+  }
+  std::vector<float> zero_scales(1);
+  std::vector<uint16_t> zeros(4);
+  std::vector<uint8_t> zout(4, 0xff);
+  ASSERT_TRUE(quantize_fp8_blocks_cpu(zeros, 2, 2, 128, zout, zero_scales));
+  EXPECT_EQ(zero_scales[0], 1.0f);
+  EXPECT_EQ(zout, std::vector<uint8_t>(4, 0));
+  EXPECT_FALSE(quantize_fp8_blocks_cpu(zeros, 2, 2, 128, std::span(zout).first(3), zero_scales));
+}
+
+TEST(WeightsProjection, ConcatAlongEachDimension) {
+  // [2, 3] and [2, 1] along dim 1; [1, 3] and [2, 3] along dim 0; int8 elements.
+  std::vector<std::byte> a(6), b(2), c(3);
+  for (int i = 0; i < 6; ++i) a[i] = std::byte(i);
+  b = {std::byte{10}, std::byte{11}};
+  for (int i = 0; i < 3; ++i) c[i] = std::byte(20 + i);
+  std::vector<std::byte> out(8);
+  ASSERT_TRUE(concat_cpu({a, b}, {{2, 3}, {2, 1}}, 1, 1, out));
+  const std::vector<int> want1 = {0, 1, 2, 10, 3, 4, 5, 11};
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(std::to_integer<int>(out[i]), want1[i]);
+  std::vector<std::byte> out0(9);
+  ASSERT_TRUE(concat_cpu({c, a}, {{1, 3}, {2, 3}}, 0, 1, out0));
+  const std::vector<int> want0 = {20, 21, 22, 0, 1, 2, 3, 4, 5};
+  for (int i = 0; i < 9; ++i) EXPECT_EQ(std::to_integer<int>(out0[i]), want0[i]);
+  EXPECT_FALSE(concat_cpu({a, b}, {{2, 3}, {3, 1}}, 1, 1, out));
+}
+
+}  // namespace
+}  // namespace fabric::weights
