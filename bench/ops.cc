@@ -223,11 +223,21 @@ Result<PassResult> Session::run(const Row& row, const Budget& b, uint32_t iterat
   return Status(ErrorCode::kInvalidArgument, "unknown operation");
 }
 
+namespace {
+
+// A worker count over a pass, per op of the pass (NaN for a pass without ops).
+double per_op(uint64_t count, uint64_t ops) {
+  return ops == 0 ? std::nan("") : static_cast<double>(count) / static_cast<double>(ops);
+}
+
+}  // namespace
+
 Session::Window Session::run_window(uint64_t count, uint64_t window, const SubmitFn& submit,
                                     const std::vector<Expectation>& expects) {
   Window w;
   Completions done(count);
   std::vector<Clock::time_point> submitted_at(count);
+  const GroupStats before = engine_.stats().groups[0];
   const auto start = Clock::now();
   const auto deadline = start + kPassTimeout;
   for (uint64_t i = 0; i < count; ++i) {
@@ -255,6 +265,9 @@ Session::Window Session::run_window(uint64_t count, uint64_t window, const Submi
     finished = peers_[e.peer]->expect(e.imm, e.count, std::max(left, milliseconds(1)));
   }
   w.seconds = seconds_since(start);
+  const GroupStats after = engine_.stats().groups[0];
+  w.wakeups = after.worker_wakeups - before.worker_wakeups;
+  w.sleeps = after.worker_sleeps - before.worker_sleeps;
   if (w.error.is_ok()) w.error = finished;
   if (w.error.is_ok() && w.submitted != count) {
     w.error = Status(ErrorCode::kTimeout, "transfers did not complete within the timeout");
@@ -361,6 +374,8 @@ Result<PassResult> Session::single(const Row& row, const Budget& b, uint32_t ite
   r.bytes = plan.bytes;
   r.ops = plan.transfers;
   r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  r.wakeups_per_op = per_op(w.wakeups, r.ops);
+  r.sleeps_per_op = per_op(w.sleeps, r.ops);
   r.cpu_seconds = *cpu1 - *cpu0;
   r.lat_us = std::move(w.lat_us);
   return r;
@@ -443,6 +458,8 @@ Result<PassResult> Session::paged(const Row& row, const Budget& b, uint32_t iter
   r.bytes = plan.bytes;
   r.ops = plan.wrs;
   r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  r.wakeups_per_op = per_op(w.wakeups, r.ops);
+  r.sleeps_per_op = per_op(w.sleeps, r.ops);
   r.cpu_seconds = *cpu1 - *cpu0;
   r.lat_us = std::move(w.lat_us);
   return r;
@@ -504,6 +521,8 @@ Result<PassResult> Session::imm(const Row& row, const Budget& b, uint32_t iterat
   r.seconds = w.seconds;
   r.ops = plan.transfers;
   r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  r.wakeups_per_op = per_op(w.wakeups, r.ops);
+  r.sleeps_per_op = per_op(w.sleeps, r.ops);
   r.cpu_seconds = *cpu1 - *cpu0;
   return r;
 }
@@ -560,6 +579,8 @@ Result<PassResult> Session::scatter(const Row& row, const Budget& b, uint32_t it
   r.bytes = plan.bytes;
   r.ops = plan.wrs;
   r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  r.wakeups_per_op = per_op(w.wakeups, r.ops);
+  r.sleeps_per_op = per_op(w.sleeps, r.ops);
   r.cpu_seconds = *cpu1 - *cpu0;
   r.lat_us = std::move(w.lat_us);
   return r;

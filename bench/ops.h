@@ -6,6 +6,7 @@
 // against the poison they must still hold), every immediate counted exactly.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -59,8 +60,12 @@ Plan plan_for(const Row& row, const Budget& budget);
 struct PassResult {
   double seconds = 0;  // the timed phase (imm: the message-rate phase)
   uint64_t bytes = 0;
-  uint64_t ops = 0;            // writes, pages, messages or barrier rounds
-  double post_us = 0;          // client thread time inside submit(), per work request
+  uint64_t ops = 0;    // writes, pages, messages or barrier rounds
+  double post_us = 0;  // client thread time inside submit(), per work request
+  // The client engine's worker per op, from TransferEngine::stats(): times a submission woke
+  // it (an eventfd write) and times it slept (NaN where not measured).
+  double wakeups_per_op = std::nan("");
+  double sleeps_per_op = std::nan("");
   double cpu_seconds = 0;      // client and peers, during the timed phase
   std::vector<double> lat_us;  // per transfer (submit to done); imm and barrier: round trips
 };
@@ -96,6 +101,8 @@ class Session {
     uint64_t submitted = 0;
     double seconds = 0;
     double submit_seconds = 0;
+    uint64_t wakeups = 0;  // the client worker's, over the window (TransferEngine::stats())
+    uint64_t sleeps = 0;
     std::vector<double> lat_us;
     Status error;
   };
