@@ -179,6 +179,7 @@ void Worker::stop() {
   }
   for (auto& c : commands) c();
   for (auto& t : transfers) {
+    if ((t->id & kInternalTransfer) == 0) count_outcome(*t, cancelled("engine closed"));
     if (t->callbacks.on_error) {
       services_.callbacks->push(
           [cb = std::move(t->callbacks.on_error)] { cb(cancelled("engine closed")); });

@@ -65,6 +65,8 @@ struct WorkerCounters {
   size_t nics;
   std::unique_ptr<Nic[]> nic;
   alignas(64) Counter internal_posted{0};
+  // The engine's transfers and messages that ended, as their callbacks are queued.
+  Counter transfers_completed{0}, transfers_failed{0}, messages_completed{0}, messages_failed{0};
   Counter passes{0};
   Counter sleeps{0};
   std::array<Counter, std::tuple_size_v<decltype(GroupStats::errors_by_code)>> errors{};
@@ -334,8 +336,10 @@ class Worker {
   // Posts `op` and counts the outcome for stats().
   transport::PostResult post(DomainState& d, Op& op, transport::PeerHandle peer);
   transport::PostResult post_to_provider(DomainState& d, Op& op, transport::PeerHandle peer);
-  // A transfer of the engine's ends: its error code and completion time for stats().
+  // A transfer of the engine's ends: how, its error code and completion time for stats().
   void count_end(const Transfer& t);
+  // Counts `t` as ended with `error` (a transfer or a message; no completion time).
+  void count_outcome(const Transfer& t, const Status& error);
   bool poll(uint32_t domain_index);
   void measure(uint32_t domain_index, const Op& op);  // a write completed: feed the RateMeter
   void complete_op(Op& op, const Status& status);

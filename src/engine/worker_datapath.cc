@@ -326,11 +326,21 @@ void Worker::finish(Transfer& t) {
   if (t.abandoned == 0) live_.erase(t.id);
 }
 
-void Worker::count_end(const Transfer& t) {
-  if (!t.error.is_ok()) {
-    const auto code = static_cast<size_t>(t.error.code());
-    if (code < counters_->errors.size()) WorkerCounters::bump(counters_->errors[code]);
+void Worker::count_outcome(const Transfer& t, const Status& error) {
+  const bool message = std::any_of(t.ops.begin(), t.ops.end(),
+                                   [](const Op& op) { return op.kind == Op::Kind::kSend; });
+  WorkerCounters& c = *counters_;
+  if (error.is_ok()) {
+    WorkerCounters::bump(message ? c.messages_completed : c.transfers_completed);
+    return;
   }
+  WorkerCounters::bump(message ? c.messages_failed : c.transfers_failed);
+  const auto code = static_cast<size_t>(error.code());
+  if (code < c.errors.size()) WorkerCounters::bump(c.errors[code]);
+}
+
+void Worker::count_end(const Transfer& t) {
+  count_outcome(t, t.error);
   if (t.submitted_at == std::chrono::steady_clock::time_point{}) return;
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(now_ - t.submitted_at);
   const uint64_t n = us.count() > 0 ? static_cast<uint64_t>(us.count()) : 0;
@@ -351,6 +361,16 @@ void WorkerCounters::fill(GroupStats& g) const {
   g.worker_passes = passes.load(r);
   g.worker_sleeps = sleeps.load(r);
   g.worker_wakeups = wakeups.load(r);
+  g.transfers_completed = transfers_completed.load(r);
+  g.transfers_failed = transfers_failed.load(r);
+  g.messages_completed = messages_completed.load(r);
+  g.messages_failed = messages_failed.load(r);
+  // The submissions were read first: one submitted and ended while the snapshot was taken can
+  // make ended exceed started for a moment; in_flight is clamped at zero then.
+  const uint64_t ended =
+      g.transfers_completed + g.transfers_failed + g.messages_completed + g.messages_failed;
+  const uint64_t started = g.transfers_submitted + g.messages_sent;
+  g.in_flight = started > ended ? started - ended : 0;
   for (size_t i = 0; i < latency.size(); ++i) g.completion_latency.counts[i] = latency[i].load(r);
 }
 
