@@ -131,8 +131,21 @@ class EngineImpl {
   engine::ShardParams shard_params(uint32_t group) const;
   // The shard weights of a group's NICs (their measured rates), empty when
   // Config::weighted_sharding is off.
-  std::vector<uint64_t> weights(uint32_t group) const {
-    return config_.weighted_sharding ? workers_[group]->nic_rates() : std::vector<uint64_t>{};
+  // The NICs of `group` that are up, and their measured rates (none without weighted sharding,
+  // or with one NIC), in buffers of the calling thread: a submission allocates nothing for them.
+  // Each call refills its buffer: use the result before the next call of the same function.
+  const std::vector<bool>& up(uint32_t group) const {
+    thread_local std::vector<bool> buf;
+    workers_[group]->up_nics(buf);
+    return buf;
+  }
+  std::span<const uint64_t> weights(uint32_t group) const {
+    thread_local std::vector<uint64_t> buf;
+    buf.clear();
+    if (config_.weighted_sharding && workers_[group]->num_domains() > 1) {
+      workers_[group]->nic_rates(buf);
+    }
+    return buf;
   }
   // Appends the ops writing `shards` of one source range to one destination; with an
   // immediate, it rides on the only shard or follows all of them as a deferred zero-byte write.

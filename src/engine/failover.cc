@@ -107,15 +107,25 @@ void Worker::measure(uint32_t index, const Op& op) {
 }
 
 std::vector<uint64_t> Worker::nic_rates() const {
-  std::vector<uint64_t> rates(domains_.size());
-  for (size_t i = 0; i < rates.size(); ++i) rates[i] = nic_rate_[i].load(std::memory_order_relaxed);
+  std::vector<uint64_t> rates;
+  nic_rates(rates);
   return rates;
 }
 
+void Worker::nic_rates(std::vector<uint64_t>& out) const {
+  out.resize(domains_.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = nic_rate_[i].load(std::memory_order_relaxed);
+}
+
 std::vector<bool> Worker::up_nics() const {
-  std::vector<bool> up(domains_.size());
-  for (size_t i = 0; i < up.size(); ++i) up[i] = nic_up_[i].load(std::memory_order_relaxed);
+  std::vector<bool> up;
+  up_nics(up);
   return up;
+}
+
+void Worker::up_nics(std::vector<bool>& out) const {
+  out.resize(domains_.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = nic_up_[i].load(std::memory_order_relaxed);
 }
 
 bool Worker::movable(const Op& op) const {

@@ -170,6 +170,11 @@ std::vector<Shard> plan_single_up(uint64_t length, const std::vector<bool>& up,
     return plan_single(length, static_cast<uint32_t>(up.size()),
                        Routing::pinned(failover_nic(routing.nic, up, rotation)), rotation, params);
   }
+  // Every NIC up (the common case): the NIC list is the identity, nothing to build or map.
+  if (std::all_of(up.begin(), up.end(), [](bool b) { return b; })) {
+    return plan_single(length, static_cast<uint32_t>(up.size()), routing, rotation, params,
+                       weights);
+  }
   const std::vector<uint32_t> nics = up_list(up);
   auto shards = plan_single(length, static_cast<uint32_t>(nics.size()), routing, rotation, params,
                             up_weights(weights, nics));
@@ -179,6 +184,9 @@ std::vector<Shard> plan_single_up(uint64_t length, const std::vector<bool>& up,
 
 std::vector<Run> split_even_up(size_t count, const std::vector<bool>& up, uint32_t rotation,
                                std::span<const uint64_t> weights) {
+  if (std::all_of(up.begin(), up.end(), [](bool b) { return b; })) {
+    return split_even(count, static_cast<uint32_t>(up.size()), rotation, weights);
+  }
   const std::vector<uint32_t> nics = up_list(up);
   auto runs =
       split_even(count, static_cast<uint32_t>(nics.size()), rotation, up_weights(weights, nics));

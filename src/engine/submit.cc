@@ -97,8 +97,8 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
     return invalid(fmt::format("single write pinned to NIC {}, but the group has {} NIC(s)",
                                w.routing.nic, nics));
   }
-  auto shards = engine::plan_single_up(w.length, workers_[group]->up_nics(), w.routing,
-                                       next_rotation(group), shard_params(group), weights(group));
+  auto shards = engine::plan_single_up(w.length, up(group), w.routing, next_rotation(group),
+                                       shard_params(group), weights(group));
   auto t = new_transfer(std::move(cb));
   t->src = std::move(*src);
   t->dsts.push_back(w.dst);
@@ -185,8 +185,8 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
     return hand_over(group, std::move(t));
   }
   t->ops.resize(w.src_pages.size());
-  for (const engine::Run& run : engine::split_even_up(
-           w.src_pages.size(), workers_[group]->up_nics(), next_rotation(group), weights(group))) {
+  for (const engine::Run& run :
+       engine::split_even_up(w.src_pages.size(), up(group), next_rotation(group), weights(group))) {
     void* const local_desc = t->src->regs[run.domain]->local_desc();
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t so = 0, d_off = 0;
@@ -260,7 +260,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   const uint32_t rotation = next_rotation(group);
   const engine::ShardParams params = shard_params(group);
   const std::vector<bool> up = workers_[group]->up_nics();
-  const std::vector<uint64_t> rates = weights(group);
+  const std::span<const uint64_t> rates = weights(group);
   auto t = new_transfer(std::move(cb));
   t->src = std::move(*src);
   t->dsts.reserve(sc.targets.size());
@@ -307,7 +307,7 @@ Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
     t->peers = *it->second;
   }
   // A barrier on a NIC that is down goes over a surviving one.
-  const uint32_t nic = engine::failover_nic(b.nic, workers_[b.local_group]->up_nics(), 0);
+  const uint32_t nic = engine::failover_nic(b.nic, up(b.local_group), 0);
   t->ops.reserve(t->peers.size());
   for (const Address& peer : t->peers) {
     if (Status s = check_peer(peer, b.local_group, "barrier"); !s) return s;
@@ -327,7 +327,7 @@ Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks cb) {
   }
   auto t = new_transfer(std::move(cb));
   t->peers.push_back(w.peer);
-  const uint32_t nic = engine::failover_nic(w.nic, workers_[w.local_group]->up_nics(), 0);
+  const uint32_t nic = engine::failover_nic(w.nic, up(w.local_group), 0);
   t->ops.push_back(zero_byte_imm(*t, w.local_group, nic, t->peers[0], w.imm));
   return hand_over(w.local_group, std::move(t));
 }
@@ -350,7 +350,7 @@ Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const 
   t->message[0] = static_cast<std::byte>(engine::MessageKind::kUser);
   t->message.insert(t->message.end(), message.begin(), message.end());
   // Over the first NIC that is up; every NIC of the peer has receive buffers.
-  const uint32_t nic = engine::failover_nic(0, workers_[group]->up_nics(), 0);
+  const uint32_t nic = engine::failover_nic(0, up(group), 0);
   t->ops.push_back(engine::send_op(*t, nic, t->peers[0], t->message));
   return hand_over(group, std::move(t));
 }

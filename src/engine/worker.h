@@ -174,11 +174,14 @@ class Worker {
   // Failover: which of the group's NICs are up (not marked down). Thread-safe; submitting
   // threads plan new transfers over the NICs that are up.
   std::vector<bool> up_nics() const;
+  // The same into `out` (its capacity kept: no allocation once it has the group's size).
+  void up_nics(std::vector<bool>& out) const;
   // This worker's counts, for TransferEngine::stats().
   void fill_stats(GroupStats& g) const { counters_->fill(g); }
   // Weighted sharding: each NIC's measured write rate in bytes per second (0: not measured
   // yet), the weights of plan_single_up / split_even_up. Thread-safe.
   std::vector<uint64_t> nic_rates() const;
+  void nic_rates(std::vector<uint64_t>& out) const;
 
   // Hands an accepted transfer to the worker. Thread-safe, non-blocking.
   void submit(std::unique_ptr<Transfer> transfer);
