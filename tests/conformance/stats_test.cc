@@ -18,15 +18,10 @@ uint64_t user_work_requests(const GroupStats& g) {
 }
 
 TEST_P(Stats, CountsEqualWhatWasPosted) {
-  auto ea = TransferEngine::create(make_config(GetParam()));
-  if (!ea && ea.status().code() == ErrorCode::kUnsupported) {
-    GTEST_SKIP() << "provider not available: " << ea.status().to_string();
-  }
-  ASSERT_TRUE(ea) << ea.status().to_string();
-  auto eb = TransferEngine::create(make_config(GetParam()));
-  ASSERT_TRUE(eb) << eb.status().to_string();
-  TransferEngine& a = **ea;
-  TransferEngine& b = **eb;
+  FABRIC_ENGINE_OR_SKIP(ea, make_config(GetParam()));
+  FABRIC_ENGINE_OR_SKIP(eb, make_config(GetParam()));
+  TransferEngine& a = *ea;
+  TransferEngine& b = *eb;
   constexpr uint64_t kPage = 4096;
   constexpr uint32_t kPages = 16;
   constexpr int kSingles = 10;
