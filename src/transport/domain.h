@@ -134,8 +134,11 @@ class Domain {
   virtual bool ready_to_wait() = 0;
 
   // Stops serving peers (the engine closed): a backend whose peers could otherwise keep
-  // writing into this process until its destruction tells them now. Called once, on the
-  // domain's thread, after the last poll; the object is destroyed later. Default: nothing.
+  // writing into this process until its destruction tells them now, and a backend whose
+  // endpoint may still hold posted work closes it here, while the buffers that work names are
+  // alive (the engine frees its registered pools before the domain). Called once, on the
+  // domain's thread, after the last poll; no post follows; the object is destroyed later.
+  // Default: nothing.
   virtual void close() {}
 };
 

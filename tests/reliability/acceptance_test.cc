@@ -157,6 +157,53 @@ TEST_P(Acceptance, UnregisterUnderAStreamOfWritesIsABarrier) {
   }
 }
 
+// Four engines of one process write to each other, then are closed, then destroyed: each closing
+// engine's write-fence Goodbyes towards engines closed before it stay
+// queued in the provider, and closing the endpoint must not touch buffers already freed (it
+// crashed in fi_close at destruction on tcp, every time, before LfDomain::close closed the
+// endpoint while the engine's send buffers were alive).
+TEST_P(Acceptance, EnginesThatWroteToEachOtherCloseAndDestroyCleanly) {
+  constexpr int kEngines = 4;
+  constexpr uint64_t kSize = 4096;
+  std::vector<std::unique_ptr<TransferEngine>> engines;
+  std::vector<std::unique_ptr<Buffer>> buffers;
+  for (int i = 0; i < kEngines; ++i) {
+    FABRIC_ENGINE_OR_SKIP(e, make_config(GetParam()));
+    e->set_unexpected_imm_handler([](uint32_t) {});
+    buffers.push_back(make_buffer(*e, kSize));
+    fill_pattern(buffers.back()->bytes.data(), kSize, 40 + i);
+    engines.push_back(std::move(e));
+  }
+  std::vector<std::unique_ptr<Probe>> probes;
+  for (int s = 0; s < kEngines; ++s) {
+    for (int d = 0; d < kEngines; ++d) {
+      if (s == d) continue;
+      probes.push_back(std::make_unique<Probe>());
+      ASSERT_TRUE(engines[s]->submit(
+          SingleWrite{
+              buffers[s]->reg.handle, 0, buffers[d]->reg.descriptor, 1024 + 64u * s, 64, 9, {}},
+          probes.back()->callbacks()));
+    }
+  }
+  for (auto& p : probes) ASSERT_TRUE(p->wait());
+  for (int d = 0; d < kEngines; ++d) {
+    for (int s = 0; s < kEngines; ++s) {
+      if (s == d) continue;
+      // Sources are bytes [0, 64), destinations from 1024 on: no write lands in a source.
+      EXPECT_EQ(fnv1a(buffers[d]->bytes.data() + 1024 + 64 * s, 64),
+                fnv1a(buffers[s]->bytes.data(), 64))
+          << "engine " << s << "'s bytes in engine " << d;
+    }
+  }
+  // All closed first, then all destroyed: each one's Goodbyes towards those closed before it
+  // were queued towards endpoints that nobody served any more.
+  for (auto& e : engines) e->close();
+  for (int i = 0; i < kEngines; ++i) {
+    engines[i].reset();  // the crash was in this destruction
+    buffers[i].reset();
+  }
+}
+
 // A writer that closed its engine has nothing left in flight: the owner's unregistration does
 // not wait for it (on tcp the writer's close says so to every owner it wrote to, behind its last
 // writes; without that, the write fence would wait its bound and return kTimeout).

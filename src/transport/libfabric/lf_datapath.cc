@@ -93,7 +93,16 @@ void LfDomain::release_context(void* context) {
   }
 }
 
+namespace {
+
+PostResult closed_endpoint() {
+  return PostResult::failed(Status(ErrorCode::kClosed, "the domain's endpoint is closed"));
+}
+
+}  // namespace
+
 PostResult LfDomain::post_write(const WriteRequest& req) {
+  if (!ep_) return closed_endpoint();
   void* ctx = context_for(req.wr_id);
   // A zero-byte write still passes a valid buffer and descriptor: EFA requires one.
   const fi_addr_t peer = fi_address(req.peer);
@@ -108,6 +117,7 @@ PostResult LfDomain::post_write(const WriteRequest& req) {
 }
 
 PostResult LfDomain::post_send(const SendRequest& req) {
+  if (!ep_) return closed_endpoint();
   void* ctx = context_for(req.wr_id);
   ssize_t rc = fi_send(ep_.get(), req.local, req.length, req.local_desc, fi_address(req.peer), ctx);
   if (rc == 0) return PostResult::posted();
@@ -117,6 +127,7 @@ PostResult LfDomain::post_send(const SendRequest& req) {
 }
 
 PostResult LfDomain::post_recv(const RecvRequest& req) {
+  if (!ep_) return closed_endpoint();
   void* ctx = context_for(req.wr_id);
   ssize_t rc = fi_recv(ep_.get(), req.local, req.length, req.local_desc, FI_ADDR_UNSPEC, ctx);
   if (rc == 0) return PostResult::posted();

@@ -54,6 +54,7 @@ class LfDomain final : public Domain {
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
   void forget_peer(PeerHandle peer) override;
   void reset_peer(PeerHandle peer) override;
+  void close() override;
 
   PostResult post_write(const WriteRequest& req) override;
   PostResult post_send(const SendRequest& req) override;
