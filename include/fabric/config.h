@@ -96,6 +96,11 @@ struct Config {
   // (woken at once by a submission). Zero spin_time with zero idle_sleep is a pure busy-poll.
   std::chrono::microseconds spin_time{200};
   std::chrono::microseconds idle_sleep{50};
+  // Slots of each group's submission ring (rounded up to a power of two, 2 to 2^20): submit()
+  // hands transfers to the worker through it without a lock. When it is full a submission goes
+  // to a locked overflow list instead (never refused, never lost, order per thread kept), and
+  // GroupStats::submissions_ring_full counts it.
+  uint32_t submission_ring = 4096;
   // With work requests in flight and nothing else to do (no queued work, nothing completed),
   // the worker polls for this long, then blocks on the NICs' completion file descriptors until
   // a completion or a submission wakes it (at most 1 ms at a time), so that the CPU goes to the

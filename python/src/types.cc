@@ -336,6 +336,9 @@ void bind_types(py::module_& m) {
                     "Times the worker blocked in the kernel with nothing to do.")
       .def_readonly("worker_wakeups", &GroupStats::worker_wakeups,
                     "Times a submitter woke the worker from a sleep (one eventfd write).")
+      .def_readonly("submissions_ring_full", &GroupStats::submissions_ring_full,
+                    "Submissions that found the submission ring full and took the locked "
+                    "overflow list (nothing is lost; Config.submission_ring sizes the ring).")
       .def_readonly("in_flight", &GroupStats::in_flight,
                     "Transfers and messages accepted and not yet ended.")
       .def_property_readonly(

@@ -23,6 +23,10 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
         "config.max_message_bytes, config.send_buffers and config.control_buffers must be at "
         "least 1");
   }
+  if (config.submission_ring < 2 || config.submission_ring > (uint32_t{1} << 20)) {
+    return invalid(fmt::format("config.submission_ring is {}: 2 to {} slots",
+                               config.submission_ring, uint32_t{1} << 20));
+  }
   if (config.staging_chunk_bytes == 0)
     return invalid("config.staging_chunk_bytes must be positive");
   for (uint32_t g = 0; g < config.groups.size(); ++g) {
@@ -156,8 +160,8 @@ Result<std::shared_ptr<LocalRegion>> EngineImpl::find_region(MemoryHandle handle
   return region;
 }
 
-std::unique_ptr<Transfer> EngineImpl::new_transfer(Callbacks cb) {
-  auto t = std::make_unique<Transfer>();
+engine::TransferPtr EngineImpl::new_transfer(uint32_t group, Callbacks cb) {
+  engine::TransferPtr t = workers_[group]->take_transfer();
   t->id = next_transfer_.fetch_add(1);
   t->callbacks = std::move(cb);
   return t;
@@ -171,7 +175,7 @@ engine::ShardParams EngineImpl::shard_params(uint32_t group) const {
   return {config_.shard_min_bytes, config_.shard_alignment, std::min(max_wr, config_.max_wr_bytes)};
 }
 
-TransferId EngineImpl::hand_over(uint32_t group, std::unique_ptr<Transfer> t) {
+TransferId EngineImpl::hand_over(uint32_t group, engine::TransferPtr t) {
   stats_.submitted(group, *t);
   t->submitted_at = std::chrono::steady_clock::now();
   TransferId id = t->id;

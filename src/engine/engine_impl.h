@@ -126,7 +126,8 @@ class EngineImpl {
   Status check_peer(const Address& peer, uint32_t group, std::string_view what) const;
   Status check_remote(const RemoteMemory& dst, uint32_t group, std::string_view what) const;
   Result<std::shared_ptr<LocalRegion>> find_region(MemoryHandle handle) const;
-  std::unique_ptr<Transfer> new_transfer(Callbacks cb);
+  // A transfer of `group`'s pool (engine/transfer_pool.h): no heap once the pool is warm.
+  engine::TransferPtr new_transfer(uint32_t group, Callbacks cb);
   uint32_t next_rotation(uint32_t group) { return rotations_[group].fetch_add(1); }
   engine::ShardParams shard_params(uint32_t group) const;
   // The shard weights of a group's NICs (their measured rates), empty when
@@ -147,6 +148,15 @@ class EngineImpl {
     }
     return buf;
   }
+  // The calling thread's buffer for a shard plan (engine::plan_single_up's `out`).
+  static std::vector<engine::Shard>& shard_buf() {
+    thread_local std::vector<engine::Shard> buf;
+    return buf;
+  }
+  static std::vector<engine::Run>& run_buf() {  // engine::split_even_up's
+    thread_local std::vector<engine::Run> buf;
+    return buf;
+  }
   // Appends the ops writing `shards` of one source range to one destination; with an
   // immediate, it rides on the only shard or follows all of them as a deferred zero-byte write.
   void add_writes(Transfer& t, const LocalRegion& src, uint64_t src_offset, uint32_t dst_index,
@@ -161,7 +171,7 @@ class EngineImpl {
     sd.imm_times += times;
   }
   Op zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const Address& peer, uint32_t imm);
-  TransferId hand_over(uint32_t group, std::unique_ptr<Transfer> t);
+  TransferId hand_over(uint32_t group, engine::TransferPtr t);
   // The CUDA IPC path or the fabric for a write from `src` into `dst` (docs/cuda-ipc.md).
   engine::IpcRoute ipc_route(const LocalRegion& src, const RemoteMemory& dst,
                              uint32_t group) const {

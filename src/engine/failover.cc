@@ -374,7 +374,7 @@ void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
 
 void Worker::probe(uint32_t nic) {
   DomainState& d = domains_[nic];
-  auto t = std::make_unique<Transfer>();
+  TransferPtr t = pool_.take();
   t->id = kInternalTransfer | next_internal_++;
   t->probe_nic = static_cast<int>(nic);
   t->peers.push_back(d.probe_owner);

@@ -190,7 +190,7 @@ void Worker::check_peer(DomainState& d, PeerQueue& q) {
                             "the connection to the peer dropped and the peer cannot be checked"));
     return;
   }
-  auto t = std::make_unique<Transfer>();
+  TransferPtr t = pool_.take();
   t->id = kInternalTransfer | next_internal_++;
   t->check_nic = static_cast<int>(nic);
   t->check_peer = q.peer;
@@ -205,7 +205,7 @@ void Worker::check_peer(DomainState& d, PeerQueue& q) {
   t->pending = 1;
   q.check = &op;
   q.check_posted = false;
-  live_.emplace(t->id, std::move(t));
+  live_.adopt(std::move(t));
 }
 
 void Worker::check_done(Transfer& t) {

@@ -77,30 +77,40 @@ std::vector<Shard> plan_single(uint64_t length, uint32_t num_domains, const Rout
                                uint32_t rotation, const ShardParams& params,
                                std::span<const uint64_t> weights) {
   std::vector<Shard> out;
+  plan_single(out, length, num_domains, routing, rotation, params, weights);
+  return out;
+}
+
+void plan_single(std::vector<Shard>& out, uint64_t length, uint32_t num_domains,
+                 const Routing& routing, uint32_t rotation, const ShardParams& params,
+                 std::span<const uint64_t> weights) {
+  out.clear();
   if (routing.kind == Routing::Kind::kPinned) {
     append_split(out, routing.nic, 0, length, params.max_wr_bytes);
-    return out;
+    return;
   }
   const uint32_t first = rotation % num_domains;
   uint64_t shards = routing.shards == 0 ? num_domains : std::min(routing.shards, num_domains);
   if (length < params.min_bytes || shards <= 1) {
     append_split(out, first, 0, length, params.max_wr_bytes);
-    return out;
+    return;
   }
   const uint64_t align = std::max<uint64_t>(params.alignment, 1);
-  std::vector<uint32_t> domains(shards);
-  for (uint32_t i = 0; i < shards; ++i) domains[i] = (first + i) % num_domains;
-  if (const std::vector<uint64_t> w = effective_weights(weights, domains); !all_equal(w)) {
-    // Whole alignment units by weight; the bytes below one unit ride on the last shard.
-    const std::vector<uint64_t> units = apportion(length / align, w);
-    uint64_t offset = 0;
-    for (uint32_t i = 0; i < shards; ++i) {
-      const uint64_t n = units[i] * align + (i + 1 == shards ? length % align : 0);
-      if (n == 0) continue;
-      append_split(out, domains[i], offset, n, params.max_wr_bytes);
-      offset += n;
+  if (!weights.empty()) {  // no weights: all equal, nothing to build
+    std::vector<uint32_t> domains(shards);
+    for (uint32_t i = 0; i < shards; ++i) domains[i] = (first + i) % num_domains;
+    if (const std::vector<uint64_t> w = effective_weights(weights, domains); !all_equal(w)) {
+      // Whole alignment units by weight; the bytes below one unit ride on the last shard.
+      const std::vector<uint64_t> units = apportion(length / align, w);
+      uint64_t offset = 0;
+      for (uint32_t i = 0; i < shards; ++i) {
+        const uint64_t n = units[i] * align + (i + 1 == shards ? length % align : 0);
+        if (n == 0) continue;
+        append_split(out, domains[i], offset, n, params.max_wr_bytes);
+        offset += n;
+      }
+      return;
     }
-    return out;
   }
   uint64_t size = length / shards + (length % shards != 0);  // ceil, without overflow
   size = (size / align + (size % align != 0)) * align;       // round up to the alignment
@@ -109,12 +119,28 @@ std::vector<Shard> plan_single(uint64_t length, uint32_t num_domains, const Rout
     uint64_t n = std::min(size, length - offset);
     append_split(out, (first + index) % num_domains, offset, n, params.max_wr_bytes);
   }
-  return out;
 }
 
 std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotation,
                             std::span<const uint64_t> weights) {
   std::vector<Run> out;
+  split_even(out, count, num_domains, rotation, weights);
+  return out;
+}
+
+void split_even(std::vector<Run>& out, size_t count, uint32_t num_domains, uint32_t rotation,
+                std::span<const uint64_t> weights) {
+  out.clear();
+  if (weights.empty()) {  // equal: count / n each, the first count % n one more; nothing built
+    size_t begin = 0;
+    for (uint32_t i = 0; i < num_domains; ++i) {
+      const size_t n = count / num_domains + (i < count % num_domains);
+      if (n == 0) continue;
+      out.push_back({(rotation + i) % num_domains, begin, begin + n});
+      begin += n;
+    }
+    return;
+  }
   std::vector<uint32_t> domains(num_domains);
   for (uint32_t i = 0; i < num_domains; ++i) domains[i] = (rotation + i) % num_domains;
   const std::vector<uint64_t> sizes = apportion(count, effective_weights(weights, domains));
@@ -125,7 +151,6 @@ std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotatio
     out.push_back({(rotation + i) % num_domains, begin, begin + n});
     begin += n;
   }
-  return out;
 }
 
 namespace {
@@ -166,32 +191,47 @@ uint32_t failover_nic(uint32_t nic, const std::vector<bool>& up, uint32_t salt) 
 std::vector<Shard> plan_single_up(uint64_t length, const std::vector<bool>& up,
                                   const Routing& routing, uint32_t rotation,
                                   const ShardParams& params, std::span<const uint64_t> weights) {
+  std::vector<Shard> out;
+  plan_single_up(out, length, up, routing, rotation, params, weights);
+  return out;
+}
+
+void plan_single_up(std::vector<Shard>& out, uint64_t length, const std::vector<bool>& up,
+                    const Routing& routing, uint32_t rotation, const ShardParams& params,
+                    std::span<const uint64_t> weights) {
+  const auto n = static_cast<uint32_t>(up.size());
   if (routing.kind == Routing::Kind::kPinned) {
-    return plan_single(length, static_cast<uint32_t>(up.size()),
-                       Routing::pinned(failover_nic(routing.nic, up, rotation)), rotation, params);
+    plan_single(out, length, n, Routing::pinned(failover_nic(routing.nic, up, rotation)), rotation,
+                params);
+    return;
   }
   // Every NIC up (the common case): the NIC list is the identity, nothing to build or map.
   if (std::all_of(up.begin(), up.end(), [](bool b) { return b; })) {
-    return plan_single(length, static_cast<uint32_t>(up.size()), routing, rotation, params,
-                       weights);
+    plan_single(out, length, n, routing, rotation, params, weights);
+    return;
   }
   const std::vector<uint32_t> nics = up_list(up);
-  auto shards = plan_single(length, static_cast<uint32_t>(nics.size()), routing, rotation, params,
-                            up_weights(weights, nics));
-  for (Shard& s : shards) s.domain = nics[s.domain];
-  return shards;
+  plan_single(out, length, static_cast<uint32_t>(nics.size()), routing, rotation, params,
+              up_weights(weights, nics));
+  for (Shard& s : out) s.domain = nics[s.domain];
 }
 
 std::vector<Run> split_even_up(size_t count, const std::vector<bool>& up, uint32_t rotation,
                                std::span<const uint64_t> weights) {
+  std::vector<Run> out;
+  split_even_up(out, count, up, rotation, weights);
+  return out;
+}
+
+void split_even_up(std::vector<Run>& out, size_t count, const std::vector<bool>& up,
+                   uint32_t rotation, std::span<const uint64_t> weights) {
   if (std::all_of(up.begin(), up.end(), [](bool b) { return b; })) {
-    return split_even(count, static_cast<uint32_t>(up.size()), rotation, weights);
+    split_even(out, count, static_cast<uint32_t>(up.size()), rotation, weights);
+    return;
   }
   const std::vector<uint32_t> nics = up_list(up);
-  auto runs =
-      split_even(count, static_cast<uint32_t>(nics.size()), rotation, up_weights(weights, nics));
-  for (Run& r : runs) r.domain = nics[r.domain];
-  return runs;
+  split_even(out, count, static_cast<uint32_t>(nics.size()), rotation, up_weights(weights, nics));
+  for (Run& r : out) r.domain = nics[r.domain];
 }
 
 Status check_range(std::string_view what, uint64_t offset, uint64_t length, uint64_t region) {

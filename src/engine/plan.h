@@ -45,6 +45,11 @@ inline constexpr uint64_t kWeightFloorDivisor = 16;
 std::vector<Shard> plan_single(uint64_t length, uint32_t num_domains, const Routing& routing,
                                uint32_t rotation, const ShardParams& params,
                                std::span<const uint64_t> weights = {});
+// The same into `out` (cleared first; its buffer reused): no allocation for a plan of equal
+// weights once `out` has grown.
+void plan_single(std::vector<Shard>& out, uint64_t length, uint32_t num_domains,
+                 const Routing& routing, uint32_t rotation, const ShardParams& params,
+                 std::span<const uint64_t> weights = {});
 
 // Splits `count` items (pages, targets) into one contiguous run per NIC; run i goes to NIC
 // (rotation + i) mod num_domains. Equal weights: sizes differing by at most one, the first runs
@@ -57,6 +62,9 @@ struct Run {
 };
 std::vector<Run> split_even(size_t count, uint32_t num_domains, uint32_t rotation,
                             std::span<const uint64_t> weights = {});
+// The same into `out` (cleared first): no allocation with equal weights once `out` has grown.
+void split_even(std::vector<Run>& out, size_t count, uint32_t num_domains, uint32_t rotation,
+                std::span<const uint64_t> weights = {});
 
 // Failover (docs/failover.md): plans over the NICs that are up. `up[i]` says whether NIC i
 // of the group is up; when none is, every NIC counts as up (the transfer then fails by the
@@ -70,9 +78,14 @@ std::vector<Shard> plan_single_up(uint64_t length, const std::vector<bool>& up,
                                   const Routing& routing, uint32_t rotation,
                                   const ShardParams& params,
                                   std::span<const uint64_t> weights = {});
+void plan_single_up(std::vector<Shard>& out, uint64_t length, const std::vector<bool>& up,
+                    const Routing& routing, uint32_t rotation, const ShardParams& params,
+                    std::span<const uint64_t> weights = {});
 // split_even over the up NICs, runs carrying real NIC indices.
 std::vector<Run> split_even_up(size_t count, const std::vector<bool>& up, uint32_t rotation,
                                std::span<const uint64_t> weights = {});
+void split_even_up(std::vector<Run>& out, size_t count, const std::vector<bool>& up,
+                   uint32_t rotation, std::span<const uint64_t> weights = {});
 // The NIC that takes over the work of NIC `nic`: `nic` itself when it is up, else the
 // `salt`-th up NIC after it (mod the up count), else `nic` (none is up).
 uint32_t failover_nic(uint32_t nic, const std::vector<bool>& up, uint32_t salt);

@@ -348,9 +348,9 @@ void Worker::watch_acks() {
   {
     size_t resent = 0;
     for (TransferId id : waiting) {
-      auto it = live_.find(id);
-      if (it == live_.end() || it->second->finished) continue;
-      Transfer& t = *it->second;
+      Transfer* found = live_.find(id);
+      if (found == nullptr || found->finished) continue;
+      Transfer& t = *found;
       for (CommitSend& cs : t.commits) {
         if (cs.acked || cs.live > 0 || now_ - cs.sent <= resend_after) continue;
         resend_commit(cs, other_up_nic(cs.domain));

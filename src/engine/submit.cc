@@ -97,9 +97,10 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
     return invalid(fmt::format("single write pinned to NIC {}, but the group has {} NIC(s)",
                                w.routing.nic, nics));
   }
-  auto shards = engine::plan_single_up(w.length, up(group), w.routing, next_rotation(group),
-                                       shard_params(group), weights(group));
-  auto t = new_transfer(std::move(cb));
+  std::vector<engine::Shard>& shards = shard_buf();
+  engine::plan_single_up(shards, w.length, up(group), w.routing, next_rotation(group),
+                         shard_params(group), weights(group));
+  auto t = new_transfer(group, std::move(cb));
   t->src = std::move(*src);
   t->dsts.push_back(w.dst);
   const engine::IpcRoute route = ipc_route(*t->src, w.dst, group);
@@ -154,7 +155,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
     return engine::check_range(fmt::format("paged write: {}_pages[{}] = {}", side, i, index), out,
                                w.page_bytes, region);
   };
-  auto t = new_transfer(std::move(cb));
+  auto t = new_transfer(group, std::move(cb));
   t->src = std::move(*src);
   t->dsts.push_back(w.dst);
   const RemoteMemory& dst = t->dsts.back();
@@ -185,8 +186,9 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
     return hand_over(group, std::move(t));
   }
   t->ops.resize(w.src_pages.size());
-  for (const engine::Run& run :
-       engine::split_even_up(w.src_pages.size(), up(group), next_rotation(group), weights(group))) {
+  std::vector<engine::Run>& runs = run_buf();
+  engine::split_even_up(runs, w.src_pages.size(), up(group), next_rotation(group), weights(group));
+  for (const engine::Run& run : runs) {
     void* const local_desc = t->src->regs[run.domain]->local_desc();
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t so = 0, d_off = 0;
@@ -259,9 +261,9 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   const uint32_t nics = workers_[group]->num_domains();
   const uint32_t rotation = next_rotation(group);
   const engine::ShardParams params = shard_params(group);
-  const std::vector<bool> up = workers_[group]->up_nics();
+  const std::vector<bool>& up = this->up(group);
   const std::span<const uint64_t> rates = weights(group);
-  auto t = new_transfer(std::move(cb));
+  auto t = new_transfer(group, std::move(cb));
   t->src = std::move(*src);
   t->dsts.reserve(sc.targets.size());
   t->ops.reserve(sc.targets.size());  // one op per target when pinned; more when sharded
@@ -281,8 +283,9 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
     const Routing routing = sc.sharding == Scatter::Sharding::kByBytes
                                 ? Routing::sharded(0)
                                 : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));
-    auto shards = engine::plan_single_up(tg.length, up, routing,
-                                         rotation + static_cast<uint32_t>(i), params, rates);
+    std::vector<engine::Shard>& shards = shard_buf();
+    engine::plan_single_up(shards, tg.length, up, routing, rotation + static_cast<uint32_t>(i),
+                           params, rates);
     add_writes(*t, *t->src, tg.src_offset, dst_index, tg.dst_offset, shards, sc.imm, group);
   }
   return hand_over(group, std::move(t));
@@ -296,7 +299,7 @@ Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
   if (b.nic >= nics) {
     return invalid(fmt::format("barrier on NIC {}, but the group has {} NIC(s)", b.nic, nics));
   }
-  auto t = new_transfer(std::move(cb));
+  auto t = new_transfer(b.local_group, std::move(cb));
   {
     std::lock_guard gl(groups_mu_);
     auto it = peer_groups_.find(b.group.id);
@@ -325,7 +328,7 @@ Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks cb) {
   if (w.nic >= nics) {
     return invalid(fmt::format("imm write on NIC {}, but the group has {} NIC(s)", w.nic, nics));
   }
-  auto t = new_transfer(std::move(cb));
+  auto t = new_transfer(w.local_group, std::move(cb));
   t->peers.push_back(w.peer);
   const uint32_t nic = engine::failover_nic(w.nic, up(w.local_group), 0);
   t->ops.push_back(zero_byte_imm(*t, w.local_group, nic, t->peers[0], w.imm));
@@ -343,7 +346,7 @@ Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const 
                   fmt::format("send: message of {} bytes exceeds max_message_bytes ({})",
                               message.size(), config_.max_message_bytes));
   }
-  auto t = new_transfer(std::move(cb));
+  auto t = new_transfer(group, std::move(cb));
   t->peers.push_back(peer);
   t->message.reserve(engine::kMessageHeaderBytes + message.size());
   t->message.resize(engine::kMessageHeaderBytes);  // sender and sequence: stamped by the worker

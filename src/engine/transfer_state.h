@@ -185,6 +185,11 @@ struct Transfer {
   std::vector<RemoteMemory> dsts;
   std::vector<Address> peers;
   Bytes message;  // kSend: the copied message, behind its kind byte
+
+  // Back to the default state, keeping the buffers of the vectors a submission fills (ops,
+  // deferred, dsts, peers, message): a recycled transfer is planned without allocating
+  // (engine/transfer_pool.h).
+  void reset();
 };
 
 }  // namespace fabric::engine

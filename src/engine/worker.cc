@@ -42,6 +42,7 @@ Worker::Worker(uint32_t group, const Config& config, int cpu)
     : group_(group),
       config_(config),
       cpu_(cpu),
+      ring_(config.submission_ring),
       caller_driven_(group < config.groups.size() && config.groups[group].caller_progress) {}
 
 Result<std::unique_ptr<Worker>> Worker::create(
@@ -93,6 +94,7 @@ Result<std::unique_ptr<Worker>> Worker::create(
 
 Worker::~Worker() {
   stop();
+  for (RingEntry e{}; ring_.try_pop(e);) TransferPtr(e.transfer, TransferRecycler{e.pool});
   // Registrations before the domains they live on.
   recv_pools_.clear();
   control_pools_.clear();
@@ -169,13 +171,17 @@ void Worker::stop() {
     [[maybe_unused]] ssize_t n = ::write(event_fd_, &one, sizeof(one));
     thread_.join();
   }
-  std::vector<std::unique_ptr<Transfer>> transfers;
+  std::vector<TransferPtr> transfers;
   std::vector<std::function<void()>> commands;
   {
     std::lock_guard lock(inbox_mu_);
     running_.store(false);
     transfers.swap(inbox_transfers_);
     commands.swap(inbox_commands_);
+  }
+  // The ring's last entries: no submitter is left (close() waits for them before stopping).
+  for (RingEntry e{}; ring_.try_pop(e);) {
+    transfers.push_back(TransferPtr(e.transfer, TransferRecycler{e.pool}));
   }
   for (auto& c : commands) c();
   for (auto& t : transfers) {
@@ -196,12 +202,20 @@ void Worker::wake() {
   }
 }
 
-void Worker::submit(std::unique_ptr<Transfer> transfer) {
-  {
+void Worker::submit(TransferPtr transfer) {
+  const RingEntry entry{transfer.get(), transfer.get_deleter().pool};
+  if (!overflowing_.load(std::memory_order_acquire) && ring_.try_push(entry)) {
+    (void)transfer.release();  // the ring's entry owns it now
+  } else {
+    counters_->ring_full.fetch_add(1, std::memory_order_relaxed);
     std::lock_guard lock(inbox_mu_);
     inbox_transfers_.push_back(std::move(transfer));
+    overflowing_.store(true);
     inbox_nonempty_.store(true);
   }
+  // Pairs with the fence in idle(): either the worker sees this submission before it sleeps,
+  // or this thread sees it sleeping and wakes it.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   wake();
 }
 
@@ -305,12 +319,20 @@ bool Worker::pass(bool& finished) {
 }
 
 bool Worker::drain_inbox() {
-  if (!inbox_nonempty_.load()) return false;
+  // At most one ring's worth per pass, so that a pass ends while submitters keep pushing.
+  bool active = false;
+  RingEntry e{};
+  for (size_t n = ring_.capacity(); n > 0 && ring_.try_pop(e); --n) {
+    start_transfer(TransferPtr(e.transfer, TransferRecycler{e.pool}));
+    active = true;
+  }
+  if (!inbox_nonempty_.load()) return active;
   {
     std::lock_guard lock(inbox_mu_);
     drained_transfers_.swap(inbox_transfers_);
     drained_commands_.swap(inbox_commands_);
     inbox_nonempty_.store(false);
+    overflowing_.store(false);
   }
   for (auto& c : drained_commands_) c();
   for (auto& t : drained_transfers_) start_transfer(std::move(t));
@@ -354,9 +376,9 @@ void Worker::finish_stop() {
                        group_, posted_ - abandoned_, config_.close_timeout.count());
   }
   std::vector<Transfer*> left;
-  for (auto& [id, t] : live_) {
-    if (!t->finished) left.push_back(t.get());
-  }
+  live_.for_each([&left](Transfer& t) {
+    if (!t.finished) left.push_back(&t);
+  });
   for (Transfer* t : left) {
     if (t->error.is_ok()) t->error = cancelled("engine closed with the transfer in flight");
     t->abandoned = 0;  // the domains close next; the provider lets go of everything
@@ -402,7 +424,8 @@ void Worker::idle(bool active) {
   // In flight on a NIC without a descriptor: only polling notices its completions.
   if (inflight && !all_fds) return;
   sleeping_.store(true);
-  if (!inbox_nonempty_.load() && !stop_requested_.load()) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the one in submit()
+  if (ring_.empty_hint() && !inbox_nonempty_.load() && !stop_requested_.load()) {
     std::chrono::nanoseconds nap = config_.idle_sleep;
     if (inflight) {
       nap = kMaxInflightBlock;

@@ -16,13 +16,16 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/bounded_queue.h"
 #include "engine/callback_thread.h"
 #include "engine/imm_counters.h"
 #include "engine/ipc_imports.h"
+#include "engine/live_transfers.h"
 #include "engine/messages.h"
 #include "engine/op_builder.h"
 #include "engine/rate_meter.h"
 #include "engine/regions.h"
+#include "engine/transfer_pool.h"
 #include "engine/transfer_state.h"
 #include "engine/write_fence.h"
 #include "fabric/config.h"
@@ -72,6 +75,7 @@ struct WorkerCounters {
   std::array<Counter, std::tuple_size_v<decltype(GroupStats::errors_by_code)>> errors{};
   std::array<Counter, LatencyHistogram::kBuckets> latency{};
   alignas(64) Counter wakeups{0};  // bumped by submitters (fetch_add)
+  Counter ring_full{0};            // by submitters that took the overflow list (fetch_add)
 };
 
 // The work requests of one domain towards one peer NIC: those waiting to be posted (FIFO), and
@@ -184,7 +188,9 @@ class Worker {
   void nic_rates(std::vector<uint64_t>& out) const;
 
   // Hands an accepted transfer to the worker. Thread-safe, non-blocking.
-  void submit(std::unique_ptr<Transfer> transfer);
+  void submit(TransferPtr transfer);
+  // A transfer from this group's pool, for a submission (any thread; engine/transfer_pool.h).
+  TransferPtr take_transfer() { return pool_.take(); }
   // Runs fn on the worker thread and waits for its result (inline when the worker is not
   // running). Thread-safe; must not be called from the worker itself.
   template <typename F>
@@ -333,7 +339,7 @@ class Worker {
   // One pass of the loop: true when it did something; `finished` once a stop has completed.
   bool pass(bool& finished);
   bool drain_inbox();
-  void start_transfer(std::unique_ptr<Transfer> t);
+  void start_transfer(TransferPtr t);
   void enqueue(Op& op);
   bool post_some(DomainState& d);
   // Posts `op` and counts the outcome for stats().
@@ -461,6 +467,10 @@ class Worker {
 
   const uint32_t group_;
   const Config config_;
+  // Idle transfers for this group's submissions and the worker's own (transfer_pool.h). Before
+  // everything that holds a transfer, so destroyed after it.
+  static constexpr size_t kPooledTransfers = 1024;
+  TransferPool pool_{kPooledTransfers};
   int cpu_;
   WorkerServices services_;
   std::vector<DomainState> domains_;
@@ -501,7 +511,7 @@ class Worker {
   std::unique_ptr<WriteFence> fence_;
 
   // Worker-thread state.
-  std::unordered_map<TransferId, std::unique_ptr<Transfer>> live_;
+  LiveTransfers live_{kPooledTransfers};
   // Transfers with nothing outstanding, to advance (an id may be there twice, or name a
   // transfer gone since: drain_ready skips those); ready_batch_ keeps its capacity.
   std::vector<TransferId> ready_;
@@ -521,13 +531,22 @@ class Worker {
   void run_jobs();
   std::vector<uint32_t> unexpected_;
 
-  // Inbox, shared with submitting threads.
+  // Inbox, shared with submitting threads. Transfers come through the lock-free ring (each entry
+  // owns its transfer); when it is full, through inbox_transfers_ under inbox_mu_, and while
+  // that list holds any (overflowing_), every submission queues behind them there, so that a
+  // thread's submissions start in the order it made them. Commands always take the lock.
+  struct RingEntry {
+    Transfer* transfer;
+    TransferPool* pool;
+  };
+  BoundedQueue<RingEntry> ring_;
+  std::atomic<bool> overflowing_{false};
   std::mutex inbox_mu_;
-  std::vector<std::unique_ptr<Transfer>> inbox_transfers_;
+  std::vector<TransferPtr> inbox_transfers_;
   std::vector<std::function<void()>> inbox_commands_;
   // The worker's side of the inbox: swapped with the inbox under the lock, emptied, and swapped
   // back at the next drain, so neither side allocates once both have grown.
-  std::vector<std::unique_ptr<Transfer>> drained_transfers_;
+  std::vector<TransferPtr> drained_transfers_;
   std::vector<std::function<void()>> drained_commands_;
   std::atomic<bool> inbox_nonempty_{false};
   // Written by the worker around each sleep and read by every submitter: a line of its own.

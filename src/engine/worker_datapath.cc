@@ -16,9 +16,8 @@
 
 namespace fabric::engine {
 
-void Worker::start_transfer(std::unique_ptr<Transfer> owned) {
-  Transfer& t = *owned;
-  live_.emplace(t.id, std::move(owned));
+void Worker::start_transfer(TransferPtr owned) {
+  Transfer& t = live_.adopt(std::move(owned));
   if (stopping_ && !t.while_stopping) {
     t.error = cancelled("engine closed before the transfer was posted");
     finish(t);
@@ -172,7 +171,7 @@ bool Worker::poll(uint32_t index) {
           --abandoned_;
           release_send_slot(op);
           Transfer& t = *op.transfer;
-          if (--t.abandoned == 0 && t.finished) live_.erase(t.id);
+          if (--t.abandoned == 0 && t.finished) live_.retire(t.id);
           break;
         }
         op.queue->last_progress = now_;
@@ -292,8 +291,8 @@ bool Worker::drain_ready() {
   for (int round = 0; round < 4 && !ready_.empty(); ++round) {
     ready_batch_.swap(ready_);
     for (TransferId id : ready_batch_) {
-      auto it = live_.find(id);
-      if (it != live_.end() && !it->second->finished) advance(*it->second);
+      Transfer* t = live_.find(id);
+      if (t != nullptr && !t->finished) advance(*t);
     }
     ready_batch_.clear();
   }
@@ -323,7 +322,7 @@ void Worker::finish(Transfer& t) {
   }
   t.finished = true;
   // Destroys t, unless the provider still holds some of its ops (a dead peer's).
-  if (t.abandoned == 0) live_.erase(t.id);
+  if (t.abandoned == 0) live_.retire(t.id);
 }
 
 void Worker::count_outcome(const Transfer& t, const Status& error) {
@@ -361,6 +360,7 @@ void WorkerCounters::fill(GroupStats& g) const {
   g.worker_passes = passes.load(r);
   g.worker_sleeps = sleeps.load(r);
   g.worker_wakeups = wakeups.load(r);
+  g.submissions_ring_full = ring_full.load(r);
   g.transfers_completed = transfers_completed.load(r);
   g.transfers_failed = transfers_failed.load(r);
   g.messages_completed = messages_completed.load(r);

@@ -163,7 +163,7 @@ void Worker::release_send_slot(Op& op) {
 
 void Worker::send_internal(Address owner, uint32_t domain, Bytes message, bool urgent,
                            bool while_stopping) {
-  auto t = std::make_unique<Transfer>();
+  TransferPtr t = pool_.take();
   t->id = kInternalTransfer | next_internal_++;
   t->while_stopping = while_stopping;
   t->peers.push_back(std::move(owner));

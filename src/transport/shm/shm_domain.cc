@@ -483,7 +483,10 @@ Result<ShmDomain::Remote*> ShmDomain::connect(const std::string& name) {
 
 Result<PeerHandle> ShmDomain::resolve_peer(std::span<const std::byte> name) {
   if (closed_) return Status(ErrorCode::kClosed, "shm endpoint closed");
-  const std::string s(reinterpret_cast<const char*>(name.data()), name.size());
+  const std::string_view view(reinterpret_cast<const char*>(name.data()), name.size());
+  // A peer connected already (every post after the first): no string built.
+  if (auto it = by_name_.find(view); it != by_name_.end()) return it->second;
+  const std::string s(view);
   if (!valid_name(s)) {
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("not an shm endpoint name ({} bytes)", name.size()));
@@ -590,7 +593,7 @@ PostResult ShmDomain::post(PeerHandle peer, uint64_t wr_id, TxItem item) {
     return PostResult::again();
   }
   if (r->outstanding == 0) r->next_watch = std::chrono::steady_clock::now() + kWatchEvery;
-  pending_[item.seq] = {peer, wr_id, item.length};
+  pending_.put(item.seq, {peer, wr_id, item.length});
   ++r->outstanding;
   r->outstanding_bytes += item.length;
   ++r->ops_queued;

@@ -12,9 +12,11 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
+#include "common/recycling_map.h"
 #include "transport/domain.h"
 #include "transport/shm/shm_ring.h"
 
@@ -74,10 +76,11 @@ class ShmDomain final : public Domain {
   struct Inbound;
   struct TxItem;
   struct Pending {
-    PeerHandle peer;
-    uint64_t wr_id;
-    uint64_t bytes;
+    PeerHandle peer = 0;
+    uint64_t wr_id = 0;
+    uint64_t bytes = 0;
   };
+  static constexpr size_t kMaxPendingKept = 4096;  // pending_'s nodes kept for reuse
 
   ShmDomain() = default;
   Result<Remote*> connect(const std::string& name);
@@ -119,12 +122,17 @@ class ShmDomain final : public Domain {
   PeerHandle next_handle_ = 1;
 
   std::map<PeerHandle, std::unique_ptr<Remote>> remotes_;
-  std::unordered_map<std::string, PeerHandle> by_name_;
-  std::unordered_map<uint64_t, Pending> pending_;  // by sequence number
-  std::vector<std::unique_ptr<Inbound>> inbound_;  // one per slot of our region
-  std::deque<RecvRequest> recvs_;                  // posted receives, in order
-  std::deque<Bytes> unexpected_;                   // messages that came before a receive
-  std::deque<Completion> ready_;                   // completions poll() has yet to hand out
+  // Looked up by the string_view of a peer's name on every post (no string built).
+  struct NameHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, PeerHandle, NameHash, std::equal_to<>> by_name_;
+  RecyclingMap<uint64_t, Pending> pending_{kMaxPendingKept};  // by sequence number
+  std::vector<std::unique_ptr<Inbound>> inbound_;             // one per slot of our region
+  std::deque<RecvRequest> recvs_;                             // posted receives, in order
+  std::deque<Bytes> unexpected_;                              // messages that came before a receive
+  std::deque<Completion> ready_;  // completions poll() has yet to hand out
   std::chrono::steady_clock::time_point now_{};
   Stats stats_;
 };
