@@ -6,8 +6,8 @@
 // executable (label alloc), and it is not built under the sanitizers (they count their own).
 #include <atomic>
 #include <cstdio>
-#include <functional>
 #include <cstdlib>
+#include <functional>
 #include <new>
 #include <numeric>
 #include <thread>
@@ -29,8 +29,12 @@ void* operator new(std::size_t n) {
   if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
   throw std::bad_alloc();
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
 
 namespace fabric::testing {
 namespace {
@@ -88,8 +92,8 @@ TEST_P(Allocations, SubmitAllocatesNothingOnceWarm) {
   const Address peer = eb->address();
 
   const SingleWrite single{src->reg.handle, 0, dst->reg.descriptor, 0, kBytes, 7, {}};
-  const PagedWrite paged{src->reg.handle, dst->reg.descriptor, kBytes, pages, kBytes, 0,
-                         pages,           kBytes,              0,      7};
+  const PagedWrite paged{
+      src->reg.handle, dst->reg.descriptor, kBytes, pages, kBytes, 0, pages, kBytes, 0, 7};
   const ImmWrite imm{peer, 7};
   auto group = a.add_peer_group({eb->address(), ec->address()});
   ASSERT_TRUE(group) << group.status().to_string();
@@ -97,7 +101,8 @@ TEST_P(Allocations, SubmitAllocatesNothingOnceWarm) {
   scatter.src = src->reg.handle;
   scatter.group = *group;
   scatter.imm = 7;
-  scatter.targets = {{dst->reg.descriptor, kBytes, 0, 0}, {dst2->reg.descriptor, kBytes, kBytes, 0}};
+  scatter.targets = {{dst->reg.descriptor, kBytes, 0, 0},
+                     {dst2->reg.descriptor, kBytes, kBytes, 0}};
 
   struct Row {
     const char* what;
@@ -107,16 +112,17 @@ TEST_P(Allocations, SubmitAllocatesNothingOnceWarm) {
       {"single write", [&](Callbacks cb) { return bool(a.submit(single, std::move(cb))); }},
       {"paged write", [&](Callbacks cb) { return bool(a.submit(paged, std::move(cb))); }},
       {"imm-only write", [&](Callbacks cb) { return bool(a.submit(imm, std::move(cb))); }},
-      {"scatter to two peers", [&](Callbacks cb) { return bool(a.submit(scatter, std::move(cb))); }},
+      {"scatter to two peers",
+       [&](Callbacks cb) { return bool(a.submit(scatter, std::move(cb))); }},
   };
   for (const Row& row : rows) {
     const Counted c = run(row.submit, kTotal, kMeasured, kWindow);
     EXPECT_EQ(c.caller, 0u) << row.what << ": submit() allocated " << c.caller << " times in "
                             << kMeasured << " warm submissions";
-    std::printf("[ alloc    ] %s %s: %.2f allocations per transfer on the caller, %.2f on all "
-                "threads\n",
-                GetParam().name.c_str(), row.what, double(c.caller) / kMeasured,
-                double(c.all) / kMeasured);
+    std::printf(
+        "[ alloc    ] %s %s: %.2f allocations per transfer on the caller, %.2f on all "
+        "threads\n",
+        GetParam().name.c_str(), row.what, double(c.caller) / kMeasured, double(c.all) / kMeasured);
   }
   a.close();
   eb->close();
