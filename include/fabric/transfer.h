@@ -5,8 +5,11 @@
 // runs for it.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -17,12 +20,65 @@ namespace fabric {
 
 using TransferId = uint64_t;
 
+class CompletionCounter;
+
 // Exactly one of the two runs, once per accepted transfer, on the engine's callback thread,
 // after every work request of every NIC the transfer used has completed. Either may be empty.
 // A callback that throws is logged and otherwise ignored: it never stops the engine.
 struct Callbacks {
   std::function<void()> on_done;
   std::function<void(const Status&)> on_error;
+  // Counter-style completion: counted here by the worker thread itself the moment the transfer
+  // ends (before on_done or on_error is queued, if set): no thread hop, no wake-up, no user code
+  // on the worker. Null: none. It must outlive the transfer.
+  CompletionCounter* counter = nullptr;
+};
+
+// Completions as counts, for callers that poll (a GPU proxy loop, an event loop) instead of
+// taking callbacks: submit with counter.callbacks() (or set Callbacks::counter), then read
+// done() / failed(), which are plain atomic loads. Thread-safe; one counter may serve any number
+// of transfers on any engines, and must outlive them all.
+class CompletionCounter {
+ public:
+  CompletionCounter() = default;
+  CompletionCounter(const CompletionCounter&) = delete;
+  CompletionCounter& operator=(const CompletionCounter&) = delete;
+
+  // Callbacks that count into this counter and run nothing else.
+  Callbacks callbacks() {
+    Callbacks c;
+    c.counter = this;
+    return c;
+  }
+  uint64_t done() const { return done_.load(std::memory_order_acquire); }
+  uint64_t failed() const { return failed_.load(std::memory_order_acquire); }
+  uint64_t ended() const { return done() + failed(); }
+  // The first failure counted, or ok.
+  Status first_error() const {
+    std::lock_guard lock(mu_);
+    return first_error_;
+  }
+  // Polls until ended() >= n (yielding, then napping 50 us between looks) or the timeout;
+  // returns whether it got there. Blocks.
+  bool wait(uint64_t n, std::chrono::milliseconds timeout) const;
+  // Counts one ended transfer (the engine calls this; so may a caller's own code).
+  void record(const Status& outcome) {
+    if (outcome.is_ok()) {
+      done_.fetch_add(1, std::memory_order_acq_rel);
+      return;
+    }
+    {
+      std::lock_guard lock(mu_);
+      if (first_error_.is_ok()) first_error_ = outcome;
+    }
+    failed_.fetch_add(1, std::memory_order_acq_rel);
+  }
+
+ private:
+  std::atomic<uint64_t> done_{0};
+  std::atomic<uint64_t> failed_{0};
+  mutable std::mutex mu_;
+  Status first_error_;
 };
 
 // How a single write is spread over the NICs of the group.

@@ -1,5 +1,7 @@
 // TransferEngine and EngineImpl: creation and close, registration, peer groups, immediates and
 // the facade. The submissions' validation and planning are in submit.cc.
+#include <thread>
+
 #include "engine/engine_impl.h"
 
 namespace fabric {
@@ -451,6 +453,24 @@ void TransferEngine::reset_imm(uint32_t imm) {
 }
 EngineStats TransferEngine::stats() const {
   return impl_->stats();
+}
+
+}  // namespace fabric
+
+namespace fabric {
+
+bool CompletionCounter::wait(uint64_t n, std::chrono::milliseconds timeout) const {
+  const auto start = std::chrono::steady_clock::now();
+  for (int looks = 0; ended() < n; ++looks) {
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (waited >= timeout) return false;
+    if (looks < 1000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  return true;
 }
 
 }  // namespace fabric

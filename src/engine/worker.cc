@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
+#include "common/fence.h"
 #include "common/log.h"
 
 #include <cstdlib>
@@ -186,6 +187,7 @@ void Worker::stop() {
   for (auto& c : commands) c();
   for (auto& t : transfers) {
     if ((t->id & kInternalTransfer) == 0) count_outcome(*t, cancelled("engine closed"));
+    if (t->callbacks.counter != nullptr) t->callbacks.counter->record(cancelled("engine closed"));
     if (t->callbacks.on_error) {
       services_.callbacks->push(
           [cb = std::move(t->callbacks.on_error)] { cb(cancelled("engine closed")); });
@@ -215,7 +217,7 @@ void Worker::submit(TransferPtr transfer) {
   }
   // Pairs with the fence in idle(): either the worker sees this submission before it sleeps,
   // or this thread sees it sleeping and wakes it.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  full_fence();
   wake();
 }
 
@@ -424,7 +426,7 @@ void Worker::idle(bool active) {
   // In flight on a NIC without a descriptor: only polling notices its completions.
   if (inflight && !all_fds) return;
   sleeping_.store(true);
-  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the one in submit()
+  full_fence();  // pairs with the one in submit()
   if (ring_.empty_hint() && !inbox_nonempty_.load() && !stop_requested_.load()) {
     std::chrono::nanoseconds nap = config_.idle_sleep;
     if (inflight) {

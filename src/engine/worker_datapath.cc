@@ -313,6 +313,7 @@ void Worker::finish(Transfer& t) {
                        t.error.to_string());
   }
   if ((t.id & kInternalTransfer) == 0) count_end(t);
+  if (t.callbacks.counter != nullptr) t.callbacks.counter->record(t.error);
   if (!t.error.is_ok()) {
     if (t.callbacks.on_error) {
       jobs_.push_back([cb = std::move(t.callbacks.on_error), s = std::move(t.error)] { cb(s); });

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <thread>
+#include <vector>
 
 namespace fabric::engine {
 namespace {
@@ -91,6 +93,70 @@ TEST(ImmCounters, WaitWakesOnArrivalAndTimesOut) {
   t.join();
   c.reset(3);
   EXPECT_EQ(c.count(3), 0u);
+}
+
+// Arrivals on two threads while a user thread re-arms an expectation round after round: every
+// expectation fires exactly once, and the arrivals claimed equal the rounds times the count.
+TEST(ImmCounters, ExpectationsFireExactlyOnceUnderConcurrentArrivals) {
+  ImmCounters c;
+  constexpr int kRounds = 3000;
+  constexpr uint64_t kCount = 4;
+  std::atomic<int> fired{0};
+  std::vector<std::thread> arrivers;
+  for (int k = 0; k < 2; ++k) {
+    arrivers.emplace_back([&] {
+      Jobs due;
+      std::vector<uint32_t> unexpected;
+      const uint32_t one[] = {11};
+      for (uint64_t i = 0; i < kRounds * kCount / 2; ++i) {
+        c.arrive(one, due, unexpected);
+        for (auto& job : due) job();
+        due.clear();
+      }
+    });
+  }
+  for (int round = 0; round < kRounds; ++round) {
+    Jobs due;
+    ASSERT_TRUE(c.expect(
+        11, kCount, [&] { fired.fetch_add(1); }, due));
+    for (auto& job : due) job();
+    while (fired.load() < round + 1) std::this_thread::yield();
+  }
+  for (auto& t : arrivers) t.join();
+  EXPECT_EQ(fired.load(), kRounds);
+  EXPECT_EQ(c.count(11), kRounds * kCount);
+  EXPECT_EQ(c.total(), kRounds * kCount);
+  Jobs due;
+  ASSERT_TRUE(c.expect(
+      11, 1, [] {}, due));
+  EXPECT_TRUE(due.empty()) << "an arrival was claimed twice or not at all";
+}
+
+// More distinct immediates than the table holds: the rest go to the overflow map, and counts,
+// expectations and waits work the same there.
+TEST(ImmCounters, MoreImmediatesThanSlotsOverflowCorrectly) {
+  ImmCounters c(64);
+  Jobs due;
+  std::vector<uint32_t> unexpected;
+  std::vector<uint32_t> imms;
+  for (uint32_t i = 0; i < 1000; ++i) imms.push_back(i * 7919u);
+  int fired = 0;
+  for (uint32_t imm : imms)
+    ASSERT_TRUE(c.expect(
+        imm, 2, [&] { ++fired; }, due));
+  c.arrive(imms, due, unexpected);
+  EXPECT_TRUE(due.empty());
+  EXPECT_TRUE(unexpected.empty());
+  c.arrive(imms, due, unexpected);
+  EXPECT_EQ(due.size(), imms.size());
+  for (auto& job : due) job();
+  EXPECT_EQ(fired, 1000);
+  for (uint32_t imm : imms) ASSERT_EQ(c.count(imm), 2u) << imm;
+  EXPECT_TRUE(c.wait(imms.back(), 2, std::chrono::milliseconds(0)));
+  EXPECT_FALSE(c.wait(imms.back(), 3, std::chrono::milliseconds(1)));
+  c.reset(imms.back());
+  EXPECT_EQ(c.count(imms.back()), 0u);
+  EXPECT_EQ(c.count(123456789), 0u) << "an immediate never seen";
 }
 
 }  // namespace
