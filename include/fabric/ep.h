@@ -84,7 +84,8 @@ struct Layout {
   uint64_t dispatch_area_bytes = 0;  // one source rank's area
   uint64_t combine_offset = 0;
   uint64_t combine_bytes = 0;
-  uint64_t buffer_bytes = 0;  // the whole exported buffer
+  uint64_t combine_token_bytes = 0;  // one token's top_k rows in the combine area
+  uint64_t buffer_bytes = 0;         // the whole exported buffer
   // Rows of dispatch_recv's output (and combine_send's input): one per (token, local expert)
   // pair at most, world_size x max_tokens_per_rank x top_k.
   uint64_t max_recv_rows = 0;

@@ -72,11 +72,11 @@ Status validate(const AllToAllConfig& c) {
   if (c.gpus_per_node < 0) {
     return invalid(fmt::format("gpus_per_node {} is negative", c.gpus_per_node));
   }
-  if (c.gpus_per_node != 0 && c.world_size > c.gpus_per_node) {
-    return Status(ErrorCode::kUnsupported,
-                  fmt::format("world_size {} spans more than one node of gpus_per_node {}: only "
-                              "the intranode (NVLink) path is built",
-                              c.world_size, c.gpus_per_node));
+  if (c.gpus_per_node != 0 && c.world_size % c.gpus_per_node != 0) {
+    return invalid(
+        fmt::format("gpus_per_node {} does not divide world_size {}: every node needs "
+                    "as many ranks",
+                    c.gpus_per_node, c.world_size));
   }
   if (c.num_experts == 0 || c.num_experts % static_cast<uint32_t>(c.world_size) != 0) {
     return invalid(fmt::format("num_experts {} is not a positive multiple of world_size {}",
@@ -133,7 +133,8 @@ Result<Layout> Layout::of(const AllToAllConfig& c) {
   l.combine_offset =
       round_up(l.dispatch_offset + l.dispatch_area_bytes * static_cast<uint64_t>(c.world_size),
                kRegionAlign);
-  l.combine_bytes = 2ull * c.hidden * c.top_k * c.max_tokens_per_rank;
+  l.combine_token_bytes = 2ull * c.hidden * c.top_k;
+  l.combine_bytes = l.combine_token_bytes * c.max_tokens_per_rank;
   l.buffer_bytes = round_up(l.combine_offset + l.combine_bytes, kRegionAlign);
   l.max_recv_rows = static_cast<uint64_t>(c.world_size) * c.max_tokens_per_rank * c.top_k;
   return l;

@@ -51,11 +51,11 @@ TEST(EpConfig, EachBadFieldIsNamed) {
       {"gpus_per_node", [](AllToAllConfig& c) { c.gpus_per_node = -1; }, {"gpus_per_node -1"}},
       {"gpus_per_node",
        [](AllToAllConfig& c) {
-         c.world_size = 16;
+         c.world_size = 12;
+         c.num_experts = 264;
          c.gpus_per_node = 8;
        },
-       {"world_size 16", "gpus_per_node 8", "intranode"},
-       ErrorCode::kUnsupported},
+       {"gpus_per_node 8", "world_size 12", "divide"}},
       {"num_experts", [](AllToAllConfig& c) { c.num_experts = 255; }, {"num_experts 255"}},
       {"num_experts", [](AllToAllConfig& c) { c.num_experts = 0; }, {"num_experts 0"}},
       {"num_experts", [](AllToAllConfig& c) { c.num_experts = 4096; }, {"2048 experts per rank"}},
@@ -92,6 +92,19 @@ TEST(EpConfig, OneNodeOfExactlyItsGpusIsValid) {
   c.world_size = 8;
   c.gpus_per_node = 8;
   c.rank = 7;
+  EXPECT_TRUE(validate(c).is_ok());
+}
+
+// The inter-node path: several nodes of gpus_per_node ranks each, one GPU per node included.
+TEST(EpConfig, SeveralNodesAreValid) {
+  AllToAllConfig c = decode_config();
+  c.world_size = 16;
+  c.gpus_per_node = 8;
+  c.rank = 9;
+  EXPECT_TRUE(validate(c).is_ok());
+  c.world_size = 2;
+  c.gpus_per_node = 1;
+  c.rank = 1;
   EXPECT_TRUE(validate(c).is_ok());
 }
 
