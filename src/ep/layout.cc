@@ -214,6 +214,8 @@ Bytes encode(const PeerHandle& h) {
   w.bytes(h.device);
   w.u64(h.pid);
   w.bytes(h.ipc);
+  w.u32(static_cast<uint32_t>(h.proxy.size()));
+  w.bytes(h.proxy);
   return w.take();
 }
 
@@ -232,11 +234,12 @@ Result<PeerHandle> decode_handle(std::span<const std::byte> bytes) {
   PeerHandle h;
   uint8_t dtype = 0;
   std::vector<std::byte> device, ipc;
-  const bool ok = r.u16(reserved) && r.u32(rank) && r.u32(world) && r.u32(per_node) &&
-                  r.u32(h.num_experts) && r.u32(h.hidden) && r.u32(h.top_k) &&
-                  r.u32(h.max_tokens_per_rank) && r.u8(dtype) && r.u64(h.buffer_bytes) &&
-                  r.bytes(h.device.size(), device) && r.u64(h.pid) &&
-                  r.bytes(PeerHandle::kIpcBytes, ipc);
+  uint32_t proxy_bytes = 0;
+  const bool ok =
+      r.u16(reserved) && r.u32(rank) && r.u32(world) && r.u32(per_node) && r.u32(h.num_experts) &&
+      r.u32(h.hidden) && r.u32(h.top_k) && r.u32(h.max_tokens_per_rank) && r.u8(dtype) &&
+      r.u64(h.buffer_bytes) && r.bytes(h.device.size(), device) && r.u64(h.pid) &&
+      r.bytes(PeerHandle::kIpcBytes, ipc) && r.u32(proxy_bytes) && r.bytes(proxy_bytes, h.proxy);
   if (!ok) return invalid(fmt::format("all-to-all handle truncated at {} bytes", bytes.size()));
   if (r.remaining() != 0) {
     return invalid(fmt::format("all-to-all handle has {} bytes too many", r.remaining()));
@@ -259,7 +262,9 @@ Status check_peer(const PeerHandle& mine, const PeerHandle& peer, int index) {
     return invalid(fmt::format("rank {} has {} {}, this rank (rank {}) has {}", index, field,
                                theirs, mine.rank, ours));
   };
-  if (index != mine.rank && peer.pid == mine.pid) {
+  const bool same_node =
+      mine.gpus_per_node > 0 && index / mine.gpus_per_node == mine.rank / mine.gpus_per_node;
+  if (index != mine.rank && same_node && peer.pid == mine.pid) {
     return Status(ErrorCode::kUnsupported,
                   fmt::format("rank {} runs in this process (pid {}): CUDA IPC maps only other "
                               "processes' memory, so each rank needs a process of its own",

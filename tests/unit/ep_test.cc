@@ -271,6 +271,27 @@ TEST(EpHandle, RoundTrips) {
   EXPECT_EQ(*back, h);
 }
 
+TEST(EpHandle, CarriesTheProxyHandle) {
+  AllToAllConfig c = decode_config();
+  c.gpus_per_node = 1;
+  PeerHandle h = handle_of(c, 4242);
+  h.proxy = Bytes(37, std::byte{0x5a});
+  auto back = decode_handle(encode(h));
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(*back, h);
+  EXPECT_EQ(back->proxy.size(), 37u);
+}
+
+// Ranks of other nodes are reached through the proxy, not CUDA IPC: one process may hold them.
+TEST(EpHandle, RanksOfOtherNodesMayShareAProcess) {
+  AllToAllConfig c = decode_config();
+  c.gpus_per_node = 1;
+  c.rank = 0;
+  const PeerHandle mine = handle_of(c, 100);
+  c.rank = 1;
+  EXPECT_TRUE(check_peer(mine, handle_of(c, 100), 1).is_ok());
+}
+
 TEST(EpHandle, MalformedBytesAreRefused) {
   const Bytes good = encode(handle_of(decode_config(), 1));
   expect_error(decode_handle(Bytes{}).status(), ErrorCode::kInvalidArgument,
