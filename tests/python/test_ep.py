@@ -5,9 +5,10 @@ the reference's weighted sum within bf16 rounding; bf16 and fp8; random routings
 (a rank that receives nothing, every token to one expert, the maximum number of tokens, top-k
 experts all on one rank, a repeated expert, a rank with no tokens); eagerly and replayed from a
 CUDA graph; 1000 rounds in a loop; a silent peer turned into fabric_lib.Timeout; peers
-configured differently refused at connect. Each two-rank scenario runs twice: as one node (CUDA
-IPC between the ranks) and as two one-GPU nodes (gpus_per_node=1, provider="tcp": every byte
-through the ranks' proxies and their engines over loopback).
+configured differently refused at connect. Each scenario runs twice: as one node (CUDA IPC
+between the ranks) and as two nodes (gpus_per_node=WORLD // 2, provider="tcp": with two ranks,
+two one-GPU nodes and every byte through the ranks' proxies and their engines over loopback;
+with FABRIC_EP_TEST_WORLD=4, two nodes of two GPUs, CUDA IPC and the proxies side by side).
 
 The two-GPU tests are skipped (with the reason) unless fabric_lib is built with CUDA and torch
 sees two GPUs: CI has none; there the configuration checks below run, and the host-side logic
@@ -30,12 +31,15 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NO_MULTICAST)
 
-WORLD = 2
-SPAWN_TIMEOUT = 90  # seconds for one two-process scenario
+# Ranks of the scenarios: 2, or FABRIC_EP_TEST_WORLD (an even number; 4 makes "two_nodes" two
+# nodes of two GPUs: CUDA IPC and the proxy in the same kernels).
+WORLD = int(os.environ.get("FABRIC_EP_TEST_WORLD", "2"))
+SPAWN_TIMEOUT = 90  # seconds for one scenario
 # The GPU of each rank. FABRIC_EP_TEST_DEVICES=0,0 puts both ranks' processes on one GPU (a
-# machine with one GPU: the kernels' protocol runs, with CUDA IPC inside that GPU, the two
+# machine with one GPU: the kernels' protocol runs, with CUDA IPC inside that GPU, the
 # processes' kernels time-sliced).
-DEVICES = [int(d) for d in os.environ.get("FABRIC_EP_TEST_DEVICES", "0,1").split(",")]
+DEVICES = [int(d) for d in os.environ.get(
+    "FABRIC_EP_TEST_DEVICES", ",".join(str(r) for r in range(WORLD))).split(",")]
 
 
 def gpu_count():
@@ -56,11 +60,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-# How the WORLD ranks are placed: one node (CUDA IPC), or each its own node (the proxy path, over
-# the tcp provider on loopback).
+# How the WORLD ranks are placed: one node (CUDA IPC), or two nodes of WORLD / 2 GPUs (two ranks:
+# two one-GPU nodes; ranks of the other node through the proxy path, over the tcp provider on
+# loopback).
 TOPOLOGIES = {
     "one_node": {},
-    "two_nodes": {"gpus_per_node": 1, "provider": "tcp", "nics": ["lo"]},
+    "two_nodes": {"gpus_per_node": WORLD // 2, "provider": "tcp", "nics": ["lo"]},
 }
 topologies = pytest.mark.parametrize("topology", list(TOPOLOGIES))
 _a2a_options = {}  # TOPOLOGIES[the scenario's topology], in the ranks' processes
@@ -242,8 +247,8 @@ def new_a2a(hidden, top_k, max_tokens, fp8, num_experts=16, timeout=10.0):
 def round_trip(a2a, rank, seed, sizes, hidden, num_experts, top_k, fp8, routing):
     """One dispatch and combine, both checked against the reference."""
     L = num_experts // WORLD
-    inputs = [make_inputs(seed, r, sizes[r], hidden, num_experts, top_k, fp8, routing, "cuda")
-              for r in range(WORLD)]
+    inputs = [make_inputs(seed, r, sizes[r % len(sizes)], hidden, num_experts, top_k, fp8,
+                          routing, "cuda") for r in range(WORLD)]
     x, scales, idx, w = inputs[rank]
     got = a2a.dispatch(x, idx, w, scales=scales)
     y = expert_outputs(got, L, rank, fp8)
@@ -323,8 +328,8 @@ def scenario_loop(rank, iterations):
 
 
 def scenario_silent_peer(rank):
-    """Rank 1 never dispatches: rank 0's receive gives up after the timeout, and the error
-    comes back on the host as fabric_lib.Timeout naming rank 1."""
+    """Only rank 0 dispatches: its receive gives up after the timeout, and the error comes back
+    on the host as fabric_lib.Timeout naming a silent rank."""
     import torch.distributed as dist
 
     a2a = new_a2a(256, 2, 8, False, timeout=1.0)
@@ -334,7 +339,9 @@ def scenario_silent_peer(rank):
         a2a.dispatch(x, idx, w)
         torch.cuda.synchronize()
         waited = time.monotonic() - started
-        with pytest.raises(fabric_lib.Timeout, match="rank 1"):
+        # The first silent rank it waited for (its GPU's wait, or its proxy's for a rank of
+        # another node: "... for rank 1's dispatched tokens" or "... for rank 2's dispatch").
+        with pytest.raises(fabric_lib.Timeout, match=r"for rank [1-9][0-9]*'s"):
             a2a.check()
         assert 0.9 < waited < 10, f"the GPU wait ended after {waited:.1f} s (timeout 1 s)"
         with pytest.raises(fabric_lib.Timeout):  # the object is unusable from then on
