@@ -399,10 +399,12 @@ TEST_P(EpProxy, RoundReuseWaitsForTheReadersAck) {
 TEST_P(EpProxy, APeerThatGoesAwayIsAnErrorWithinABound) {
   MAKE_OR_SKIP(2, 1);
   run_rounds(1, 3);
+  // Rank 1's acknowledgement of round 3 has reached rank 0, so that rank 0 stages round 4.
+  ASSERT_TRUE(ranks_[0].gpu->wait(ProxyLayout::kDispatchAck, 1, 0, 3, 5000ms));
   ranks_[1].proxy.reset();
   const auto start = Clock::now();
-  Status sent = ranks_[0].gpu->dispatch_send(4);
-  Status got = sent ? ranks_[0].gpu->dispatch_recv(4) : sent;
+  ASSERT_TRUE(ranks_[0].gpu->dispatch_send(4));
+  Status got = ranks_[0].gpu->dispatch_recv(4);
   EXPECT_EQ(got.code(), ErrorCode::kTimeout) << got.to_string();
   Status s;
   while ((s = ranks_[0].proxy->status()) && Clock::now() - start < 10s) {
