@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""fabric_lib.ep dispatch and combine between the GPUs of one node, against NCCL all_to_all_single
-moving the same payload bytes in the same run.
+"""fabric_lib.ep dispatch and combine between GPUs, against NCCL all_to_all_single moving the same
+payload bytes in the same run.
 
 Shapes (DeepSeek-V3-like): hidden 7168, top-8 of 256 experts split over the ranks, fp8 e4m3
 dispatch (one fp32 scale per 128 elements), bf16 combine; decode 128 tokens per rank, prefill
@@ -11,6 +11,11 @@ replayed from a CUDA graph (one graph per operation), NCCL eagerly. Reports p50/
 rank; a benchmark: it asserts nothing about times.
 
     python3 bench/ep_bench.py [--shapes decode,prefill] [--iters 200] [--json FILE]
+                              [--gpus-per-node N --provider tcp --nics lo]
+
+--gpus-per-node N (default: all ranks on one node) sends every rank of another "node" through
+the inter-node path (the ranks' proxies and engines of --provider on --nics), here between the
+GPUs of one host: its figures are that path's cost on this host, not two nodes'.
 
 Spawns one process per GPU itself (torch.multiprocessing, NCCL; NVLink multicast kept off).
 """
@@ -59,7 +64,7 @@ def split_bytes(idx_all, world, per_token, per_pair):
     return send, back
 
 
-def bench_shape(rank, world, name, n, iters, warmup):
+def bench_shape(rank, world, name, n, iters, warmup, nodes):
     import torch
     import torch.distributed as dist
 
@@ -73,7 +78,7 @@ def bench_shape(rank, world, name, n, iters, warmup):
     x = (torch.randn(n, HIDDEN, device=dev) * 2).to(fp8)
     scales = torch.rand(n, HIDDEN // 128, device=dev) + 0.5
     a2a = AllToAll(num_experts=EXPERTS, hidden=HIDDEN, top_k=TOP_K, max_tokens_per_rank=n,
-                   dtype=fp8, timeout=30.0)
+                   dtype=fp8, timeout=30.0, **nodes)
     got = a2a.dispatch(x, idx, w, scales=scales)
     y = torch.randn(a2a.max_recv_rows, HIDDEN, device=dev).to(torch.bfloat16)
     out = a2a.combine(y, idx, w)
@@ -156,8 +161,13 @@ def worker(rank, world, port, args, queue):
                             world_size=world, timeout=timedelta(seconds=120))
     try:
         report = {}
+        nodes = {}
+        if args.gpus_per_node:
+            nodes = {"gpus_per_node": args.gpus_per_node, "provider": args.provider,
+                     "nics": [n for n in args.nics.split(",") if n]}
         for name in args.shapes.split(","):
-            report[name] = bench_shape(rank, world, name, SHAPES[name], args.iters, args.warmup)
+            report[name] = bench_shape(rank, world, name, SHAPES[name], args.iters, args.warmup,
+                                       nodes)
         queue.put((rank, report))
     finally:
         dist.destroy_process_group()
@@ -173,6 +183,10 @@ def main():
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="ranks of one node (0: all); the others go through the proxies")
+    p.add_argument("--provider", default="tcp", help="the proxies' engine provider")
+    p.add_argument("--nics", default="lo", help="the proxies' NICs, comma-separated")
     args = p.parse_args()
     if torch.cuda.device_count() < args.world:
         print(f"needs {args.world} GPUs, torch sees {torch.cuda.device_count()}")
@@ -184,7 +198,9 @@ def main():
     queue = ctx.SimpleQueue()
     mp.spawn(worker, args=(args.world, port, args, queue), nprocs=args.world, join=True)
     reports = dict(queue.get() for _ in range(args.world))
-    print(f"# fabric_lib.ep vs NCCL all_to_all_single, {args.world} GPUs, hidden {HIDDEN}, "
+    where = (f", {args.gpus_per_node} GPU(s) per node, proxies over {args.provider} "
+             f"({args.nics})" if args.gpus_per_node else ", one node")
+    print(f"# fabric_lib.ep vs NCCL all_to_all_single, {args.world} GPUs{where}, hidden {HIDDEN}, "
           f"top-{TOP_K} of {EXPERTS} experts, fp8 dispatch, bf16 combine, {args.iters} iterations")
     for shape in args.shapes.split(","):
         print(f"\n## {shape}: {SHAPES[shape]} tokens per rank; "
@@ -198,7 +214,10 @@ def main():
             print(f"| {op} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"world": args.world, "iters": args.iters, "reports": reports}, f, indent=1)
+            json.dump({"world": args.world, "iters": args.iters,
+                       "gpus_per_node": args.gpus_per_node or args.world,
+                       "provider": args.provider if args.gpus_per_node else None,
+                       "reports": reports}, f, indent=1)
     return 0
 
 

@@ -1,5 +1,6 @@
-// fabric::ep: MoE expert-parallel all-to-all (dispatch and combine) between the GPUs of one node,
-// over NVLink (docs/moe.md).
+// fabric::ep: MoE expert-parallel all-to-all (dispatch and combine) between GPUs: over NVLink
+// between the GPUs of one node, and through a host proxy and a TransferEngine between nodes
+// (docs/moe.md).
 //
 // Each rank holds num_experts / world_size experts (rank r the experts [r * L, (r + 1) * L),
 // L = num_local_experts). Dispatch sends every token to the ranks of its top-k experts, once per
@@ -8,8 +9,12 @@
 // the top-k weights (in fp32, output bf16). Each is split into a send and a receive half so that a
 // caller can overlap compute between them.
 //
-// Every rank exports one GPU buffer (its receive areas and flags); its peers map it with CUDA IPC
-// and the send kernels store tokens straight into it, then raise a per-(source, round) flag. The
+// Every rank exports one GPU buffer (its receive areas and flags); its peers of the same node map
+// it with CUDA IPC and the send kernels store tokens straight into it, then raise a
+// per-(source, round) flag. For a peer of another node the kernels store into this rank's proxy
+// area (pinned host memory, registered with the proxy's engine) and raise a host-visible word;
+// the proxy thread writes the bytes into the peer's proxy area with immediates, and the peer's
+// proxy raises the same per-(source, round) flag there once they have all arrived. The
 // receive kernels wait for those flags on the GPU: no host synchronisation on the hot path, and a
 // sequence of calls can be captured in a CUDA graph and replayed. Every GPU wait gives up after
 // AllToAllConfig::timeout and records an error that the next call (or check()) returns.
@@ -21,6 +26,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "fabric/address.h"
@@ -35,7 +41,7 @@ enum class TokenDtype : uint8_t {
 
 // fp8 tokens carry one fp32 scale per this many elements of a row.
 inline constexpr uint32_t kScaleBlock = 128;
-// Ranks of one all-to-all (one node: the GPUs NVLink joins).
+// Ranks of one all-to-all, over all its nodes.
 inline constexpr int kMaxRanks = 32;
 inline constexpr uint32_t kMaxTopK = 32;
 inline constexpr uint32_t kMaxLocalExperts = 1024;
@@ -43,7 +49,9 @@ inline constexpr uint32_t kMaxLocalExperts = 1024;
 struct AllToAllConfig {
   int rank = 0;
   int world_size = 1;
-  // GPUs of one node; 0 means world_size. Only world_size <= gpus_per_node (one node) is built.
+  // Ranks of one node (NVLink joins them); 0 means world_size (one node). It must divide
+  // world_size: ranks r and q share a node when r / gpus_per_node == q / gpus_per_node. Peers of
+  // this rank's node are reached over CUDA IPC, those of other nodes through the proxy.
   int gpus_per_node = 0;
   uint32_t num_experts = 0;  // a multiple of world_size
   uint32_t hidden = 0;       // elements of a token: a multiple of 8 (bf16) or of kScaleBlock (fp8)
@@ -53,10 +61,16 @@ struct AllToAllConfig {
   // How long a kernel waits for a peer's flag before it gives up and records kTimeout.
   std::chrono::milliseconds timeout{10000};
   int cuda_device = -1;  // the GPU of this rank; -1: the calling thread's current device
+  // The inter-node path (read only when the ranks span several nodes): the TransferEngine
+  // provider of this rank's proxy ("auto", "tcp", "shm", "verbs", ...: fabric::Config::provider)
+  // and its NICs (GroupConfig::nics; empty: the provider's first). Every rank must use the same
+  // provider.
+  std::string provider = "auto";
+  std::vector<std::string> nics;
 };
 
-// Checks a configuration; the error (kInvalidArgument, or kUnsupported for more than one node)
-// names the field and the value. Never blocks.
+// Checks a configuration; the error (kInvalidArgument) names the field and the value. Never
+// blocks.
 Status validate(const AllToAllConfig& config);
 
 // Where things are in a rank's exported buffer, and the sizes of the caller's tensors. All
@@ -84,7 +98,8 @@ struct Layout {
   uint64_t dispatch_area_bytes = 0;  // one source rank's area
   uint64_t combine_offset = 0;
   uint64_t combine_bytes = 0;
-  uint64_t buffer_bytes = 0;  // the whole exported buffer
+  uint64_t combine_token_bytes = 0;  // one token's top_k rows in the combine area
+  uint64_t buffer_bytes = 0;         // the whole exported buffer
   // Rows of dispatch_recv's output (and combine_send's input): one per (token, local expert)
   // pair at most, world_size x max_tokens_per_rank x top_k.
   uint64_t max_recv_rows = 0;
@@ -152,14 +167,19 @@ Status check_combine_recv(const AllToAllConfig& config, const CombineRecvArgs& a
 //
 // Failures on the GPU (a peer silent for longer than the timeout, an expert index out of range)
 // are recorded by the kernel in pinned host memory; the next launcher call, and check(), return
-// the first one. After one, the object cannot be used again: destroy it on every rank.
+// the first one. The proxy's failures (a peer of another node unreachable, kPeerUnreachable, or
+// silent past the timeout, kTimeout) are returned the same way. After one, the object cannot be
+// used again: destroy it on every rank.
 class AllToAll {
  public:
-  // Allocates and zeroes this rank's buffer on its GPU and exports it. Blocking. Errors: those of
-  // validate(), kUnsupported (built without CUDA, no CUDA device), kFabric (a CUDA call failed).
+  // Allocates and zeroes this rank's buffer on its GPU and exports it; with peers on other nodes
+  // also the proxy area (pinned host memory) and the proxy's engine (config.provider). Blocking.
+  // Errors: those of validate(), kUnsupported (built without CUDA, no CUDA device, the provider
+  // absent), kFabric (a CUDA call failed, the engine could not open).
   static Result<std::unique_ptr<AllToAll>> create(const AllToAllConfig& config);
-  // Unmaps the peers' buffers and frees this rank's. Blocking (cudaFree waits for the GPU).
-  // Every rank should stop calling the halves (a barrier) before any destroys its object.
+  // Stops the proxy (bounded: its engine's close cancels writes after at most 2 s), unmaps the
+  // peers' buffers and frees this rank's. Blocking (cudaFree waits for the GPU). Every rank
+  // should stop calling the halves (a barrier) before any destroys its object.
   ~AllToAll();
   AllToAll(const AllToAll&) = delete;
   AllToAll& operator=(const AllToAll&) = delete;
@@ -167,13 +187,14 @@ class AllToAll {
   const AllToAllConfig& config() const;
   const Layout& layout() const;
 
-  // This rank's export: versioned bytes (the configuration, the GPU, a CUDA IPC handle).
+  // This rank's export: versioned bytes (the configuration, the GPU, a CUDA IPC handle, and with
+  // peers on other nodes the proxy's engine address and area descriptor).
   Bytes handle() const;
-  // Maps every peer's buffer. `handles`: every rank's handle() in rank order (this rank's
-  // included). Blocking; once. Errors: kInvalidArgument (wrong count, a handle out of its rank's
-  // place, a peer configured differently: the field is named), kAlreadyExists (connected
-  // already), kRemoteAccess (CUDA could not map a peer's buffer: another node, no peer access,
-  // or the same process).
+  // Maps the buffer of every peer of this node, and starts the proxy towards the others.
+  // `handles`: every rank's handle() in rank order (this rank's included). Blocking; once.
+  // Errors: kInvalidArgument (wrong count, a handle out of its rank's place, a peer configured
+  // differently: the field is named), kAlreadyExists (connected already), kRemoteAccess (CUDA
+  // could not map a peer's buffer: no peer access, or the same process).
   Status connect(const std::vector<Bytes>& handles);
 
   // The halves: enqueue on `cuda_stream` (a cudaStream_t; null: the legacy default stream).

@@ -1,4 +1,4 @@
-"""fabric_lib.ep: MoE expert-parallel dispatch and combine between the GPUs of one node.
+"""fabric_lib.ep: MoE expert-parallel dispatch and combine between GPUs, within and across nodes.
 
 Each rank holds num_experts / world_size experts (rank r the experts [r * n, (r + 1) * n)).
 Dispatch sends every token to the ranks of its top-k experts; each rank gets one row per
@@ -6,7 +6,9 @@ Dispatch sends every token to the ranks of its top-k experts; each rank gets one
 sums a token's outputs weighted by its top-k weights (fp32, output bf16). Tokens travel over
 NVLink straight into the peers' GPU memory (CUDA IPC), and the receiving kernels learn what
 arrived from flags on the GPU, so nothing waits on the host and the calls can be captured in a
-CUDA graph::
+CUDA graph. Ranks on other nodes (gpus_per_node < world size) are reached through a host proxy
+thread per rank and a TransferEngine of `provider` (writes with immediates into the peer's
+pinned host memory); the kernels stay the same and still wait only on flags::
 
     dist.init_process_group("nccl", ...)            # one process per GPU of the node
     a2a = fabric_lib.ep.AllToAll(num_experts=256, hidden=7168, top_k=8,
@@ -18,8 +20,9 @@ CUDA graph::
 Each of dispatch and combine is also split into a send and a receive half (dispatch_send,
 dispatch_recv, combine_send, combine_recv) so that compute can run between them. Every rank
 calls the same sequence. A rank that stops answering makes its peers' kernels give up after
-`timeout` seconds; the next call (or check()) then raises fabric_lib.Timeout, and the object
-must be closed on every rank. torch is imported when these run, not when fabric_lib is imported.
+`timeout` seconds; the next call (or check()) then raises fabric_lib.Timeout (or
+fabric_lib.PeerUnreachable when the proxy could not reach a peer of another node), and the
+object must be closed on every rank. torch is imported when these run, not when fabric_lib is imported.
 See docs/moe.md.
 """
 
@@ -56,8 +59,11 @@ def _dtype_name(dtype: Any) -> str:
 
 
 class AllToAll:
-    """One rank's side of an MoE all-to-all over the ranks of `group` (default: the world),
-    all on one node. Created collectively: every rank of the group constructs it (the handles
+    """One rank's side of an MoE all-to-all over the ranks of `group` (default: the world).
+    gpus_per_node: ranks of one node (None: all of them; 1: each GPU its own node), ranks r and
+    q sharing a node when r // gpus_per_node == q // gpus_per_node; ranks of other nodes go
+    through the proxy, over `provider` ("auto", "tcp", "shm", "verbs") on `nics` (None: the
+    provider's first). Created collectively: every rank of the group constructs it (the handles
     are exchanged with torch.distributed.all_gather_object). Blocking. Not thread-safe."""
 
     def __init__(
@@ -71,6 +77,8 @@ class AllToAll:
         gpus_per_node: Optional[int] = None,
         timeout: float = 10.0,
         device: Any = None,
+        provider: str = "auto",
+        nics: Optional[List[str]] = None,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -87,7 +95,7 @@ class AllToAll:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self._impl: Optional[_EpAllToAll] = _EpAllToAll(
             rank, world, num_experts, hidden, top_k, max_tokens_per_rank, name,
-            gpus_per_node or 0, timeout, self.device.index)
+            gpus_per_node or 0, timeout, self.device.index, provider, list(nics or []))
         handles: List[Any] = [None] * world
         dist.all_gather_object(handles, self._impl.handle(), group=group)
         self._impl.connect(handles)

@@ -56,11 +56,13 @@ void bind_ep(py::module_& m) {
   py::class_<PyAllToAll>(
       m, "_EpAllToAll",
       "fabric::ep::AllToAll on device addresses and stream handles (ints): one rank's side of "
-      "an MoE dispatch/combine between the GPUs of one node. Use fabric_lib.ep.AllToAll, which "
+      "an MoE dispatch/combine between GPUs (NVLink within a node, a host proxy and RDMA "
+      "writes between nodes). Use fabric_lib.ep.AllToAll, which "
       "takes torch tensors and exchanges the handles over torch.distributed.")
       .def(py::init([](int rank, int world_size, uint32_t num_experts, uint32_t hidden,
                        uint32_t top_k, uint32_t max_tokens_per_rank, const std::string& dtype,
-                       int gpus_per_node, py::handle timeout, int cuda_device) {
+                       int gpus_per_node, py::handle timeout, int cuda_device,
+                       const std::string& provider, const std::vector<std::string>& nics) {
              ep::AllToAllConfig c;
              c.rank = rank;
              c.world_size = world_size;
@@ -72,16 +74,22 @@ void bind_ep(py::module_& m) {
              c.gpus_per_node = gpus_per_node;
              c.timeout = to_duration<std::chrono::milliseconds>(timeout, "timeout");
              c.cuda_device = cuda_device;
+             c.provider = provider;
+             c.nics = nics;
              py::gil_scoped_release release;
              return std::make_unique<PyAllToAll>(check(AllToAll::create(c)));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("num_experts"), py::arg("hidden"),
            py::arg("top_k"), py::arg("max_tokens_per_rank"), py::arg("dtype") = "bf16",
            py::arg("gpus_per_node") = 0, py::arg("timeout") = 10.0, py::arg("cuda_device") = -1,
+           py::arg("provider") = "auto", py::arg("nics") = std::vector<std::string>{},
            "Allocates and zeroes this rank's buffer on its GPU (cuda_device, or the current "
            "one when -1) and exports it. dtype: 'bf16' or 'fp8_e4m3'; timeout: how long a "
-           "kernel waits for a peer (seconds or a timedelta). Raises InvalidArgument naming a "
-           "bad field, Unsupported without CUDA or a GPU (or for more than one node).")
+           "kernel (or the proxy) waits for a peer (seconds or a timedelta). gpus_per_node: "
+           "ranks of one node (0: all of them); ranks of other nodes are reached through a "
+           "proxy thread and a TransferEngine of `provider` ('auto', 'tcp', 'shm', 'verbs') on "
+           "`nics` (empty: the provider's first). Raises InvalidArgument naming a bad field, "
+           "Unsupported without CUDA or a GPU, or for an absent provider.")
       .def(
           "handle",
           [](const PyAllToAll& a) {
@@ -102,9 +110,10 @@ void bind_ep(py::module_& m) {
             check(a.get().connect(hs));
           },
           py::arg("handles"),
-          "Maps every peer's buffer; handles: every rank's handle() in rank order, this rank's "
-          "included. Raises InvalidArgument (a peer configured differently, names the field), "
-          "RemoteAccess (CUDA could not map a peer), AlreadyExists.")
+          "Maps the buffer of every peer of this node and starts the proxy towards the others; "
+          "handles: every rank's handle() in rank order, this rank's included. Raises "
+          "InvalidArgument (a peer configured differently, names the field), RemoteAccess (CUDA "
+          "could not map a peer), AlreadyExists.")
       .def(
           "dispatch_send",
           [](PyAllToAll& a, uintptr_t tokens, uintptr_t scales, uintptr_t topk_idx,
@@ -159,7 +168,8 @@ void bind_ep(py::module_& m) {
           "then out[t] = sum over k of topk_weights[t, k] x output (fp32, rounded to bf16).")
       .def(
           "check", [](const PyAllToAll& a) { check(a.get().check()); },
-          "Raises the first failure a kernel recorded (Timeout, InvalidArgument); never blocks. "
+          "Raises the first failure a kernel or the proxy recorded (Timeout, PeerUnreachable, "
+          "InvalidArgument); never blocks. "
           "Call it after synchronising with the stream.")
       .def("close", &PyAllToAll::close,
            "Unmaps the peers' buffers and frees this rank's (blocks while the GPU finishes). "

@@ -1,6 +1,7 @@
 // fabric::ep::AllToAll with CUDA: this rank's buffer (cudaMalloc, exported with
-// cudaIpcGetMemHandle), the peers' buffers mapped with cudaIpcOpenMemHandle, the private device
-// state, the pinned error report, and the launchers (kernels in ep/kernels.cu).
+// cudaIpcGetMemHandle), the buffers of this node's peers mapped with cudaIpcOpenMemHandle, the
+// proxy area (pinned host memory, mapped) and the proxy (ep/proxy.h) towards other nodes, the
+// private device state, the pinned error report, and the launchers (kernels in ep/kernels.cu).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include "cuda/cuda_status.h"
 #include "ep/handle.h"
 #include "ep/kernels.h"
+#include "ep/proxy.h"
 #include "fabric/ep.h"
 
 namespace fabric::ep {
@@ -18,6 +20,8 @@ namespace fabric::ep {
 static_assert(device::kMaxRanks == kMaxRanks && device::kMaxTopK == kMaxTopK &&
               device::kMaxLocalExperts == kMaxLocalExperts);
 static_assert(sizeof(cudaIpcMemHandle_t) == PeerHandle::kIpcBytes);
+// Kernel parameters are limited to 4 KiB (Params is passed by value to every launch).
+static_assert(sizeof(device::Params) <= 4096);
 
 namespace {
 
@@ -90,17 +94,25 @@ class AllToAll::Impl {
   uint8_t* scratch = nullptr;             // State, then the rows, then the per-expert arrays
   device::ErrorReport* report = nullptr;  // pinned host memory, device-mapped
   device::ErrorReport* report_device = nullptr;
-  std::vector<void*> opened;  // peers' buffers mapped here (null for this rank and unmapped)
+  int per_node = 0;                 // gpus_per_node, resolved
+  ProxyLayout proxy_layout;         // num_remote 0: every rank on this node, no proxy
+  std::byte* proxy_area = nullptr;  // pinned host memory, device-mapped
+  uint8_t* proxy_area_device = nullptr;
+  std::unique_ptr<Proxy> proxy;  // reads and writes proxy_area: goes first
+  std::vector<void*> opened;     // peers' buffers mapped here (null for this rank and unmapped)
   device::Params params{};
   bool connected = false;
   Phase phase = Phase::kIdle;
   uint32_t dispatched_tokens = 0;
 
   ~Impl() {
+    // The proxy's thread and engine stop before the memory they use goes.
+    proxy.reset();
     DeviceScope scope(device);
     for (void* p : opened) {
       if (p != nullptr) cudaIpcCloseMemHandle(p);
     }
+    if (proxy_area != nullptr) cudaFreeHost(proxy_area);
     if (report != nullptr) cudaFreeHost(report);
     if (scratch != nullptr) cudaFree(scratch);
     if (buffer != nullptr) cudaFree(buffer);
@@ -151,6 +163,35 @@ class AllToAll::Impl {
         err != cudaSuccess) {
       return cuda_error("cudaHostGetDevicePointer", err);
     }
+    per_node = config.gpus_per_node == 0 ? config.world_size : config.gpus_per_node;
+    auto pl = ProxyLayout::of(config, layout);
+    if (!pl) return pl.status();
+    proxy_layout = *pl;
+    if (proxy_layout.num_remote > 0) {
+      if (cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&proxy_area), proxy_layout.bytes,
+                                          cudaHostAllocMapped | cudaHostAllocPortable);
+          err != cudaSuccess) {
+        return cuda_error(
+            fmt::format("cudaHostAlloc of the {}-byte proxy area", proxy_layout.bytes), err);
+      }
+      std::memset(proxy_area, 0, proxy_layout.bytes);
+      if (cudaError_t err =
+              cudaHostGetDevicePointer(reinterpret_cast<void**>(&proxy_area_device), proxy_area, 0);
+          err != cudaSuccess) {
+        return cuda_error("cudaHostGetDevicePointer of the proxy area", err);
+      }
+      ProxyOptions options;
+      options.provider = config.provider;
+      options.nics = config.nics;
+      options.timeout = config.timeout;
+      auto created = Proxy::create(config, layout, {proxy_area, proxy_layout.bytes}, options);
+      if (!created) {
+        return Status(created.status().code(),
+                      fmt::format("the inter-node proxy (provider '{}'): {}", config.provider,
+                                  created.status().message()));
+      }
+      proxy = std::move(*created);
+    }
     // Zeroed before any peer can have the handle: the peers' first writes come after it.
     if (cudaError_t err = cudaDeviceSynchronize(); err != cudaSuccess) {
       return cuda_error("cudaDeviceSynchronize", err);
@@ -163,6 +204,7 @@ class AllToAll::Impl {
     mine.pid = static_cast<uint64_t>(::getpid());
     std::memcpy(mine.device.data(), prop.uuid.bytes, mine.device.size());
     std::memcpy(mine.ipc.data(), &ipc, mine.ipc.size());
+    if (proxy) mine.proxy = proxy->handle();
 
     device::Params& p = params;
     p.rank = config.rank;
@@ -177,13 +219,9 @@ class AllToAll::Impl {
     p.entry_bytes = layout.entry_bytes;
     p.entry_token_offset = layout.entry_token_offset;
     p.entry_scale_offset = layout.entry_scale_offset;
-    p.dispatch_offset = layout.dispatch_offset;
-    p.dispatch_area_bytes = layout.dispatch_area_bytes;
-    p.combine_offset = layout.combine_offset;
     p.max_recv_rows = layout.max_recv_rows;
     p.timeout_ns = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(config.timeout).count());
-    p.buffers[config.rank] = buffer;
     p.state = reinterpret_cast<device::State*>(scratch);
     p.rows = reinterpret_cast<device::RowSource*>(scratch + rows_at);
     p.expert_offset = reinterpret_cast<uint32_t*>(scratch + experts_at);
@@ -220,7 +258,7 @@ class AllToAll::Impl {
     if (scope.status() != cudaSuccess) return cuda_error("cudaSetDevice", scope.status());
     opened.assign(handles.size(), nullptr);
     for (int r = 0; r < config.world_size; ++r) {
-      if (r == config.rank) continue;
+      if (r == config.rank || on_other_nodes(config.rank, r, per_node)) continue;
       cudaIpcMemHandle_t ipc{};
       std::memcpy(&ipc, peers[r].ipc.data(), sizeof(ipc));
       void* p = nullptr;
@@ -234,21 +272,77 @@ class AllToAll::Impl {
                                   r, device, cudaGetErrorName(err), cudaGetErrorString(err)));
       }
       opened[r] = p;
-      params.buffers[r] = static_cast<uint8_t*>(p);
     }
+    if (proxy) {
+      std::vector<Bytes> proxies;
+      for (const PeerHandle& h : peers) proxies.push_back(h.proxy);
+      if (Status s = proxy->connect(proxies); !s) {
+        return Status(s.code(), "connect: the inter-node proxy: " + s.message());
+      }
+    }
+    for (int r = 0; r < config.world_size; ++r) route(r);
     connected = true;
     return Status::ok();
   }
 
+  // Where the kernels find rank r's data and signals (device::Params): its mapped buffer for a
+  // rank of this node, the proxy area for a rank of another.
+  void route(int r) {
+    device::Params& p = params;
+    const int me = config.rank;
+    if (!on_other_nodes(me, r, per_node)) {
+      auto* const own = reinterpret_cast<device::Signals*>(buffer);
+      uint8_t* const theirs = r == me ? buffer : static_cast<uint8_t*>(opened[r]);
+      auto* const sig = reinterpret_cast<device::Signals*>(theirs);
+      p.dispatch_dst[r] = theirs + layout.dispatch_entry(me, 0);
+      p.dispatch_flag_out[r] = &sig->dispatch_flag[me];
+      p.dispatch_src[r] = buffer + layout.dispatch_entry(r, 0);
+      p.dispatch_flag_in[r] = &own->dispatch_flag[r];
+      p.dispatch_ack_out[r] = &sig->dispatch_ack[me];
+      p.dispatch_ack_in[r] = &own->dispatch_ack[r];
+      p.combine_dst[r] = theirs + layout.combine_offset;
+      p.combine_flag_out[r] = &sig->combine_flag[me];
+      p.combine_src[r] = buffer + layout.combine_offset;
+      p.combine_flag_in[r] = &own->combine_flag[r];
+      p.combine_ack_out[r] = &sig->combine_ack[me];
+      p.combine_ack_in[r] = &own->combine_ack[r];
+      return;
+    }
+    const int i = remote_index(me, r, per_node);
+    const ProxyLayout& pl = proxy_layout;
+    auto word = [&](ProxyLayout::Word w) {
+      return reinterpret_cast<uint64_t*>(proxy_area_device + ProxyLayout::word_offset(w, r));
+    };
+    p.dispatch_dst[r] = proxy_area_device + pl.dispatch_send(i);
+    p.dispatch_flag_out[r] = word(ProxyLayout::kDispatchReady);
+    p.dispatch_src[r] = proxy_area_device + pl.dispatch_recv(i);
+    p.dispatch_flag_in[r] = word(ProxyLayout::kDispatchFlag);
+    p.dispatch_ack_out[r] = word(ProxyLayout::kDispatchDone);
+    p.dispatch_ack_in[r] = word(ProxyLayout::kDispatchAck);
+    p.combine_dst[r] = proxy_area_device + pl.combine_send(i);
+    p.combine_flag_out[r] = word(ProxyLayout::kCombineReady);
+    p.combine_src[r] = proxy_area_device + pl.combine_recv(i);
+    p.combine_flag_in[r] = word(ProxyLayout::kCombineFlag);
+    p.combine_ack_out[r] = word(ProxyLayout::kCombineDone);
+    p.combine_ack_in[r] = word(ProxyLayout::kCombineAck);
+  }
+
   Status check() const {
     const auto* r = static_cast<const volatile device::ErrorReport*>(report);
+    // The proxy's failure first: a kernel's timeout that follows it is its consequence.
+    if (proxy) {
+      if (Status s = proxy->status(); !s) {
+        return Status(s.code(), fmt::format("rank {}: {}; this all-to-all cannot be used again",
+                                            config.rank, s.message()));
+      }
+    }
     const uint32_t kind = r->kind;
     if (kind == device::kNoError) return Status::ok();
     std::atomic_thread_fence(std::memory_order_acquire);
     const uint32_t half = r->half, peer = r->peer, round = r->round;
     const uint64_t seen = r->seen, detail = r->detail;
     if (kind == device::kTimedOut) {
-      const uint32_t shift = half == device::kDispatchRecv ? 32 : 0;
+      const uint32_t shift = half == device::kDispatchRecv || half == device::kCombineRecv ? 32 : 0;
       return Status(
           ErrorCode::kTimeout,
           fmt::format("{} on rank {} waited more than {} ms for rank {}'s {} of round {} (its "

@@ -1,5 +1,7 @@
-// An all-to-all rank's handle: what a peer needs to map its buffer (a CUDA IPC handle) and to
-// check that both were created alike. Versioned little-endian bytes (common/codec.h).
+// An all-to-all rank's handle: what a peer of its node needs to map its buffer (a CUDA IPC
+// handle), what a peer of another node needs to reach its proxy (the proxy's handle: the engine
+// address and the proxy area's descriptor), and what both need to check that they were created
+// alike. Versioned little-endian bytes (common/codec.h).
 #pragma once
 
 #include <array>
@@ -13,8 +15,8 @@ namespace fabric::ep {
 
 struct PeerHandle {
   static constexpr uint32_t kMagic = 0x41504546;  // "FEPA"
-  static constexpr uint16_t kVersion = 1;
-  static constexpr size_t kIpcBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+  static constexpr uint16_t kVersion = 2;         // 2 added `proxy`
+  static constexpr size_t kIpcBytes = 64;         // sizeof(cudaIpcMemHandle_t)
 
   int rank = 0;
   int world_size = 0;
@@ -28,6 +30,7 @@ struct PeerHandle {
   std::array<std::byte, 16> device{};  // the GPU's UUID
   uint64_t pid = 0;                    // of the exporting process
   std::array<std::byte, kIpcBytes> ipc{};
+  Bytes proxy;  // Proxy::handle() (ep/proxy.h); empty when every rank is on one node
 
   friend bool operator==(const PeerHandle&, const PeerHandle&) = default;
 };
@@ -41,7 +44,8 @@ Result<PeerHandle> decode_handle(std::span<const std::byte> bytes);
 
 // Whether `peer`, found at position `index` of connect()'s list, belongs to the same all-to-all
 // as this rank's `mine`. Errors: kInvalidArgument naming the first field that differs (or a
-// handle out of its place), kUnsupported for another rank in this same process.
+// handle out of its place), kUnsupported for another rank of this node in this same process
+// (ranks of other nodes go through the proxy, which does not mind).
 Status check_peer(const PeerHandle& mine, const PeerHandle& peer, int index);
 
 }  // namespace fabric::ep

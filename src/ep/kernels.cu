@@ -81,10 +81,6 @@ __device__ __forceinline__ void warp_copy_input(uint8_t* dst, const uint8_t* src
 
 // --- signals and failures ----------------------------------------------------------------------
 
-__device__ __forceinline__ Signals* signals_of(const Params& p, int rank) {
-  return reinterpret_cast<Signals*>(p.buffers[rank]);
-}
-
 // Records this rank's first failure in the pinned report; later ones are dropped.
 __device__ void record_failure(const Params& p, uint32_t kind, uint32_t half, uint32_t peer,
                                uint32_t round, uint64_t seen, uint64_t detail) {
@@ -136,9 +132,10 @@ __device__ uint32_t begin(const Params& p, Half half, bool* ok) {
   return s_round;
 }
 
-// Threads [0, world) wait for the round in word [t] of `words` (this rank's own signals) to reach
-// `want`; false in every thread of the block if any wait failed. Values land in values[t].
-__device__ bool wait_all(const Params& p, const uint64_t* words, int shift, uint32_t want,
+// Threads [0, world) wait for the round in *words[t] (a word of this rank's own signals, or of its
+// proxy area for a rank of another node) to reach `want`; false in every thread of the block if
+// any wait failed. Values land in values[t].
+__device__ bool wait_all(const Params& p, const uint64_t* const* words, int shift, uint32_t want,
                          Half half, uint32_t round, uint64_t* values) {
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
@@ -146,7 +143,7 @@ __device__ bool wait_all(const Params& p, const uint64_t* words, int shift, uint
   const int t = static_cast<int>(threadIdx.x);
   if (t < p.world) {
     uint64_t v = 0;
-    if (!wait_round(p, &words[t], shift, want, half, t, round, &v)) s_ok = 0;
+    if (!wait_round(p, words[t], shift, want, half, t, round, &v)) s_ok = 0;
     if (values != nullptr) values[t] = v;
   }
   // The acquire loads above, then this barrier, before any thread of the block reads data.
@@ -181,8 +178,7 @@ __global__ void __launch_bounds__(kCopyThreads)
   const uint32_t round = begin(p, kDispatchSend, &ok);
   // Every destination has read what this rank sent it the round before.
   if (ok) {
-    ok = wait_all(p, signals_of(p, p.rank)->dispatch_ack, 0, round - 1, kDispatchSend, round,
-                  nullptr);
+    ok = wait_all(p, p.dispatch_ack_in, 0, round - 1, kDispatchSend, round, nullptr);
   }
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   if (ok) {
@@ -207,9 +203,7 @@ __global__ void __launch_bounds__(kCopyThreads)
         uint32_t slot = 0;
         if (lane == 0) slot = atomicAdd(&p.state->send_count[d], 1u);
         slot = __shfl_sync(kAllLanes, slot, 0);
-        uint8_t* entry = p.buffers[d] + p.dispatch_offset +
-                         static_cast<uint64_t>(p.rank) * p.dispatch_area_bytes +
-                         static_cast<uint64_t>(slot) * p.entry_bytes;
+        uint8_t* entry = p.dispatch_dst[d] + static_cast<uint64_t>(slot) * p.entry_bytes;
         // Metadata: int32 token, int32 experts[top_k], float weights[top_k].
         auto* meta = reinterpret_cast<int32_t*>(entry);
         if (lane == 0) meta[0] = static_cast<int32_t>(t);
@@ -233,8 +227,7 @@ __global__ void __launch_bounds__(kCopyThreads)
       const uint32_t entries = load_volatile(&p.state->send_count[d]);
       p.state->send_count[d] = 0;
       if (raise) {
-        store_release_sys(&signals_of(p, d)->dispatch_flag[p.rank],
-                          (static_cast<uint64_t>(round) << 32) | entries);
+        store_release_sys(p.dispatch_flag_out[d], (static_cast<uint64_t>(round) << 32) | entries);
       }
     }
     p.state->blocks_done[kDispatchSend] = 0;
@@ -244,11 +237,10 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 // --- dispatch_recv -----------------------------------------------------------------------------
 
-// The entry of slot `slot` of source `source`'s dispatch area in this rank's buffer.
+// The entry of slot `slot` of source `source`'s dispatch area (in this rank's buffer, or in its
+// proxy area for a source of another node).
 __device__ __forceinline__ const uint8_t* entry_of(const Params& p, int source, uint32_t slot) {
-  return p.buffers[p.rank] + p.dispatch_offset +
-         static_cast<uint64_t>(source) * p.dispatch_area_bytes +
-         static_cast<uint64_t>(slot) * p.entry_bytes;
+  return p.dispatch_src[source] + static_cast<uint64_t>(slot) * p.entry_bytes;
 }
 
 // The local expert of a global index, or -1 when it is not this rank's.
@@ -271,7 +263,7 @@ __global__ void __launch_bounds__(kCountThreads)
   const uint32_t round = begin(p, kDispatchRecv, &ok);
   for (uint32_t e = threadIdx.x; e < p.num_local_experts; e += blockDim.x) s_rows[e] = 0;
   if (ok) {
-    ok = wait_all(p, signals_of(p, p.rank)->dispatch_flag, 32, round, kDispatchRecv, round, s_flag);
+    ok = wait_all(p, p.dispatch_flag_in, 32, round, kDispatchRecv, round, s_flag);
   }
   if (threadIdx.x == 0) {
     s_start[0] = 0;
@@ -377,7 +369,7 @@ __global__ void __launch_bounds__(kCopyThreads)
   if (last_block(&p.state->blocks_done[kDispatchRecv]) && threadIdx.x == 0) {
     if (s_ok && load_volatile(&p.state->abort) == 0) {
       for (int s = 0; s < p.world; ++s) {
-        store_release_sys(&signals_of(p, s)->dispatch_ack[p.rank], s_round);
+        store_release_sys(p.dispatch_ack_out[s], s_round);
       }
     }
     p.state->blocks_done[kDispatchRecv] = 0;
@@ -394,8 +386,7 @@ __global__ void __launch_bounds__(kCopyThreads)
   const uint32_t round = begin(p, kCombineSend, &ok);
   // Every rank has read its combine area of the round before.
   if (ok) {
-    ok =
-        wait_all(p, signals_of(p, p.rank)->combine_ack, 0, round - 1, kCombineSend, round, nullptr);
+    ok = wait_all(p, p.combine_ack_in, 0, round - 1, kCombineSend, round, nullptr);
   }
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const uint64_t row_bytes = 2ull * p.hidden;
@@ -404,15 +395,19 @@ __global__ void __launch_bounds__(kCopyThreads)
     const uint32_t warps = gridDim.x * kCopyWarps;
     for (uint32_t i = blockIdx.x * kCopyWarps + threadIdx.x / kWarp; i < rows; i += warps) {
       const RowSource src = p.rows[i];
-      uint8_t* to = p.buffers[src.rank] + p.combine_offset +
+      uint8_t* to = p.combine_dst[src.rank] +
                     (static_cast<uint64_t>(src.token) * p.top_k + src.slot) * row_bytes;
       warp_copy_input(to, expert_out + static_cast<uint64_t>(i) * row_bytes, row_bytes, lane);
+      if (lane == 0) atomicMax(&p.state->combine_extent[src.rank], src.token + 1u);
     }
   }
   if (last_block(&p.state->blocks_done[kCombineSend]) && threadIdx.x == 0) {
-    if (load_volatile(&p.state->abort) == 0) {
-      for (int d = 0; d < p.world; ++d) {
-        store_release_sys(&signals_of(p, d)->combine_flag[p.rank], round);
+    const bool raise = load_volatile(&p.state->abort) == 0;
+    for (int d = 0; d < p.world; ++d) {
+      const uint32_t extent = load_volatile(&p.state->combine_extent[d]);
+      p.state->combine_extent[d] = 0;
+      if (raise) {
+        store_release_sys(p.combine_flag_out[d], (static_cast<uint64_t>(round) << 32) | extent);
       }
     }
     p.state->blocks_done[kCombineSend] = 0;
@@ -422,20 +417,22 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 // --- combine_recv ------------------------------------------------------------------------------
 
-// One block per token: out[t] = sum over valid top-k slots k of weight[t, k] x the combine
-// area's row (t, k), in fp32, rounded to bf16. The last block acknowledges every rank.
+// One block per token: out[t] = sum over valid top-k slots k of weight[t, k] x row (t, k), in
+// fp32, rounded to bf16. Row (t, k) is where its expert's rank wrote it: this rank's combine area
+// for a rank of this node, the proxy area's receive area of that rank for one of another node.
+// The last block acknowledges every rank.
 __global__ void __launch_bounds__(kReduceThreads)
     combine_recv_kernel(const __grid_constant__ Params p, const int64_t* topk_idx,
                         const float* topk_weights, uint32_t num_tokens, uint8_t* out) {
   __shared__ float s_weight[kMaxTopK];
+  __shared__ const uint8_t* s_row[kMaxTopK];
   __shared__ uint32_t s_slots;  // bit k: slot k has a valid expert (a slot without one was
                                 // never dispatched, and its combine row holds nothing)
   bool ok = false;
   const uint32_t round = begin(p, kCombineRecv, &ok);
   if (ok) {
-    ok = wait_all(p, signals_of(p, p.rank)->combine_flag, 0, round, kCombineRecv, round, nullptr);
+    ok = wait_all(p, p.combine_flag_in, 32, round, kCombineRecv, round, nullptr);
   }
-  const uint8_t* area = p.buffers[p.rank] + p.combine_offset;
   const uint64_t row_bytes = 2ull * p.hidden;
   const uint32_t words = p.hidden / 8;  // 8 bf16 in 16 bytes
   for (uint32_t t = blockIdx.x; ok && t < num_tokens; t += gridDim.x) {
@@ -446,6 +443,8 @@ __global__ void __launch_bounds__(kReduceThreads)
         const int64_t e = topk_idx[at];
         valid = e >= 0 && e < static_cast<int64_t>(p.num_experts);
         s_weight[threadIdx.x] = valid ? topk_weights[at] : 0.f;
+        const uint32_t owner = valid ? static_cast<uint32_t>(e) / p.num_local_experts : 0u;
+        s_row[threadIdx.x] = p.combine_src[owner] + at * row_bytes;
       }
       const uint32_t slots = __ballot_sync(kAllLanes, valid);
       if (threadIdx.x == 0) s_slots = slots;
@@ -457,8 +456,7 @@ __global__ void __launch_bounds__(kReduceThreads)
       for (uint32_t rest = slots; rest != 0; rest &= rest - 1) {
         const uint32_t k = static_cast<uint32_t>(__ffs(static_cast<int>(rest)) - 1);
         const float weight = s_weight[k];
-        const uint4 v =
-            load16(area + (static_cast<uint64_t>(t) * p.top_k + k) * row_bytes + 16ull * w);
+        const uint4 v = load16(s_row[k] + 16ull * w);
         const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -479,7 +477,7 @@ __global__ void __launch_bounds__(kReduceThreads)
   if (last_block(&p.state->blocks_done[kCombineRecv]) && threadIdx.x == 0) {
     if (load_volatile(&p.state->abort) == 0) {
       for (int d = 0; d < p.world; ++d) {
-        store_release_sys(&signals_of(p, d)->combine_ack[p.rank], round);
+        store_release_sys(p.combine_ack_out[d], round);
       }
     }
     p.state->blocks_done[kCombineRecv] = 0;

@@ -43,7 +43,8 @@ struct Signals {
   uint64_t dispatch_flag[kMaxRanks];
   // round: rank i has read, up to that round, everything this rank dispatched to it.
   uint64_t dispatch_ack[kMaxRanks];
-  // round: rank i's expert outputs of that round for this rank's tokens are in the combine area.
+  // (round << 32) | extent: rank i's expert outputs of that round for this rank's tokens
+  // [0, extent) are in the combine area.
   uint64_t combine_flag[kMaxRanks];
   // round: rank i has read, up to that round, its combine area (this rank may write it again).
   uint64_t combine_ack[kMaxRanks];
@@ -56,9 +57,10 @@ struct State {
   uint32_t blocks_done[4];  // blocks of the half's running kernel that have finished its work
   uint32_t abort;           // set by a wait that timed out: kernels then skip their work
   uint32_t error_taken;     // claimed by the first failure, which writes the ErrorReport
-  uint32_t send_count[kMaxRanks];  // dispatch_send: entries written to each rank this round
-  uint32_t recv_count[kMaxRanks];  // dispatch_recv: entries received from each rank this round
-  uint32_t total_rows;             // dispatch_recv: rows of this round's output
+  uint32_t send_count[kMaxRanks];      // dispatch_send: entries written to each rank this round
+  uint32_t combine_extent[kMaxRanks];  // combine_send: 1 + the highest token of each rank's rows
+  uint32_t recv_count[kMaxRanks];      // dispatch_recv: entries received from each rank this round
+  uint32_t total_rows;                 // dispatch_recv: rows of this round's output
 };
 
 // Where a row of dispatch_recv's output came from; combine_send sends the row's output there.
@@ -85,12 +87,24 @@ struct Params {
   uint64_t entry_bytes;
   uint64_t entry_token_offset;
   uint64_t entry_scale_offset;
-  uint64_t dispatch_offset;
-  uint64_t dispatch_area_bytes;
-  uint64_t combine_offset;
   uint64_t max_recv_rows;
   uint64_t timeout_ns;
-  uint8_t* buffers[kMaxRanks];  // every rank's exported buffer as mapped here ([rank]: its own)
+  // Per peer rank, where each half's data goes or comes from and which word carries its signal:
+  // for a rank of this node, its buffer as mapped here (or this rank's own) and the Signals
+  // words in it; for a rank of another node, this rank's proxy area (pinned host memory mapped
+  // here) and the proxy's words in it (ep/proxy.h: the proxy moves bytes and signals across).
+  uint8_t* dispatch_dst[kMaxRanks];             // [d]: the area for this rank's entries to d
+  uint64_t* dispatch_flag_out[kMaxRanks];       // [d]: raised after them
+  const uint8_t* dispatch_src[kMaxRanks];       // [s]: s's entries for this rank
+  const uint64_t* dispatch_flag_in[kMaxRanks];  // [s]: raised by (or for) s after them
+  uint64_t* dispatch_ack_out[kMaxRanks];        // [s]: this rank has read s's entries
+  const uint64_t* dispatch_ack_in[kMaxRanks];   // [d]: d has read this rank's entries
+  uint8_t* combine_dst[kMaxRanks];              // [r]: the combine area for rank r's tokens
+  uint64_t* combine_flag_out[kMaxRanks];        // [r]: raised after them
+  const uint8_t* combine_src[kMaxRanks];        // [r]: the rows rank r wrote for this rank
+  const uint64_t* combine_flag_in[kMaxRanks];   // [r]: raised by (or for) r after them
+  uint64_t* combine_ack_out[kMaxRanks];         // [r]: this rank has read r's rows
+  const uint64_t* combine_ack_in[kMaxRanks];    // [r]: r has read the rows this rank wrote
   State* state;
   RowSource* rows;          // [max_recv_rows]
   uint32_t* expert_offset;  // [num_local_experts]: first row of each local expert this round

@@ -72,11 +72,11 @@ Status validate(const AllToAllConfig& c) {
   if (c.gpus_per_node < 0) {
     return invalid(fmt::format("gpus_per_node {} is negative", c.gpus_per_node));
   }
-  if (c.gpus_per_node != 0 && c.world_size > c.gpus_per_node) {
-    return Status(ErrorCode::kUnsupported,
-                  fmt::format("world_size {} spans more than one node of gpus_per_node {}: only "
-                              "the intranode (NVLink) path is built",
-                              c.world_size, c.gpus_per_node));
+  if (c.gpus_per_node != 0 && c.world_size % c.gpus_per_node != 0) {
+    return invalid(
+        fmt::format("gpus_per_node {} does not divide world_size {}: every node needs "
+                    "as many ranks",
+                    c.gpus_per_node, c.world_size));
   }
   if (c.num_experts == 0 || c.num_experts % static_cast<uint32_t>(c.world_size) != 0) {
     return invalid(fmt::format("num_experts {} is not a positive multiple of world_size {}",
@@ -133,7 +133,8 @@ Result<Layout> Layout::of(const AllToAllConfig& c) {
   l.combine_offset =
       round_up(l.dispatch_offset + l.dispatch_area_bytes * static_cast<uint64_t>(c.world_size),
                kRegionAlign);
-  l.combine_bytes = 2ull * c.hidden * c.top_k * c.max_tokens_per_rank;
+  l.combine_token_bytes = 2ull * c.hidden * c.top_k;
+  l.combine_bytes = l.combine_token_bytes * c.max_tokens_per_rank;
   l.buffer_bytes = round_up(l.combine_offset + l.combine_bytes, kRegionAlign);
   l.max_recv_rows = static_cast<uint64_t>(c.world_size) * c.max_tokens_per_rank * c.top_k;
   return l;
@@ -213,6 +214,8 @@ Bytes encode(const PeerHandle& h) {
   w.bytes(h.device);
   w.u64(h.pid);
   w.bytes(h.ipc);
+  w.u32(static_cast<uint32_t>(h.proxy.size()));
+  w.bytes(h.proxy);
   return w.take();
 }
 
@@ -231,11 +234,12 @@ Result<PeerHandle> decode_handle(std::span<const std::byte> bytes) {
   PeerHandle h;
   uint8_t dtype = 0;
   std::vector<std::byte> device, ipc;
-  const bool ok = r.u16(reserved) && r.u32(rank) && r.u32(world) && r.u32(per_node) &&
-                  r.u32(h.num_experts) && r.u32(h.hidden) && r.u32(h.top_k) &&
-                  r.u32(h.max_tokens_per_rank) && r.u8(dtype) && r.u64(h.buffer_bytes) &&
-                  r.bytes(h.device.size(), device) && r.u64(h.pid) &&
-                  r.bytes(PeerHandle::kIpcBytes, ipc);
+  uint32_t proxy_bytes = 0;
+  const bool ok =
+      r.u16(reserved) && r.u32(rank) && r.u32(world) && r.u32(per_node) && r.u32(h.num_experts) &&
+      r.u32(h.hidden) && r.u32(h.top_k) && r.u32(h.max_tokens_per_rank) && r.u8(dtype) &&
+      r.u64(h.buffer_bytes) && r.bytes(h.device.size(), device) && r.u64(h.pid) &&
+      r.bytes(PeerHandle::kIpcBytes, ipc) && r.u32(proxy_bytes) && r.bytes(proxy_bytes, h.proxy);
   if (!ok) return invalid(fmt::format("all-to-all handle truncated at {} bytes", bytes.size()));
   if (r.remaining() != 0) {
     return invalid(fmt::format("all-to-all handle has {} bytes too many", r.remaining()));
@@ -258,7 +262,9 @@ Status check_peer(const PeerHandle& mine, const PeerHandle& peer, int index) {
     return invalid(fmt::format("rank {} has {} {}, this rank (rank {}) has {}", index, field,
                                theirs, mine.rank, ours));
   };
-  if (index != mine.rank && peer.pid == mine.pid) {
+  const bool same_node =
+      mine.gpus_per_node > 0 && index / mine.gpus_per_node == mine.rank / mine.gpus_per_node;
+  if (index != mine.rank && same_node && peer.pid == mine.pid) {
     return Status(ErrorCode::kUnsupported,
                   fmt::format("rank {} runs in this process (pid {}): CUDA IPC maps only other "
                               "processes' memory, so each rank needs a process of its own",

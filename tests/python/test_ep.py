@@ -5,7 +5,10 @@ the reference's weighted sum within bf16 rounding; bf16 and fp8; random routings
 (a rank that receives nothing, every token to one expert, the maximum number of tokens, top-k
 experts all on one rank, a repeated expert, a rank with no tokens); eagerly and replayed from a
 CUDA graph; 1000 rounds in a loop; a silent peer turned into fabric_lib.Timeout; peers
-configured differently refused at connect.
+configured differently refused at connect. Each scenario runs twice: as one node (CUDA IPC
+between the ranks) and as two nodes (gpus_per_node=WORLD // 2, provider="tcp": with two ranks,
+two one-GPU nodes and every byte through the ranks' proxies and their engines over loopback;
+with FABRIC_EP_TEST_WORLD=4, two nodes of two GPUs, CUDA IPC and the proxies side by side).
 
 The two-GPU tests are skipped (with the reason) unless fabric_lib is built with CUDA and torch
 sees two GPUs: CI has none; there the configuration checks below run, and the host-side logic
@@ -28,12 +31,15 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NO_MULTICAST)
 
-WORLD = 2
-SPAWN_TIMEOUT = 90  # seconds for one two-process scenario
+# Ranks of the scenarios: 2, or FABRIC_EP_TEST_WORLD (an even number; 4 makes "two_nodes" two
+# nodes of two GPUs: CUDA IPC and the proxy in the same kernels).
+WORLD = int(os.environ.get("FABRIC_EP_TEST_WORLD", "2"))
+SPAWN_TIMEOUT = 90  # seconds for one scenario
 # The GPU of each rank. FABRIC_EP_TEST_DEVICES=0,0 puts both ranks' processes on one GPU (a
-# machine with one GPU: the kernels' protocol runs, with CUDA IPC inside that GPU, the two
+# machine with one GPU: the kernels' protocol runs, with CUDA IPC inside that GPU, the
 # processes' kernels time-sliced).
-DEVICES = [int(d) for d in os.environ.get("FABRIC_EP_TEST_DEVICES", "0,1").split(",")]
+DEVICES = [int(d) for d in os.environ.get(
+    "FABRIC_EP_TEST_DEVICES", ",".join(str(r) for r in range(WORLD))).split(",")]
 
 
 def gpu_count():
@@ -54,12 +60,25 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_two(scenario, **kwargs):
-    """Runs SCENARIOS[scenario](rank, **kwargs) in WORLD processes (one GPU each, a gloo group);
-    a failure in either fails the test with its traceback."""
+# How the WORLD ranks are placed: one node (CUDA IPC), or two nodes of WORLD / 2 GPUs (two ranks:
+# two one-GPU nodes; ranks of the other node through the proxy path, over the tcp provider on
+# loopback).
+TOPOLOGIES = {
+    "one_node": {},
+    "two_nodes": {"gpus_per_node": WORLD // 2, "provider": "tcp", "nics": ["lo"]},
+}
+topologies = pytest.mark.parametrize("topology", list(TOPOLOGIES))
+_a2a_options = {}  # TOPOLOGIES[the scenario's topology], in the ranks' processes
+
+
+def run_two(scenario, topology="one_node", **kwargs):
+    """Runs SCENARIOS[scenario](rank, **kwargs) in WORLD processes (one GPU each, a gloo group),
+    placed as TOPOLOGIES[topology] says; a failure in either fails the test with its
+    traceback."""
     import torch.multiprocessing as mp
 
-    ctx = mp.spawn(_worker, args=(free_port(), scenario, kwargs), nprocs=WORLD, join=False)
+    ctx = mp.spawn(_worker, args=(free_port(), scenario, topology, kwargs), nprocs=WORLD,
+                   join=False)
     deadline = time.monotonic() + SPAWN_TIMEOUT
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -68,9 +87,10 @@ def run_two(scenario, **kwargs):
             pytest.fail(f"{scenario}: the ranks did not finish within {SPAWN_TIMEOUT} s")
 
 
-def _worker(rank, port, scenario, kwargs):
+def _worker(rank, port, scenario, topology, kwargs):
     import torch.distributed as dist
 
+    _a2a_options.update(TOPOLOGIES[topology])
     os.environ.update(NO_MULTICAST)
     torch.cuda.set_device(DEVICES[rank])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -220,14 +240,15 @@ def new_a2a(hidden, top_k, max_tokens, fp8, num_experts=16, timeout=10.0):
 
     return AllToAll(num_experts=num_experts, hidden=hidden, top_k=top_k,
                     max_tokens_per_rank=max_tokens,
-                    dtype=fp8_dtype() if fp8 else torch.bfloat16, timeout=timeout)
+                    dtype=fp8_dtype() if fp8 else torch.bfloat16, timeout=timeout,
+                    **_a2a_options)
 
 
 def round_trip(a2a, rank, seed, sizes, hidden, num_experts, top_k, fp8, routing):
     """One dispatch and combine, both checked against the reference."""
     L = num_experts // WORLD
-    inputs = [make_inputs(seed, r, sizes[r], hidden, num_experts, top_k, fp8, routing, "cuda")
-              for r in range(WORLD)]
+    inputs = [make_inputs(seed, r, sizes[r % len(sizes)], hidden, num_experts, top_k, fp8,
+                          routing, "cuda") for r in range(WORLD)]
     x, scales, idx, w = inputs[rank]
     got = a2a.dispatch(x, idx, w, scales=scales)
     y = expert_outputs(got, L, rank, fp8)
@@ -307,8 +328,8 @@ def scenario_loop(rank, iterations):
 
 
 def scenario_silent_peer(rank):
-    """Rank 1 never dispatches: rank 0's receive gives up after the timeout, and the error
-    comes back on the host as fabric_lib.Timeout naming rank 1."""
+    """Only rank 0 dispatches: its receive gives up after the timeout, and the error comes back
+    on the host as fabric_lib.Timeout naming a silent rank."""
     import torch.distributed as dist
 
     a2a = new_a2a(256, 2, 8, False, timeout=1.0)
@@ -318,7 +339,9 @@ def scenario_silent_peer(rank):
         a2a.dispatch(x, idx, w)
         torch.cuda.synchronize()
         waited = time.monotonic() - started
-        with pytest.raises(fabric_lib.Timeout, match="rank 1"):
+        # The first silent rank it waited for (its GPU's wait, or its proxy's for a rank of
+        # another node: "... for rank 1's dispatched tokens" or "... for rank 2's dispatch").
+        with pytest.raises(fabric_lib.Timeout, match=r"for rank [1-9][0-9]*'s"):
             a2a.check()
         assert 0.9 < waited < 10, f"the GPU wait ended after {waited:.1f} s (timeout 1 s)"
         with pytest.raises(fabric_lib.Timeout):  # the object is unusable from then on
@@ -365,36 +388,42 @@ token_dtypes = pytest.mark.parametrize("fp8", [
 
 @two_gpus
 @token_dtypes
-def test_random_routings_at_deepseek_hidden(fp8):
+@topologies
+def test_random_routings_at_deepseek_hidden(fp8, topology):
     cases = [("random", [128, 128]), ("random", [77, 128]), ("random", [128, 5])]
-    run_two("routings", fp8=fp8, hidden=7168, top_k=8, max_tokens=128, cases=cases)
+    run_two("routings", topology, fp8=fp8, hidden=7168, top_k=8, max_tokens=128, cases=cases)
 
 
 @two_gpus
 @token_dtypes
-def test_edge_routings(fp8):
-    run_two("routings", fp8=fp8, hidden=1024, top_k=4, max_tokens=64, cases=EDGES)
+@topologies
+def test_edge_routings(fp8, topology):
+    run_two("routings", topology, fp8=fp8, hidden=1024, top_k=4, max_tokens=64, cases=EDGES)
 
 
 @two_gpus
 @token_dtypes
-def test_cuda_graph_replays(fp8):
-    run_two("graph", fp8=fp8, replays=8)
+@topologies
+def test_cuda_graph_replays(fp8, topology):
+    run_two("graph", topology, fp8=fp8, replays=8)
 
 
 @two_gpus
-def test_a_thousand_rounds():
-    run_two("loop", iterations=1000)
+@topologies
+def test_a_thousand_rounds(topology):
+    run_two("loop", topology, iterations=1000)
 
 
 @two_gpus
-def test_a_silent_peer_is_a_timeout_not_a_hang():
-    run_two("silent_peer")
+@topologies
+def test_a_silent_peer_is_a_timeout_not_a_hang(topology):
+    run_two("silent_peer", topology)
 
 
 @two_gpus
-def test_peers_configured_differently_are_refused():
-    run_two("mismatch")
+@topologies
+def test_peers_configured_differently_are_refused(topology):
+    run_two("mismatch", topology)
 
 
 # Everywhere (CI included): the configuration is checked before any GPU is touched.
@@ -416,9 +445,18 @@ def test_bad_configuration_is_named(field, kwargs, words):
         fabric_lib._fabric_lib._EpAllToAll(**args)
 
 
-def test_more_than_one_node_is_not_built_yet():
-    with pytest.raises(fabric_lib.Unsupported, match="intranode"):
-        fabric_lib._fabric_lib._EpAllToAll(0, 16, 256, 7168, 8, 128, gpus_per_node=8)
+def test_nodes_of_unequal_size_are_refused():
+    with pytest.raises(fabric_lib.InvalidArgument, match="gpus_per_node 8 does not divide"):
+        fabric_lib._fabric_lib._EpAllToAll(0, 12, 264, 7168, 8, 128, gpus_per_node=8)
+
+
+@pytest.mark.skipif(fabric_lib.HAS_CUDA and gpu_count() > 0,
+                    reason="this machine has a CUDA GPU: the two-GPU tests create objects")
+def test_several_nodes_take_a_provider_and_need_a_gpu_here():
+    # Valid as a configuration (two one-GPU nodes over tcp); without a GPU creation is refused.
+    with pytest.raises(fabric_lib.Unsupported):
+        fabric_lib._fabric_lib._EpAllToAll(0, 2, 256, 7168, 8, 128, gpus_per_node=1,
+                                           provider="tcp", nics=["lo"])
 
 
 @pytest.mark.skipif(fabric_lib.HAS_CUDA and gpu_count() > 0,

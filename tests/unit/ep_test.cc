@@ -51,11 +51,11 @@ TEST(EpConfig, EachBadFieldIsNamed) {
       {"gpus_per_node", [](AllToAllConfig& c) { c.gpus_per_node = -1; }, {"gpus_per_node -1"}},
       {"gpus_per_node",
        [](AllToAllConfig& c) {
-         c.world_size = 16;
+         c.world_size = 12;
+         c.num_experts = 264;
          c.gpus_per_node = 8;
        },
-       {"world_size 16", "gpus_per_node 8", "intranode"},
-       ErrorCode::kUnsupported},
+       {"gpus_per_node 8", "world_size 12", "divide"}},
       {"num_experts", [](AllToAllConfig& c) { c.num_experts = 255; }, {"num_experts 255"}},
       {"num_experts", [](AllToAllConfig& c) { c.num_experts = 0; }, {"num_experts 0"}},
       {"num_experts", [](AllToAllConfig& c) { c.num_experts = 4096; }, {"2048 experts per rank"}},
@@ -92,6 +92,19 @@ TEST(EpConfig, OneNodeOfExactlyItsGpusIsValid) {
   c.world_size = 8;
   c.gpus_per_node = 8;
   c.rank = 7;
+  EXPECT_TRUE(validate(c).is_ok());
+}
+
+// The inter-node path: several nodes of gpus_per_node ranks each, one GPU per node included.
+TEST(EpConfig, SeveralNodesAreValid) {
+  AllToAllConfig c = decode_config();
+  c.world_size = 16;
+  c.gpus_per_node = 8;
+  c.rank = 9;
+  EXPECT_TRUE(validate(c).is_ok());
+  c.world_size = 2;
+  c.gpus_per_node = 1;
+  c.rank = 1;
   EXPECT_TRUE(validate(c).is_ok());
 }
 
@@ -256,6 +269,27 @@ TEST(EpHandle, RoundTrips) {
   auto back = decode_handle(encode(h));
   ASSERT_TRUE(back) << back.status().to_string();
   EXPECT_EQ(*back, h);
+}
+
+TEST(EpHandle, CarriesTheProxyHandle) {
+  AllToAllConfig c = decode_config();
+  c.gpus_per_node = 1;
+  PeerHandle h = handle_of(c, 4242);
+  h.proxy = Bytes(37, std::byte{0x5a});
+  auto back = decode_handle(encode(h));
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(*back, h);
+  EXPECT_EQ(back->proxy.size(), 37u);
+}
+
+// Ranks of other nodes are reached through the proxy, not CUDA IPC: one process may hold them.
+TEST(EpHandle, RanksOfOtherNodesMayShareAProcess) {
+  AllToAllConfig c = decode_config();
+  c.gpus_per_node = 1;
+  c.rank = 0;
+  const PeerHandle mine = handle_of(c, 100);
+  c.rank = 1;
+  EXPECT_TRUE(check_peer(mine, handle_of(c, 100), 1).is_ok());
 }
 
 TEST(EpHandle, MalformedBytesAreRefused) {

@@ -1,0 +1,492 @@
+// fabric::ep's inter-node proxy (ep/proxy.h): the schedule's pure functions, then the proxy
+// thread's loop over its peers. docs/moe.md ("Between nodes") describes the protocol.
+#include "ep/proxy.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/codec.h"
+#include "fabric/engine.h"
+
+namespace fabric::ep {
+
+namespace {
+
+constexpr uint64_t kPage = 4096;
+constexpr uint32_t kHandleMagic = 0x58504546;  // "FEPX"
+constexpr uint16_t kHandleVersion = 1;
+
+constexpr uint64_t round_up(uint64_t v, uint64_t to) {
+  return (v + to - 1) / to * to;
+}
+
+// Wrap-safe: round `a` is at or past round `b`.
+bool reached(uint32_t a, uint32_t b) {
+  return static_cast<int32_t>(a - b) >= 0;
+}
+
+const char* kind_name(bool combine) {
+  return combine ? "combine" : "dispatch";
+}
+
+ImmKind counts_kind(bool combine) {
+  return combine ? ImmKind::kCombineCounts : ImmKind::kDispatchCounts;
+}
+ImmKind data_kind(bool combine) {
+  return combine ? ImmKind::kCombineData : ImmKind::kDispatchData;
+}
+ImmKind ack_kind(bool combine) {
+  return combine ? ImmKind::kCombineAck : ImmKind::kDispatchAck;
+}
+
+}  // namespace
+
+// --- the schedule ------------------------------------------------------------------------------
+
+bool on_other_nodes(int a, int b, int gpus_per_node) {
+  return a / gpus_per_node != b / gpus_per_node;
+}
+
+std::vector<int> remote_peers(int rank, int world_size, int gpus_per_node) {
+  std::vector<int> out;
+  for (int r = 0; r < world_size; ++r) {
+    if (on_other_nodes(rank, r, gpus_per_node)) out.push_back(r);
+  }
+  return out;
+}
+
+int remote_index(int rank, int peer, int gpus_per_node) {
+  if (!on_other_nodes(rank, peer, gpus_per_node)) return -1;
+  // Ranks below peer on other nodes than rank's: all of them, less those on rank's node.
+  const int node_first = rank / gpus_per_node * gpus_per_node;
+  const int below_on_node = std::clamp(peer - node_first, 0, gpus_per_node);
+  return peer - below_on_node;
+}
+
+uint32_t encode_imm(ImmKind kind, int source, uint32_t round) {
+  return (kImmTag << 28) | ((static_cast<uint32_t>(kind) & 0x7u) << 25) |
+         ((static_cast<uint32_t>(source) & 0x1ffu) << 16) | (round & ((1u << kImmRoundBits) - 1));
+}
+
+Result<DecodedImm> decode_imm(uint32_t imm) {
+  if ((imm >> 28) != kImmTag) {
+    return Status(
+        ErrorCode::kInvalidArgument,
+        fmt::format("immediate {:#010x} is not an all-to-all's (tag {:#x})", imm, imm >> 28));
+  }
+  const uint32_t kind = (imm >> 25) & 0x7u;
+  if (kind < static_cast<uint32_t>(ImmKind::kDispatchCounts) ||
+      kind > static_cast<uint32_t>(ImmKind::kCombineAck)) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("immediate {:#010x} has the unknown kind {}", imm, kind));
+  }
+  return DecodedImm{static_cast<ImmKind>(kind), static_cast<int>((imm >> 16) & 0x1ffu),
+                    imm & ((1u << kImmRoundBits) - 1)};
+}
+
+std::vector<Chunk> split_chunks(uint64_t bytes, uint64_t chunk_bytes) {
+  std::vector<Chunk> out;
+  if (chunk_bytes == 0) chunk_bytes = bytes;
+  for (uint64_t at = 0; at < bytes; at += chunk_bytes) {
+    out.push_back(Chunk{at, std::min(chunk_bytes, bytes - at)});
+  }
+  return out;
+}
+
+uint64_t dispatch_bytes(const Layout& layout, uint32_t entries) {
+  return layout.entry_bytes * entries;
+}
+
+uint64_t combine_bytes(const Layout& layout, uint32_t extent) {
+  return static_cast<uint64_t>(extent) * layout.combine_token_bytes;
+}
+
+uint64_t expected_data_imms(uint64_t bytes, uint64_t chunk_bytes) {
+  if (bytes == 0) return 0;
+  if (chunk_bytes == 0) return 1;
+  return (bytes + chunk_bytes - 1) / chunk_bytes;
+}
+
+void store_counts(std::byte* slot, const Counts& c) {
+  detail::ByteWriter w;
+  w.u32(c.round);
+  w.u32(c.value);
+  w.u64(0);
+  const Bytes b = w.take();
+  std::memcpy(slot, b.data(), kCountsBytes);
+}
+
+Counts load_counts(const std::byte* slot) {
+  detail::ByteReader r(std::span<const std::byte>(slot, kCountsBytes));
+  Counts c;
+  (void)(r.u32(c.round) && r.u32(c.value));
+  return c;
+}
+
+Result<ProxyLayout> ProxyLayout::of(const AllToAllConfig& config, const Layout& layout) {
+  const int per_node = config.gpus_per_node == 0 ? config.world_size : config.gpus_per_node;
+  if (config.world_size % per_node != 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("gpus_per_node {} does not divide world_size {}: every node needs "
+                              "as many ranks",
+                              per_node, config.world_size));
+  }
+  ProxyLayout l;
+  l.num_remote = config.world_size - per_node;
+  const uint64_t n = static_cast<uint64_t>(l.num_remote);
+  l.counts_offset = round_up(kWords * kMaxRanks * 8, kPage);
+  l.dispatch_area_bytes = layout.dispatch_area_bytes;
+  l.combine_area_bytes = layout.combine_bytes;
+  l.dispatch_send_offset = round_up(l.counts_offset + 4 * n * kCountsBytes, kPage);
+  l.combine_send_offset = round_up(l.dispatch_send_offset + n * l.dispatch_area_bytes, kPage);
+  l.dispatch_recv_offset = round_up(l.combine_send_offset + n * l.combine_area_bytes, kPage);
+  l.combine_recv_offset = round_up(l.dispatch_recv_offset + n * l.dispatch_area_bytes, kPage);
+  l.bytes = round_up(l.combine_recv_offset + n * l.combine_area_bytes, kPage);
+  return l;
+}
+
+uint64_t load_word(const std::byte* area, ProxyLayout::Word w, int rank) {
+  auto* p =
+      reinterpret_cast<uint64_t*>(const_cast<std::byte*>(area) + ProxyLayout::word_offset(w, rank));
+  return std::atomic_ref<uint64_t>(*p).load(std::memory_order_acquire);
+}
+
+void store_word(std::byte* area, ProxyLayout::Word w, int rank, uint64_t value) {
+  auto* p = reinterpret_cast<uint64_t*>(area + ProxyLayout::word_offset(w, rank));
+  std::atomic_ref<uint64_t>(*p).store(value, std::memory_order_release);
+}
+
+// --- the proxy ---------------------------------------------------------------------------------
+
+// One remote peer, as the proxy thread tracks it. Index [k] of each pair: 0 dispatch, 1 combine.
+struct Proxy::Peer {
+  int rank = 0;
+  int remote = 0;             // its index among this rank's remote peers (its areas here)
+  int index_there = 0;        // this rank's index among its remote peers (this rank's areas there)
+  RemoteMemory area;          // its proxy area
+  uint32_t sent[2] = {0, 0};  // the last round posted to it
+  // Writes of the round `sent` not complete yet (callbacks may run on the engine's callback
+  // thread at close, hence atomic).
+  std::atomic<uint32_t> outstanding[2] = {0, 0};
+  uint32_t received[2] = {0, 0};  // the last round of it raised to this GPU
+  bool have_counts[2] = {false, false};
+  Counts counts[2];
+  uint32_t acks_sent[2] = {0, 0};   // the last round this rank acknowledged to it
+  uint32_t acks_taken[2] = {0, 0};  // the last acknowledgement of it handed to this GPU
+};
+
+Proxy::Proxy(const AllToAllConfig& config, const Layout& layout, const ProxyLayout& proxy_layout,
+             std::span<std::byte> area, const ProxyOptions& options)
+    : config_(config), a2a_(layout), layout_(proxy_layout), area_(area), options_(options) {}
+
+Result<std::unique_ptr<Proxy>> Proxy::create(const AllToAllConfig& config, const Layout& layout,
+                                             std::span<std::byte> area,
+                                             const ProxyOptions& options) {
+  auto pl = ProxyLayout::of(config, layout);
+  if (!pl) return pl.status();
+  if (area.size() < pl->bytes) {
+    return Status(
+        ErrorCode::kInvalidArgument,
+        fmt::format("proxy area of {} bytes, the layout needs {}", area.size(), pl->bytes));
+  }
+  if (reinterpret_cast<uintptr_t>(area.data()) % 16 != 0) {
+    return Status(ErrorCode::kInvalidArgument, "proxy area is not 16-byte aligned");
+  }
+  std::unique_ptr<Proxy> p(new Proxy(config, layout, *pl, area.first(pl->bytes), options));
+  Config c;
+  c.provider = options.provider;
+  GroupConfig g;
+  g.nics = options.nics;
+  g.caller_progress = true;
+  g.cpu = GroupConfig::kCpuNone;
+  c.groups = {g};
+  // Completions run on the proxy thread, in its progress() passes.
+  c.callbacks_on_worker = true;
+  c.peer_timeout = options.timeout;
+  c.close_timeout = std::min(options.timeout, std::chrono::milliseconds(2000));
+  auto engine = TransferEngine::create(c);
+  if (!engine) return engine.status();
+  p->engine_ = std::move(*engine);
+  auto reg = p->engine_->register_memory(p->area_.data(), p->area_.size());
+  if (!reg) return reg.status();
+  p->area_handle_ = reg->handle;
+  detail::ByteWriter w;
+  w.u32(kHandleMagic);
+  w.u16(kHandleVersion);
+  w.u16(0);
+  w.u64(p->area_.size());
+  const Bytes desc = reg->descriptor.encode();
+  w.u32(static_cast<uint32_t>(desc.size()));
+  w.bytes(desc);
+  p->descriptor_ = w.take();
+  return p;
+}
+
+Proxy::~Proxy() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+  // close() drives the caller-driven group itself, bounded by close_timeout; cancelled writes'
+  // callbacks run before it returns (they touch peers_ and failure_, destroyed after).
+  if (engine_) engine_->close();
+  engine_.reset();
+}
+
+Bytes Proxy::handle() const {
+  return descriptor_;
+}
+
+Status Proxy::connect(const std::vector<Bytes>& handles) {
+  if (!peers_.empty() || thread_.joinable()) {
+    return Status(ErrorCode::kAlreadyExists, "proxy: connected already");
+  }
+  if (handles.size() != static_cast<size_t>(config_.world_size)) {
+    return Status(ErrorCode::kInvalidArgument, fmt::format("proxy: {} handles for world_size {}",
+                                                           handles.size(), config_.world_size));
+  }
+  const int per_node = config_.gpus_per_node == 0 ? config_.world_size : config_.gpus_per_node;
+  std::vector<std::unique_ptr<Peer>> peers;
+  for (int r : remote_peers(config_.rank, config_.world_size, per_node)) {
+    detail::ByteReader rd(handles[r]);
+    uint32_t magic = 0, len = 0;
+    uint16_t version = 0, reserved = 0;
+    uint64_t bytes = 0;
+    std::vector<std::byte> desc;
+    if (!rd.u32(magic) || magic != kHandleMagic || !rd.u16(version) || version != kHandleVersion ||
+        !rd.u16(reserved) || !rd.u64(bytes) || !rd.u32(len) || !rd.bytes(len, desc) ||
+        rd.remaining() != 0) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("proxy: rank {}'s handle ({} bytes) is not a proxy handle of "
+                                "version {}",
+                                r, handles[r].size(), kHandleVersion));
+    }
+    if (bytes != area_.size()) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("proxy: rank {}'s area has {} bytes, this rank's {}", r, bytes,
+                                area_.size()));
+    }
+    auto rm = RemoteMemory::decode(desc);
+    if (!rm) {
+      return Status(rm.status().code(),
+                    fmt::format("proxy: rank {}'s descriptor: {}", r, rm.status().message()));
+    }
+    auto p = std::make_unique<Peer>();
+    p->rank = r;
+    p->remote = remote_index(config_.rank, r, per_node);
+    p->index_there = remote_index(r, config_.rank, per_node);
+    p->area = *rm;
+    peers.push_back(std::move(p));
+  }
+  peers_ = std::move(peers);
+  thread_ = std::thread([this] { run(); });
+  return Status::ok();
+}
+
+Status Proxy::status() const {
+  if (!failed_.load(std::memory_order_acquire)) return Status::ok();
+  std::lock_guard lock(failure_mu_);
+  return failure_;
+}
+
+void Proxy::fail(Status s) {
+  std::lock_guard lock(failure_mu_);
+  if (failed_.load(std::memory_order_relaxed)) return;
+  failure_ = std::move(s);
+  failed_.store(true, std::memory_order_release);
+}
+
+void Proxy::run() {
+  uint32_t idle = 0;
+  while (!stop_.load(std::memory_order_relaxed) && !failed_.load(std::memory_order_relaxed)) {
+    bool busy = engine_->progress(0);
+    busy = pass() || busy;
+    if (busy) {
+      idle = 0;
+    } else if (++idle >= options_.idle_spins) {
+      std::this_thread::sleep_for(options_.idle_sleep);
+    }
+  }
+}
+
+bool Proxy::pass() {
+  bool busy = false;
+  for (auto& p : peers_) {
+    for (bool combine : {false, true}) {
+      busy = send_round(*p, combine) || busy;
+      busy = receive_round(*p, combine) || busy;
+      busy = forward_acks(*p, combine) || busy;
+      busy = take_acks(*p, combine) || busy;
+      if (failed_.load(std::memory_order_relaxed)) return false;
+    }
+  }
+  return busy;
+}
+
+void Proxy::post(Peer& p, bool combine, uint64_t src_offset, uint64_t dst_offset, uint64_t length,
+                 uint32_t imm) {
+  const int k = combine ? 1 : 0;
+  SingleWrite w;
+  w.src = area_handle_;
+  w.src_offset = src_offset;
+  w.dst = p.area;
+  w.dst_offset = dst_offset;
+  w.length = length;
+  w.imm = imm;
+  p.outstanding[k].fetch_add(1, std::memory_order_relaxed);
+  Peer* peer = &p;
+  const int rank = config_.rank, to = p.rank;
+  const uint32_t round = p.sent[k];
+  auto id = engine_->submit(
+      w, Callbacks{[peer, k] { peer->outstanding[k].fetch_sub(1, std::memory_order_release); },
+                   [this, combine, rank, to, round](const Status& s) {
+                     fail(Status(s.code() == ErrorCode::kCancelled ? ErrorCode::kCancelled
+                                                                   : ErrorCode::kPeerUnreachable,
+                                 fmt::format("rank {}'s proxy could not write its {} of round {} "
+                                             "to rank {}: {}",
+                                             rank, kind_name(combine), round, to, s.to_string())));
+                   }});
+  if (!id) {
+    p.outstanding[k].fetch_sub(1, std::memory_order_relaxed);
+    fail(Status(
+        id.status().code() == ErrorCode::kClosed ? ErrorCode::kClosed : ErrorCode::kPeerUnreachable,
+        fmt::format("rank {}'s proxy could not post its {} to rank {}: {}", config_.rank,
+                    kind_name(combine), p.rank, id.status().to_string())));
+  }
+}
+
+// This GPU staged a round for `p` (its ready word moved): the counts slot first, then the
+// bytes, each with its immediate.
+bool Proxy::send_round(Peer& p, bool combine) {
+  const int k = combine ? 1 : 0;
+  const uint64_t v = load_word(
+      area_.data(), combine ? ProxyLayout::kCombineReady : ProxyLayout::kDispatchReady, p.rank);
+  const uint32_t round = static_cast<uint32_t>(v >> 32);
+  if (round == p.sent[k]) return false;
+  if (round != p.sent[k] + 1) {
+    fail(Status(ErrorCode::kInternal,
+                fmt::format("rank {}'s GPU staged {} round {} for rank {} after round {}",
+                            config_.rank, kind_name(combine), round, p.rank, p.sent[k])));
+    return false;
+  }
+  if (!reached(local_round_[k], round)) {
+    local_round_[k] = round;
+    local_seen_at_[k] = std::chrono::steady_clock::now();
+  }
+  const uint32_t value = static_cast<uint32_t>(v);
+  p.sent[k] = round;
+  const uint64_t slot = layout_.counts_slot(false, combine, p.remote);
+  store_counts(area_.data() + slot, Counts{round, value});
+  post(p, combine, slot, layout_.counts_slot(true, combine, p.index_there), kCountsBytes,
+       encode_imm(counts_kind(combine), config_.rank, round));
+  const uint64_t bytes = combine ? combine_bytes(a2a_, value) : dispatch_bytes(a2a_, value);
+  const uint64_t src = combine ? layout_.combine_send(p.remote) : layout_.dispatch_send(p.remote);
+  const uint64_t dst =
+      combine ? layout_.combine_recv(p.index_there) : layout_.dispatch_recv(p.index_there);
+  for (const Chunk& c : split_chunks(bytes, options_.chunk_bytes)) {
+    post(p, combine, src + c.offset, dst + c.offset, c.length,
+         encode_imm(data_kind(combine), config_.rank, round));
+  }
+  return true;
+}
+
+// `p`'s next round: its counts slot, then every chunk the counts announce; then this GPU's flag.
+bool Proxy::receive_round(Peer& p, bool combine) {
+  const int k = combine ? 1 : 0;
+  const uint32_t want = p.received[k] + 1;
+  const uint32_t counts_imm = encode_imm(counts_kind(combine), p.rank, want);
+  const uint32_t data_imm = encode_imm(data_kind(combine), p.rank, want);
+  if (!p.have_counts[k]) {
+    if (engine_->imm_count(counts_imm) == 0) {
+      if (reached(local_round_[k], want) &&
+          std::chrono::steady_clock::now() - local_seen_at_[k] > options_.timeout) {
+        fail(Status(
+            ErrorCode::kTimeout,
+            fmt::format("rank {}'s proxy waited more than {} ms for rank {}'s {} of "
+                        "round {} (nothing of it arrived): that rank stopped, is stuck, "
+                        "or is unreachable",
+                        config_.rank, options_.timeout.count(), p.rank, kind_name(combine), want)));
+      }
+      return false;
+    }
+    const Counts c = load_counts(area_.data() + layout_.counts_slot(true, combine, p.remote));
+    if (c.round != want) {
+      fail(Status(ErrorCode::kInternal,
+                  fmt::format("rank {}'s {} counts say round {}, rank {} expected round {}", p.rank,
+                              kind_name(combine), c.round, config_.rank, want)));
+      return false;
+    }
+    p.counts[k] = c;
+    p.have_counts[k] = true;
+  }
+  const uint64_t bytes =
+      combine ? combine_bytes(a2a_, p.counts[k].value) : dispatch_bytes(a2a_, p.counts[k].value);
+  const uint64_t need = expected_data_imms(bytes, options_.chunk_bytes);
+  if (need > 0 && engine_->imm_count(data_imm) < need) {
+    if (std::chrono::steady_clock::now() - local_seen_at_[k] > options_.timeout &&
+        reached(local_round_[k], want)) {
+      fail(Status(ErrorCode::kTimeout,
+                  fmt::format("rank {}'s proxy waited more than {} ms for rank {}'s {} bytes of "
+                              "round {} ({} of {} chunks arrived)",
+                              config_.rank, options_.timeout.count(), p.rank, kind_name(combine),
+                              want, engine_->imm_count(data_imm), need)));
+    }
+    return false;
+  }
+  engine_->reset_imm(counts_imm);
+  if (need > 0) engine_->reset_imm(data_imm);
+  p.have_counts[k] = false;
+  p.received[k] = want;
+  store_word(area_.data(), combine ? ProxyLayout::kCombineFlag : ProxyLayout::kDispatchFlag, p.rank,
+             (static_cast<uint64_t>(want) << 32) | p.counts[k].value);
+  return true;
+}
+
+// This GPU has read `p`'s round (its done word moved): tell `p`, whose staging is then free.
+bool Proxy::forward_acks(Peer& p, bool combine) {
+  const int k = combine ? 1 : 0;
+  const uint32_t done = static_cast<uint32_t>(load_word(
+      area_.data(), combine ? ProxyLayout::kCombineDone : ProxyLayout::kDispatchDone, p.rank));
+  if (done == p.acks_sent[k]) return false;
+  while (p.acks_sent[k] != done && !failed_.load(std::memory_order_relaxed)) {
+    const uint32_t round = p.acks_sent[k] + 1;
+    ImmWrite w;
+    w.peer = p.area.owner();
+    w.imm = encode_imm(ack_kind(combine), config_.rank, round);
+    const int rank = config_.rank, to = p.rank;
+    auto id = engine_->submit(
+        w,
+        Callbacks{{}, [this, to, combine, rank, round](const Status& s) {
+                    fail(Status(s.code() == ErrorCode::kCancelled ? ErrorCode::kCancelled
+                                                                  : ErrorCode::kPeerUnreachable,
+                                fmt::format("rank {}'s proxy could not acknowledge rank {}'s "
+                                            "{} of round {}: {}",
+                                            rank, to, kind_name(combine), round, s.to_string())));
+                  }});
+    if (!id) {
+      fail(Status(ErrorCode::kPeerUnreachable,
+                  fmt::format("rank {}'s proxy could not post an acknowledgement to rank {}: {}",
+                              config_.rank, p.rank, id.status().to_string())));
+    }
+    p.acks_sent[k] = round;
+  }
+  return true;
+}
+
+// `p` has read this rank's round and the writes of it have completed here: this GPU may
+// overwrite the staging (its ack word moves).
+bool Proxy::take_acks(Peer& p, bool combine) {
+  const int k = combine ? 1 : 0;
+  const uint32_t want = p.acks_taken[k] + 1;
+  if (!reached(p.sent[k], want)) return false;
+  if (p.sent[k] == want && p.outstanding[k].load(std::memory_order_acquire) != 0) return false;
+  const uint32_t imm = encode_imm(ack_kind(combine), p.rank, want);
+  if (engine_->imm_count(imm) == 0) return false;
+  engine_->reset_imm(imm);
+  p.acks_taken[k] = want;
+  store_word(area_.data(), combine ? ProxyLayout::kCombineAck : ProxyLayout::kDispatchAck, p.rank,
+             want);
+  return true;
+}
+
+}  // namespace fabric::ep

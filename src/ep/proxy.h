@@ -1,0 +1,242 @@
+// fabric::ep's inter-node path, host side (docs/moe.md, "Between nodes"): the schedule (which
+// bytes go to which peer, with which immediates, and how many each receiver expects) as pure
+// functions, and the Proxy, a host thread that carries the kernels' rounds to and from the ranks
+// of other nodes through a TransferEngine group of its own in caller-driven progress.
+//
+// Host-only (no CUDA): built and unit-tested everywhere (tests/unit/ep_proxy_test.cc, where a
+// test double named FakeGpu plays the kernels' part on host memory).
+//
+// The proxy area. Every rank with peers on other nodes has one region of host memory (pinned and
+// mapped into the GPU by AllToAll; plain memory in the tests), registered with the proxy's
+// engine, laid out by ProxyLayout:
+//  - the words: eight arrays of kMaxRanks 64-bit words indexed by peer rank. Four are written by
+//    the GPU and read by the proxy ("out"), four written by the proxy and read by the GPU ("in");
+//  - the counts slots: per kind (dispatch, combine), one 16-byte slot per remote peer to send
+//    from and one per remote peer to receive into;
+//  - the staging: per remote peer, a dispatch area (entries in the peer's format) and a combine
+//    area (rows at (token, slot), as in the peer's combine area) that this rank's kernels fill;
+//  - the receive areas: the same two per remote peer, written by that peer's proxy.
+// A remote peer's areas are at its index among this rank's remote peers (remote_peers()).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fabric/address.h"
+#include "fabric/ep.h"
+#include "fabric/status.h"
+
+namespace fabric {
+class TransferEngine;
+}
+
+namespace fabric::ep {
+
+// --- the schedule (pure) -----------------------------------------------------------------------
+
+// Whether ranks `a` and `b` are on different nodes (node = rank / gpus_per_node).
+bool on_other_nodes(int a, int b, int gpus_per_node);
+// The ranks of other nodes than `rank`'s, in rank order: rank `rank`'s remote index of each.
+std::vector<int> remote_peers(int rank, int world_size, int gpus_per_node);
+// `peer`'s index among `rank`'s remote peers, or -1 when it is on `rank`'s node.
+int remote_index(int rank, int peer, int gpus_per_node);
+
+// What an immediate announces. Values are part of the wire format.
+enum class ImmKind : uint32_t {
+  kDispatchCounts = 1,  // a counts slot of a dispatch (16 bytes)
+  kDispatchData = 2,    // one chunk of a dispatch's entries
+  kDispatchAck = 3,     // the sender of the immediate has read the receiver's dispatch
+  kCombineCounts = 4,
+  kCombineData = 5,
+  kCombineAck = 6,
+};
+
+// An immediate: bits 31..28 kImmTag, 27..25 the kind, 24..16 the rank that sends it, 15..0 the
+// round modulo 2^16 (a peer is at most one round ahead, and every value is reset once consumed).
+inline constexpr uint32_t kImmTag = 0xE;
+inline constexpr uint32_t kImmRoundBits = 16;
+uint32_t encode_imm(ImmKind kind, int source, uint32_t round);
+struct DecodedImm {
+  ImmKind kind;
+  int source;
+  uint32_t round;  // modulo 2^16
+};
+// Errors: kInvalidArgument (not an all-to-all immediate, an unknown kind).
+Result<DecodedImm> decode_imm(uint32_t imm);
+
+// One write of a round: `length` bytes from `offset` of the sender's staging area into the same
+// offset of the receiver's area.
+struct Chunk {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  friend bool operator==(const Chunk&, const Chunk&) = default;
+};
+// `bytes` split into chunks of at most `chunk_bytes` (0: one chunk); none for 0 bytes.
+std::vector<Chunk> split_chunks(uint64_t bytes, uint64_t chunk_bytes);
+// A dispatch to one peer: `entries` entries of the layout, contiguous from the area's start.
+uint64_t dispatch_bytes(const Layout& layout, uint32_t entries);
+// A combine to one peer: the rows of its tokens [0, extent) (all top_k slots of each, written or
+// not: the receiver reads only those it expects from this rank).
+uint64_t combine_bytes(const Layout& layout, uint32_t extent);
+// Data immediates a receiver expects for one round of one source: one per chunk.
+uint64_t expected_data_imms(uint64_t bytes, uint64_t chunk_bytes);
+
+// The counts slot of one round: what follows it, so that the receiver knows what to expect.
+struct Counts {
+  uint32_t round = 0;
+  uint32_t value = 0;  // dispatch: entries; combine: the token extent
+};
+inline constexpr uint64_t kCountsBytes = 16;
+void store_counts(std::byte* slot, const Counts& c);
+Counts load_counts(const std::byte* slot);
+
+// Where things are in a rank's proxy area. Offsets are multiples of 4096 (the words, counts)
+// or of 16.
+struct ProxyLayout {
+  // The words, each array kMaxRanks long, indexed by peer rank.
+  enum Word : uint32_t {
+    // out: written by the GPU (release stores), read by the proxy.
+    kDispatchReady = 0,  // [d] (round << 32) | entries: this rank's dispatch to d is staged
+    kCombineReady = 1,   // [d] (round << 32) | extent: this rank's combine to d is staged
+    kDispatchDone = 2,   // [s] round: the GPU has read s's dispatch of that round
+    kCombineDone = 3,    // [s] round: the GPU has read s's combine rows of that round
+    // in: written by the proxy, read by the GPU; same values as the intranode signals.
+    kDispatchFlag = 4,  // [s] (round << 32) | entries: s's dispatch is in its receive area
+    kCombineFlag = 5,   // [s] (round << 32) | extent: s's combine rows are in its receive area
+    kDispatchAck = 6,   // [d] round: d has read this rank's dispatch (staging reusable)
+    kCombineAck = 7,    // [d] round: d has read this rank's combine rows
+    kWords = 8,
+  };
+  int num_remote = 0;
+  uint64_t counts_offset = 0;  // [send, recv][dispatch, combine][remote] x kCountsBytes
+  uint64_t dispatch_send_offset = 0;
+  uint64_t combine_send_offset = 0;
+  uint64_t dispatch_recv_offset = 0;
+  uint64_t combine_recv_offset = 0;
+  uint64_t dispatch_area_bytes = 0;  // one peer's: Layout::dispatch_area_bytes
+  uint64_t combine_area_bytes = 0;   // one peer's: Layout::combine_bytes
+  uint64_t bytes = 0;                // the whole area
+
+  // Errors: kInvalidArgument (gpus_per_node does not divide world_size).
+  static Result<ProxyLayout> of(const AllToAllConfig& config, const Layout& layout);
+
+  static constexpr uint64_t word_offset(Word w, int rank) {
+    return (static_cast<uint64_t>(w) * kMaxRanks + static_cast<uint64_t>(rank)) * 8;
+  }
+  // recv: 0 for the slots this rank sends from, 1 for those it receives into.
+  uint64_t counts_slot(bool recv, bool combine, int remote) const {
+    return counts_offset +
+           ((recv ? 2u : 0u) + (combine ? 1u : 0u)) * static_cast<uint64_t>(num_remote) *
+               kCountsBytes +
+           static_cast<uint64_t>(remote) * kCountsBytes;
+  }
+  uint64_t dispatch_send(int remote) const {
+    return dispatch_send_offset + static_cast<uint64_t>(remote) * dispatch_area_bytes;
+  }
+  uint64_t combine_send(int remote) const {
+    return combine_send_offset + static_cast<uint64_t>(remote) * combine_area_bytes;
+  }
+  uint64_t dispatch_recv(int remote) const {
+    return dispatch_recv_offset + static_cast<uint64_t>(remote) * dispatch_area_bytes;
+  }
+  uint64_t combine_recv(int remote) const {
+    return combine_recv_offset + static_cast<uint64_t>(remote) * combine_area_bytes;
+  }
+};
+
+// The words as the host sees them: acquire loads and release stores on 64-bit words of the area
+// (the GPU side uses ld.acquire.sys / st.release.sys on the same words).
+uint64_t load_word(const std::byte* area, ProxyLayout::Word w, int rank);
+void store_word(std::byte* area, ProxyLayout::Word w, int rank, uint64_t value);
+
+// --- the proxy ---------------------------------------------------------------------------------
+
+struct ProxyOptions {
+  // The engine's provider and NICs (Config::provider, GroupConfig::nics).
+  std::string provider = "auto";
+  std::vector<std::string> nics;
+  // A peer that sends nothing of a round this long after this rank's GPU reached that round is
+  // reported as kTimeout; writes to a peer that has gone fail as kPeerUnreachable after at most
+  // this long (the engine's peer_timeout).
+  std::chrono::milliseconds timeout{10000};
+  uint64_t chunk_bytes = 1 << 20;  // see split_chunks
+  // Idle passes before the thread naps for idle_sleep (then it polls again).
+  uint32_t idle_spins = 256;
+  std::chrono::microseconds idle_sleep{20};
+};
+
+// One rank's proxy. Created with its area, then connect() with every rank's handle() starts the
+// thread. Thread-safe: status() may be called from any thread while the proxy runs.
+class Proxy {
+ public:
+  // `area` (ProxyLayout::of(config, layout).bytes, zeroed) stays the caller's and must outlive
+  // the proxy. Opens the engine (one caller-driven group) and registers the area. Blocking.
+  // Errors: those of ProxyLayout::of, kInvalidArgument (area too small or misaligned), the
+  // engine's (kUnsupported for an absent provider, kFabric).
+  static Result<std::unique_ptr<Proxy>> create(const AllToAllConfig& config, const Layout& layout,
+                                               std::span<std::byte> area,
+                                               const ProxyOptions& options);
+  // Stops the thread and closes the engine (bounded: the engine's close_timeout, posted writes
+  // are cancelled after it). Never waits for a peer beyond that.
+  ~Proxy();
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
+  const ProxyLayout& layout() const { return layout_; }
+  // Versioned bytes: the registered area's descriptor (which carries the engine's address).
+  Bytes handle() const;
+  // `handles`: every rank's handle() in rank order; those of this node's ranks are not read
+  // (they may be empty). Starts the thread. Once. Errors: kInvalidArgument (count, a malformed
+  // handle, an area of another size), kAlreadyExists.
+  Status connect(const std::vector<Bytes>& handles);
+  // The first failure, or ok: kPeerUnreachable (a write to a peer failed), kTimeout (a peer
+  // silent for longer than the timeout), kInternal (a peer broke the protocol). The thread
+  // stops at the first one. Never blocks.
+  Status status() const;
+
+ private:
+  struct Peer;
+  Proxy(const AllToAllConfig& config, const Layout& layout, const ProxyLayout& proxy_layout,
+        std::span<std::byte> area, const ProxyOptions& options);
+  void run();
+  bool pass();
+  bool send_round(Peer& p, bool combine);
+  bool receive_round(Peer& p, bool combine);
+  bool forward_acks(Peer& p, bool combine);
+  bool take_acks(Peer& p, bool combine);
+  void fail(Status s);
+  void post(Peer& p, bool combine, uint64_t src_offset, uint64_t dst_offset, uint64_t length,
+            uint32_t imm);
+
+  AllToAllConfig config_;
+  Layout a2a_;
+  ProxyLayout layout_;
+  std::span<std::byte> area_;
+  ProxyOptions options_;
+  // Members in creation order; the destructor joins the thread, then closes the engine (its
+  // callbacks touch peers_ and failure_), then the rest goes.
+  mutable std::atomic<bool> failed_{false};
+  mutable std::mutex failure_mu_;
+  Status failure_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::unique_ptr<TransferEngine> engine_;
+  MemoryHandle area_handle_;
+  Bytes descriptor_;
+  // The proxy thread's own: the last round this rank's GPU raised of each kind (dispatch,
+  // combine) and when the proxy first saw it (a peer's data of that round is due from then).
+  uint32_t local_round_[2] = {0, 0};
+  std::chrono::steady_clock::time_point local_seen_at_[2];
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace fabric::ep

@@ -1,0 +1,482 @@
+// fabric::ep's inter-node path without a GPU: the schedule's pure functions, and the proxy
+// protocol end to end over real engines (tcp and shm, two or four in this process, each proxy
+// driving its own caller-progress group). FakeGpu is a test double for the kernels: it plays
+// their part on the proxy area in host memory (stages a round and raises the ready word, waits
+// for the receive flag, checks every byte, raises the done word), as the kernels do through the
+// area's device mapping.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "ep/proxy.h"
+
+namespace fabric::ep {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+AllToAllConfig small_config(int rank, int world, int per_node) {
+  AllToAllConfig c;
+  c.rank = rank;
+  c.world_size = world;
+  c.gpus_per_node = per_node;
+  c.num_experts = static_cast<uint32_t>(2 * world);
+  c.hidden = 256;
+  c.top_k = 2;
+  c.max_tokens_per_rank = 24;
+  c.dtype = TokenDtype::kBf16;
+  c.timeout = 1000ms;
+  return c;
+}
+
+// --- the schedule ------------------------------------------------------------------------------
+
+TEST(EpSchedule, RemotePeersAndIndicesAgree) {
+  for (int per_node : {1, 2, 4}) {
+    const int world = 8;
+    for (int rank = 0; rank < world; ++rank) {
+      const std::vector<int> peers = remote_peers(rank, world, per_node);
+      EXPECT_EQ(peers.size(), static_cast<size_t>(world - per_node));
+      for (int r = 0; r < world; ++r) {
+        const int i = remote_index(rank, r, per_node);
+        if (r / per_node == rank / per_node) {
+          EXPECT_EQ(i, -1) << rank << " " << r;
+          EXPECT_FALSE(on_other_nodes(rank, r, per_node));
+        } else {
+          ASSERT_GE(i, 0);
+          ASSERT_LT(static_cast<size_t>(i), peers.size());
+          EXPECT_EQ(peers[static_cast<size_t>(i)], r);
+          EXPECT_TRUE(on_other_nodes(rank, r, per_node));
+        }
+      }
+    }
+  }
+}
+
+TEST(EpSchedule, ImmediatesRoundTripAndDiffer) {
+  const ImmKind kinds[] = {ImmKind::kDispatchCounts, ImmKind::kDispatchData, ImmKind::kDispatchAck,
+                           ImmKind::kCombineCounts,  ImmKind::kCombineData,  ImmKind::kCombineAck};
+  std::set<uint32_t> seen;
+  for (ImmKind k : kinds) {
+    for (int source : {0, 1, 31, 511}) {
+      for (uint32_t round : {1u, 2u, 65535u, 65536u + 7u}) {
+        const uint32_t imm = encode_imm(k, source, round);
+        auto d = decode_imm(imm);
+        ASSERT_TRUE(d) << d.status().to_string();
+        EXPECT_EQ(d->kind, k);
+        EXPECT_EQ(d->source, source);
+        EXPECT_EQ(d->round, round & 0xffffu);
+        if (round < 65536) {
+          EXPECT_TRUE(seen.insert(imm).second) << std::hex << imm;
+        }
+      }
+    }
+  }
+  // Round r and r + 2^16 share a value (a peer is at most one round ahead).
+  EXPECT_EQ(encode_imm(ImmKind::kDispatchData, 3, 5), encode_imm(ImmKind::kDispatchData, 3, 65541));
+  EXPECT_EQ(decode_imm(0x12345678).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(decode_imm(0xE0000000).status().code(), ErrorCode::kInvalidArgument);  // kind 0
+  EXPECT_EQ(decode_imm(0xEE000000).status().code(), ErrorCode::kInvalidArgument);  // kind 7
+}
+
+TEST(EpSchedule, ChunksCoverTheBytesExactly) {
+  EXPECT_TRUE(split_chunks(0, 100).empty());
+  EXPECT_EQ(split_chunks(250, 100), (std::vector<Chunk>{{0, 100}, {100, 100}, {200, 50}}));
+  EXPECT_EQ(split_chunks(200, 100), (std::vector<Chunk>{{0, 100}, {100, 100}}));
+  EXPECT_EQ(split_chunks(7, 0), (std::vector<Chunk>{{0, 7}}));
+  for (uint64_t bytes : {0ull, 1ull, 99ull, 100ull, 101ull, 12345ull}) {
+    for (uint64_t chunk : {0ull, 1ull, 64ull, 100ull, 1ull << 20}) {
+      EXPECT_EQ(split_chunks(bytes, chunk).size(), expected_data_imms(bytes, chunk))
+          << bytes << " " << chunk;
+    }
+  }
+}
+
+TEST(EpSchedule, BytesPerRoundFollowTheLayout) {
+  auto l = Layout::of(small_config(0, 2, 1));
+  ASSERT_TRUE(l) << l.status().to_string();
+  EXPECT_EQ(dispatch_bytes(*l, 0), 0u);
+  EXPECT_EQ(dispatch_bytes(*l, 5), 5 * l->entry_bytes);
+  EXPECT_EQ(dispatch_bytes(*l, 24), l->dispatch_area_bytes);
+  EXPECT_EQ(combine_bytes(*l, 0), 0u);
+  EXPECT_EQ(combine_bytes(*l, 3), 3u * 2 * 256 * 2);
+  EXPECT_EQ(combine_bytes(*l, 24), l->combine_bytes);
+}
+
+TEST(EpSchedule, CountsRoundTrip) {
+  std::byte slot[kCountsBytes];
+  store_counts(slot, Counts{0xfffffffeu, 77});
+  const Counts c = load_counts(slot);
+  EXPECT_EQ(c.round, 0xfffffffeu);
+  EXPECT_EQ(c.value, 77u);
+}
+
+TEST(EpSchedule, ProxyLayoutRegionsAreAlignedAndDisjoint) {
+  for (auto [world, per_node] : {std::pair{2, 1}, std::pair{4, 2}, std::pair{8, 1}}) {
+    const AllToAllConfig c = small_config(0, world, per_node);
+    auto l = Layout::of(c);
+    ASSERT_TRUE(l);
+    auto p = ProxyLayout::of(c, *l);
+    ASSERT_TRUE(p) << p.status().to_string();
+    EXPECT_EQ(p->num_remote, world - per_node);
+    const uint64_t n = static_cast<uint64_t>(p->num_remote);
+    EXPECT_GE(p->counts_offset, ProxyLayout::kWords * kMaxRanks * 8u);
+    EXPECT_GE(p->dispatch_send_offset, p->counts_offset + 4 * n * kCountsBytes);
+    EXPECT_GE(p->combine_send_offset, p->dispatch_send_offset + n * l->dispatch_area_bytes);
+    EXPECT_GE(p->dispatch_recv_offset, p->combine_send_offset + n * l->combine_bytes);
+    EXPECT_GE(p->combine_recv_offset, p->dispatch_recv_offset + n * l->dispatch_area_bytes);
+    EXPECT_GE(p->bytes, p->combine_recv_offset + n * l->combine_bytes);
+    for (uint64_t off : {p->counts_offset, p->dispatch_send_offset, p->combine_send_offset,
+                         p->dispatch_recv_offset, p->combine_recv_offset, p->bytes}) {
+      EXPECT_EQ(off % 4096, 0u);
+    }
+    // Counts slots: four disjoint arrays.
+    std::set<uint64_t> slots;
+    for (bool recv : {false, true}) {
+      for (bool combine : {false, true}) {
+        for (int i = 0; i < p->num_remote; ++i) {
+          EXPECT_TRUE(slots.insert(p->counts_slot(recv, combine, i)).second);
+        }
+      }
+    }
+  }
+  auto bad = small_config(0, 3, 2);
+  bad.num_experts = 6;
+  auto l = Layout::of(bad);
+  ASSERT_FALSE(l);  // validate() refuses it first
+  EXPECT_NE(l.status().message().find("divide"), std::string::npos) << l.status().to_string();
+}
+
+// --- FakeGpu: the kernels' part, on host memory --------------------------------------------------
+
+// The byte `i` of what `src` sends `dst` in `round` (kind 0 dispatch, 1 combine).
+std::byte pattern(int src, int dst, uint32_t round, int kind, uint64_t i) {
+  uint64_t x = (static_cast<uint64_t>(src) << 48) ^ (static_cast<uint64_t>(dst) << 40) ^
+               (static_cast<uint64_t>(round) << 8) ^ static_cast<uint64_t>(kind) ^ (i * 0x9e37);
+  x ^= x >> 29;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 32;
+  return static_cast<std::byte>(x);
+}
+
+// How many entries (dispatch) or tokens of extent (combine) src sends dst in a round: 0 included.
+uint32_t amount(int src, int dst, uint32_t round, int kind, uint32_t max) {
+  return static_cast<uint32_t>((src * 7 + dst * 3 + static_cast<int>(round) * 5 + kind) %
+                               static_cast<int>(max + 1));
+}
+
+// A test double for the GPU of one rank. Each half returns kTimeout when a word it waits for
+// does not move within the timeout, and kInternal naming the first wrong byte.
+class FakeGpu {
+ public:
+  FakeGpu(const AllToAllConfig& c, const Layout& l, const ProxyLayout& p, std::byte* area)
+      : c_(c), l_(l), p_(p), area_(area) {
+    peers_ = remote_peers(c.rank, c.world_size, c.gpus_per_node);
+  }
+
+  Status dispatch_send(uint32_t round) { return send(round, 0); }
+  Status dispatch_recv(uint32_t round) { return recv(round, 0); }
+  Status combine_send(uint32_t round) { return send(round, 1); }
+  Status combine_recv(uint32_t round) { return recv(round, 1); }
+
+  // Waits until `word` of `rank` reaches `round` in bits [shift, shift + 32).
+  bool wait(ProxyLayout::Word w, int rank, int shift, uint32_t round,
+            std::chrono::milliseconds timeout, uint64_t* value = nullptr) const {
+    const auto until = Clock::now() + timeout;
+    for (;;) {
+      const uint64_t v = load_word(area_, w, rank);
+      if (static_cast<int32_t>(static_cast<uint32_t>(v >> shift) - round) >= 0) {
+        if (value != nullptr) *value = v;
+        return true;
+      }
+      if (Clock::now() > until) return false;
+      std::this_thread::sleep_for(50us);
+    }
+  }
+
+ private:
+  uint64_t bytes_of(int kind, uint32_t n) const {
+    return kind == 0 ? dispatch_bytes(l_, n) : combine_bytes(l_, n);
+  }
+
+  Status send(uint32_t round, int kind) {
+    for (int d : peers_) {
+      // The previous round's staging must have been read by d.
+      if (!wait(kind == 0 ? ProxyLayout::kDispatchAck : ProxyLayout::kCombineAck, d, 0, round - 1,
+                c_.timeout)) {
+        return Status(ErrorCode::kTimeout, "ack of rank " + std::to_string(d));
+      }
+      const int i = remote_index(c_.rank, d, c_.gpus_per_node);
+      const uint32_t n = amount(c_.rank, d, round, kind, c_.max_tokens_per_rank);
+      std::byte* to = area_ + (kind == 0 ? p_.dispatch_send(i) : p_.combine_send(i));
+      const uint64_t bytes = bytes_of(kind, n);
+      for (uint64_t b = 0; b < bytes; ++b) to[b] = pattern(c_.rank, d, round, kind, b);
+      store_word(area_, kind == 0 ? ProxyLayout::kDispatchReady : ProxyLayout::kCombineReady, d,
+                 (static_cast<uint64_t>(round) << 32) | n);
+    }
+    return Status::ok();
+  }
+
+  Status recv(uint32_t round, int kind) {
+    for (int s : peers_) {
+      uint64_t v = 0;
+      if (!wait(kind == 0 ? ProxyLayout::kDispatchFlag : ProxyLayout::kCombineFlag, s, 32, round,
+                c_.timeout, &v)) {
+        return Status(ErrorCode::kTimeout,
+                      "rank " + std::to_string(c_.rank) + " waited for rank " + std::to_string(s));
+      }
+      if (static_cast<uint32_t>(v >> 32) != round) {
+        return Status(ErrorCode::kInternal, "flag of a later round: " + std::to_string(v >> 32));
+      }
+      const uint32_t n = amount(s, c_.rank, round, kind, c_.max_tokens_per_rank);
+      if (static_cast<uint32_t>(v) != n) {
+        return Status(ErrorCode::kInternal, "count " + std::to_string(static_cast<uint32_t>(v)) +
+                                                " instead of " + std::to_string(n));
+      }
+      const int i = remote_index(c_.rank, s, c_.gpus_per_node);
+      const std::byte* from = area_ + (kind == 0 ? p_.dispatch_recv(i) : p_.combine_recv(i));
+      const uint64_t bytes = bytes_of(kind, n);
+      for (uint64_t b = 0; b < bytes; ++b) {
+        if (from[b] != pattern(s, c_.rank, round, kind, b)) {
+          return Status(ErrorCode::kInternal, "byte " + std::to_string(b) + " of rank " +
+                                                  std::to_string(s) + "'s round " +
+                                                  std::to_string(round) + " differs");
+        }
+      }
+      store_word(area_, kind == 0 ? ProxyLayout::kDispatchDone : ProxyLayout::kCombineDone, s,
+                 round);
+    }
+    return Status::ok();
+  }
+
+  AllToAllConfig c_;
+  Layout l_;
+  ProxyLayout p_;
+  std::byte* area_;
+  std::vector<int> peers_;
+};
+
+// One rank: its area, its proxy and its FakeGpu.
+struct Rank {
+  AllToAllConfig config;
+  Layout layout;
+  ProxyLayout proxy_layout;
+  std::unique_ptr<std::byte[]> storage;
+  std::byte* area = nullptr;
+  std::unique_ptr<Proxy> proxy;
+  std::unique_ptr<FakeGpu> gpu;
+};
+
+class EpProxy : public ::testing::TestWithParam<std::string> {
+ protected:
+  // Creates and connects `world` ranks of `per_node` GPUs per node; false (and a skip reason)
+  // when the provider is absent.
+  bool make(int world, int per_node, ProxyOptions options = {}) {
+    options.provider = GetParam();
+    options.nics = {GetParam() == "tcp" ? "lo" : "shm"};
+    options.timeout = 1000ms;
+    options.chunk_bytes = 3000;  // several chunks for the larger rounds
+    ranks_.resize(static_cast<size_t>(world));
+    std::vector<Bytes> handles;
+    for (int r = 0; r < world; ++r) {
+      Rank& k = ranks_[static_cast<size_t>(r)];
+      k.config = small_config(r, world, per_node);
+      auto l = Layout::of(k.config);
+      EXPECT_TRUE(l) << l.status().to_string();
+      if (!l) return false;
+      k.layout = *l;
+      auto pl = ProxyLayout::of(k.config, k.layout);
+      EXPECT_TRUE(pl) << pl.status().to_string();
+      if (!pl) return false;
+      k.proxy_layout = *pl;
+      k.storage.reset(new std::byte[pl->bytes + 64]());
+      k.area = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(k.storage.get()) + 63) /
+                                            64 * 64);
+      auto p = Proxy::create(k.config, k.layout, {k.area, pl->bytes}, options);
+      if (!p && p.status().code() == ErrorCode::kUnsupported) {
+        skip_ = p.status().to_string();
+        return false;
+      }
+      EXPECT_TRUE(p) << p.status().to_string();
+      if (!p) return false;
+      k.proxy = std::move(*p);
+      k.gpu = std::make_unique<FakeGpu>(k.config, k.layout, k.proxy_layout, k.area);
+      handles.push_back(k.proxy->handle());
+    }
+    for (Rank& k : ranks_) {
+      Status s = k.proxy->connect(handles);
+      EXPECT_TRUE(s) << s.to_string();
+      if (!s) return false;
+    }
+    return true;
+  }
+
+  // Every rank runs `rounds` full rounds on a thread of its own; `slow` sleeps before reading.
+  void run_rounds(uint32_t first, uint32_t rounds, int slow = -1) {
+    std::vector<std::thread> threads;
+    std::vector<Status> results(ranks_.size());
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      threads.emplace_back([&, r] {
+        FakeGpu& g = *ranks_[r].gpu;
+        for (uint32_t round = first; round < first + rounds; ++round) {
+          Status s = g.dispatch_send(round);
+          if (s && static_cast<int>(r) == slow) std::this_thread::sleep_for(5ms);
+          if (s) s = g.dispatch_recv(round);
+          if (s) s = g.combine_send(round);
+          if (s && static_cast<int>(r) == slow) std::this_thread::sleep_for(5ms);
+          if (s) s = g.combine_recv(round);
+          if (!s) {
+            results[r] = Status(s.code(), "round " + std::to_string(round) + ": " + s.message());
+            return;
+          }
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      EXPECT_TRUE(results[r]) << "rank " << r << ": " << results[r].to_string();
+      EXPECT_TRUE(ranks_[r].proxy->status()) << ranks_[r].proxy->status().to_string();
+    }
+  }
+
+  std::vector<Rank> ranks_;
+  std::string skip_;
+};
+
+#define MAKE_OR_SKIP(...)                                                         \
+  if (!make(__VA_ARGS__)) {                                                       \
+    if (!skip_.empty()) GTEST_SKIP() << "provider not available here: " << skip_; \
+    FAIL() << "set-up failed";                                                    \
+  }
+
+TEST_P(EpProxy, TwoNodesCarryEveryByteOfManyRounds) {
+  MAKE_OR_SKIP(2, 1);
+  run_rounds(1, 60);
+}
+
+TEST_P(EpProxy, FourRanksOnTwoNodesAndOnFourNodes) {
+  {
+    MAKE_OR_SKIP(4, 2);
+    run_rounds(1, 20);
+  }
+  ranks_.clear();
+  MAKE_OR_SKIP(4, 1);
+  run_rounds(1, 20);
+}
+
+// A slow reader: the others may not reuse their staging for it before its acknowledgement, so
+// every byte of every round still arrives as sent.
+TEST_P(EpProxy, RoundReuseWaitsForTheReadersAck) {
+  MAKE_OR_SKIP(2, 1);
+  FakeGpu& g0 = *ranks_[0].gpu;
+  FakeGpu& g1 = *ranks_[1].gpu;
+  ASSERT_TRUE(g0.dispatch_send(1));
+  ASSERT_TRUE(g1.dispatch_send(1));
+  // Rank 1's data has arrived at rank 0 (its flag is up), but rank 0 has not read it: rank 1
+  // gets no acknowledgement, so its round 2 would have to wait.
+  ASSERT_TRUE(g0.wait(ProxyLayout::kDispatchFlag, 1, 32, 1, 5000ms));
+  EXPECT_FALSE(g1.wait(ProxyLayout::kDispatchAck, 0, 0, 1, 300ms));
+  ASSERT_TRUE(g0.dispatch_recv(1));
+  EXPECT_TRUE(g1.wait(ProxyLayout::kDispatchAck, 0, 0, 1, 5000ms));
+  ASSERT_TRUE(g1.dispatch_recv(1));
+  ASSERT_TRUE(g0.combine_send(1));
+  ASSERT_TRUE(g1.combine_send(1));
+  ASSERT_TRUE(g1.wait(ProxyLayout::kCombineFlag, 0, 32, 1, 5000ms));
+  EXPECT_FALSE(g0.wait(ProxyLayout::kCombineAck, 1, 0, 1, 300ms));
+  ASSERT_TRUE(g0.combine_recv(1));
+  ASSERT_TRUE(g1.combine_recv(1));
+  run_rounds(2, 40, /*slow=*/1);
+}
+
+// A peer whose proxy goes away: the other side's next round ends in an error within a bound,
+// and its own destruction does not hang.
+TEST_P(EpProxy, APeerThatGoesAwayIsAnErrorWithinABound) {
+  MAKE_OR_SKIP(2, 1);
+  run_rounds(1, 3);
+  // Rank 1's acknowledgement of round 3 has reached rank 0, so that rank 0 stages round 4.
+  ASSERT_TRUE(ranks_[0].gpu->wait(ProxyLayout::kDispatchAck, 1, 0, 3, 5000ms));
+  ranks_[1].proxy.reset();
+  const auto start = Clock::now();
+  ASSERT_TRUE(ranks_[0].gpu->dispatch_send(4));
+  Status got = ranks_[0].gpu->dispatch_recv(4);
+  EXPECT_EQ(got.code(), ErrorCode::kTimeout) << got.to_string();
+  Status s;
+  while ((s = ranks_[0].proxy->status()) && Clock::now() - start < 10s) {
+    std::this_thread::sleep_for(10ms);
+  }
+  const auto took = Clock::now() - start;
+  ASSERT_FALSE(s) << "no error after " << (took / 1ms) << " ms";
+  EXPECT_TRUE(s.code() == ErrorCode::kTimeout || s.code() == ErrorCode::kPeerUnreachable)
+      << s.to_string();
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.to_string();
+  EXPECT_LT(took, 5s) << s.to_string();
+  const auto destroy = Clock::now();
+  ranks_[0].proxy.reset();
+  EXPECT_LT(Clock::now() - destroy, 5s);
+}
+
+// A peer that stays connected but stops calling the halves: kTimeout naming it.
+TEST_P(EpProxy, ASilentPeerIsATimeout) {
+  MAKE_OR_SKIP(2, 1);
+  run_rounds(1, 2);
+  const auto start = Clock::now();
+  ASSERT_TRUE(ranks_[0].gpu->dispatch_send(3));
+  Status s;
+  while ((s = ranks_[0].proxy->status()) && Clock::now() - start < 10s) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_FALSE(s);
+  EXPECT_EQ(s.code(), ErrorCode::kTimeout) << s.to_string();
+  EXPECT_NE(s.message().find("rank 1's dispatch of round 3"), std::string::npos) << s.to_string();
+  EXPECT_GE(Clock::now() - start, 900ms);
+  EXPECT_LT(Clock::now() - start, 5s);
+  EXPECT_TRUE(ranks_[1].proxy->status()) << ranks_[1].proxy->status().to_string();
+}
+
+// Destruction mid-round, with writes posted and nothing read: bounded, on every rank.
+TEST_P(EpProxy, DestructionMidRoundDoesNotHang) {
+  MAKE_OR_SKIP(4, 1);
+  for (Rank& k : ranks_) ASSERT_TRUE(k.gpu->dispatch_send(1));
+  std::this_thread::sleep_for(20ms);
+  const auto start = Clock::now();
+  for (Rank& k : ranks_) k.proxy.reset();
+  EXPECT_LT(Clock::now() - start, 10s);
+}
+
+TEST_P(EpProxy, ConnectRefusesBadHandles) {
+  MAKE_OR_SKIP(2, 1);
+  // Connected already.
+  std::vector<Bytes> handles = {ranks_[0].proxy->handle(), ranks_[1].proxy->handle()};
+  EXPECT_EQ(ranks_[0].proxy->connect(handles).code(), ErrorCode::kAlreadyExists);
+  // A fresh proxy: wrong count, garbage, another area size.
+  Rank k;
+  k.config = small_config(0, 2, 1);
+  k.layout = *Layout::of(k.config);
+  k.proxy_layout = *ProxyLayout::of(k.config, k.layout);
+  k.storage.reset(new std::byte[k.proxy_layout.bytes + 64]());
+  k.area =
+      reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(k.storage.get()) + 63) / 64 * 64);
+  ProxyOptions o;
+  o.provider = GetParam();
+  o.nics = {GetParam() == "tcp" ? "lo" : "shm"};
+  auto p = Proxy::create(k.config, k.layout, {k.area, k.proxy_layout.bytes}, o);
+  ASSERT_TRUE(p) << p.status().to_string();
+  EXPECT_EQ((*p)->connect({handles[0]}).code(), ErrorCode::kInvalidArgument);
+  Status s = (*p)->connect({handles[0], Bytes(10)});
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.to_string();
+  EXPECT_EQ(Proxy::create(k.config, k.layout, {k.area, 100}, o).status().code(),
+            ErrorCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, EpProxy, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace fabric::ep
