@@ -591,8 +591,10 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "untimed passes per row first (--quick: 0)")
       ->check(CLI::Range(0, 100))
       ->capture_default_str();
-  app.add_option("--peers", o.peers, "peer processes of scatter and barrier")
-      ->check(CLI::Range(1, 16))
+  app.add_option("--peers", o.peers,
+                 "peer processes of scatter and barrier (63: the EP64 shape, one rank to the "
+                 "63 others)")
+      ->check(CLI::Range(1, 64))
       ->capture_default_str();
   app.add_option("--pass-mib", o.pass_mib, "payload per pass in MiB (default 256, --quick 32)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 16));

@@ -551,6 +551,9 @@ void bind_config(py::module_& m) {
           "(no thread hop; a slow callback, or one waiting for the GIL, delays the group's "
           "transfers). There, register and unregister raise InvalidArgument, and wait_imm "
           "returns at once whether the count is reached.")
+      .def_readwrite("submission_ring", &Config::submission_ring,
+                     "Slots of each group's lock-free submission ring (2 to 2**20); a full ring "
+                     "sends submissions to a locked overflow list (nothing is refused).")
       .def_readwrite("max_wr_bytes", &Config::max_wr_bytes,
                      "Writes larger than this are split into several work requests.")
       .def_readwrite("faults", &Config::faults, "Fault injection (tests only; off by default).")
