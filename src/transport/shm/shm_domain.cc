@@ -223,7 +223,7 @@ struct ShmDomain::Remote {
   socklen_t doorbell_len = 0;  // 0: the peer has no doorbell (it naps instead)
   bool dead = false;
   std::string why;
-  std::deque<TxItem> tx;
+  Fifo<TxItem> tx;
   size_t ops_queued = 0;   // operations in tx
   size_t outstanding = 0;  // operations posted and not yet acknowledged or failed
   uint64_t outstanding_bytes = 0;

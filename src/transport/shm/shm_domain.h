@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/fifo.h"
 #include "common/recycling_map.h"
 #include "transport/domain.h"
 #include "transport/shm/shm_ring.h"
@@ -132,7 +133,7 @@ class ShmDomain final : public Domain {
   std::vector<std::unique_ptr<Inbound>> inbound_;             // one per slot of our region
   std::deque<RecvRequest> recvs_;                             // posted receives, in order
   std::deque<Bytes> unexpected_;                              // messages that came before a receive
-  std::deque<Completion> ready_;  // completions poll() has yet to hand out
+  Fifo<Completion> ready_;  // completions poll() has yet to hand out
   std::chrono::steady_clock::time_point now_{};
   Stats stats_;
 };
