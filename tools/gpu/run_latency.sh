@@ -15,7 +15,7 @@ nproc >"$out/nproc.txt"
 versions=(after)
 [ -x .gpu/bin/fabric-bench-before ] && versions=(before after)
 rows=(--op single,paged,imm --sizes 4KiB,64KiB,256KiB,1MiB --page-sizes 4KiB --pages 100
-  --iters 5 --baseline raw)
+  --iters 5 --pass-mib 32 --baseline raw)
 for p in ${BENCH_PROVIDERS:-shm tcp}; do
   for round in 1 2; do
     for v in "${versions[@]}"; do
@@ -29,6 +29,6 @@ for p in ${BENCH_PROVIDERS:-shm tcp}; do
   for n in 16 63; do
     echo "== after: scatter 64 KiB to $n peers, $p =="
     timeout 150 fabric-bench --provider "$p" --op scatter --sizes 64KiB --peers "$n" --iters 5 \
-      --baseline raw --json "$out/${p}_scatter${n}.json" 2>&1 | grep -v '^\[' | tail -12
+      --pass-mib 32 --baseline raw --json "$out/${p}_scatter${n}.json" 2>&1 | grep -v '^\[' | tail -12
   done
 done
