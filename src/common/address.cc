@@ -10,6 +10,8 @@
 //                 | (when 1) 16 bytes GPU UUID | u64 IPC region (non-zero)
 #include "fabric/address.h"
 
+#include <cstring>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -97,7 +99,24 @@ const std::vector<NicAddress>& Address::nics() const {
 
 bool operator==(const Address& a, const Address& b) {
   if (a.data_ == b.data_) return true;
-  return a.provider() == b.provider() && a.nics() == b.nics() && a.origin() == b.origin();
+  if (!a.data_ || !b.data_) {  // a default address equals one made of empty parts
+    return a.provider() == b.provider() && a.nics() == b.nics() && a.origin() == b.origin();
+  }
+  const Address::Data& x = *a.data_;
+  const Address::Data& y = *b.data_;
+  // The origin's random instance first: it tells different engines apart in one compare. The
+  // NIC names by memcmp (std::byte vectors compare element by element otherwise).
+  if (x.origin.instance != y.origin.instance || x.nics.size() != y.nics.size()) return false;
+  for (size_t i = 0; i < x.nics.size(); ++i) {
+    const NicAddress& p = x.nics[i];
+    const NicAddress& q = y.nics[i];
+    if (p.scratch_addr != q.scratch_addr || p.scratch_key != q.scratch_key ||
+        p.name.size() != q.name.size() ||
+        (!p.name.empty() && std::memcmp(p.name.data(), q.name.data(), p.name.size()) != 0)) {
+      return false;
+    }
+  }
+  return x.origin == y.origin && x.provider == y.provider;
 }
 
 Bytes Address::encode() const {

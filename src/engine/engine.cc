@@ -314,7 +314,7 @@ Result<PeerGroup> EngineImpl::add_peer_group(std::vector<Address> peers) {
   }
   PeerGroup g{next_peer_group_.fetch_add(1)};
   std::lock_guard gl(groups_mu_);
-  peer_groups_.emplace(g.id, std::make_shared<const std::vector<Address>>(std::move(peers)));
+  peer_groups_.emplace(g.id, std::make_shared<const engine::PeerGroupMembers>(std::move(peers)));
   return g;
 }
 

@@ -218,7 +218,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   if (!src) return src.status();
   const uint32_t group = (*src)->group;
   if (sc.targets.empty()) return invalid("scatter: no targets");
-  std::shared_ptr<const std::vector<Address>> group_members;
+  std::shared_ptr<const engine::PeerGroupMembers> group_members;
   {
     std::lock_guard gl(groups_mu_);
     auto it = peer_groups_.find(sc.group.id);
@@ -228,7 +228,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
     }
     group_members = it->second;
   }
-  const std::vector<Address>& members = *group_members;
+  const engine::PeerGroupMembers& members = *group_members;
   auto in_range = [](uint64_t offset, uint64_t length, uint64_t region) {
     return offset <= region && length <= region - offset;
   };
@@ -236,14 +236,13 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
     const ScatterTarget& tg = sc.targets[i];
     // The common case without formatting a message; the checks below say what is wrong.
     if (!tg.dst.empty() && tg.dst.owner().provider() == infos_[group].provider &&
-        std::find(members.begin(), members.end(), tg.dst.owner()) != members.end() &&
-        in_range(tg.src_offset, tg.length, (*src)->length) &&
+        members.contains(tg.dst.owner()) && in_range(tg.src_offset, tg.length, (*src)->length) &&
         in_range(tg.dst_offset, tg.length, tg.dst.length())) {
       continue;
     }
     const std::string what = fmt::format("scatter target {}", i);
     if (Status s = check_remote(tg.dst, group, what); !s) return s;
-    if (std::find(members.begin(), members.end(), tg.dst.owner()) == members.end()) {
+    if (!members.contains(tg.dst.owner())) {
       return Status(ErrorCode::kNotFound,
                     fmt::format("{}: its owner {} is not a member of peer group {}", what,
                                 tg.dst.owner().short_name(), sc.group.id));
@@ -307,7 +306,7 @@ Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
       return Status(ErrorCode::kNotFound,
                     fmt::format("barrier: peer group {} does not exist", b.group.id));
     }
-    t->peers = *it->second;
+    t->peers = it->second->peers;
   }
   // A barrier on a NIC that is down goes over a surviving one.
   const uint32_t nic = engine::failover_nic(b.nic, up(b.local_group), 0);
