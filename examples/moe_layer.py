@@ -141,6 +141,11 @@ def main():
                    help="dispatch dtype (fp8: e4m3 with per-128 scales); combine is bf16")
     args = p.parse_args()
     args.devices = [int(d) for d in args.devices.split(",")]
+    import fabric_lib
+
+    if not fabric_lib.HAS_CUDA or torch.cuda.device_count() <= max(args.devices):
+        sys.exit(f"needs fabric_lib built with CUDA (HAS_CUDA={fabric_lib.HAS_CUDA}) and GPUs "
+                 f"{args.devices} (torch sees {torch.cuda.device_count()})")
     if args.dtype == "fp8" and not hasattr(torch, "float8_e4m3fn"):
         sys.exit(f"torch {torch.__version__} has no float8_e4m3fn")
     with socket.socket() as s:  # a free port for the ranks' process group
