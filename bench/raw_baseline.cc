@@ -17,6 +17,10 @@
 // complete, the server has every immediate); POST_US: mean time inside one successful
 // fi_writedata; CPU_S: CPU time of both processes during the timed writes.
 //
+// --batch N (bw): the writes go out in bursts of up to N through fi_writemsg, each but the last
+// of a burst with FI_MORE (the provider may hold them and send the burst at once): to measure
+// whether batching pays on a provider before the engine does it.
+//
 // --mode lat: ping-pong. The client writes `size` bytes with an immediate; the server answers
 // each arrival with the same write back; the client waits for the answer before the next.
 // Prints
@@ -78,6 +82,7 @@ struct Options {
   std::string wait = "fd";
   uint64_t spin_us = 200;
   bool commands = false;
+  uint64_t batch = 1;  // bw: writes posted per burst, all but the last with FI_MORE
 };
 
 [[noreturn]] void die(const char* what, int rc) {
@@ -116,6 +121,8 @@ struct Side {
   uint64_t peer_addr = 0;  // the peer's buffer, as its writes target it
   uint64_t peer_key = 0;
   std::vector<fi_context2> ctx;
+  uint64_t batch = 1;     // --batch
+  uint64_t op_flags = 0;  // the endpoint's default transmit flags, for fi_writemsg
 
   void* desc() const { return fi_mr_desc(mr); }
   ~Side() {  // the endpoint before what it is bound to
@@ -154,6 +161,8 @@ void open_side(Side& s, const Options& o) {
                  o.nic.c_str());
     std::exit(1);
   }
+  s.batch = o.batch;
+  s.op_flags = s.info->tx_attr->op_flags;
   CHECK(fi_fabric(s.info->fabric_attr, &s.fabric, nullptr));
   CHECK(fi_domain(s.fabric, s.info, &s.domain, nullptr));
   fi_cq_attr cq_attr{};
@@ -262,11 +271,31 @@ Polled next(Side& s, bool outstanding) {
 }
 
 // Posts one write of `size` bytes from slot `slot` of the buffer to the peer's slot, with
-// context `ctx` (which must not be in use); true once posted, false on EAGAIN.
-bool post(Side& s, uint64_t size, uint64_t slot, uint64_t ctx, double* post_seconds) {
+// context `ctx` (which must not be in use); true once posted, false on EAGAIN. `more`: through
+// fi_writemsg with FI_MORE (the provider may hold it until a write without the flag).
+bool post(Side& s, uint64_t size, uint64_t slot, uint64_t ctx, double* post_seconds,
+          bool more = false) {
   const auto t0 = Clock::now();
-  ssize_t rc = fi_writedata(s.ep, s.buf.data() + slot * size, size, s.desc(), 1, s.peer,
-                            s.peer_addr + slot * size, s.peer_key, &s.ctx[ctx % s.ctx.size()]);
+  ssize_t rc = 0;
+  if (s.batch > 1) {
+    iovec iov{s.buf.data() + slot * size, size};
+    void* desc = s.desc();
+    fi_rma_iov rma{s.peer_addr + slot * size, size, s.peer_key};
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = s.peer;
+    msg.rma_iov = &rma;
+    msg.rma_iov_count = 1;
+    msg.context = &s.ctx[ctx % s.ctx.size()];
+    msg.data = 1;
+    rc = fi_writemsg(s.ep, &msg,
+                     s.op_flags | FI_REMOTE_CQ_DATA | FI_COMPLETION | (more ? FI_MORE : 0));
+  } else {
+    rc = fi_writedata(s.ep, s.buf.data() + slot * size, size, s.desc(), 1, s.peer,
+                      s.peer_addr + slot * size, s.peer_key, &s.ctx[ctx % s.ctx.size()]);
+  }
   if (rc == -FI_EAGAIN) return false;
   if (rc != 0) die("fi_writedata", static_cast<int>(rc));
   if (post_seconds) *post_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -286,9 +315,13 @@ Blast blast(Side& s, uint64_t size, uint64_t window, uint64_t slots, uint64_t co
   const auto start = Clock::now();
   const auto deadline = start + kDeadline;
   while (done < count) {
-    while (posted < count && posted - done < window) {
-      if (!post(s, size, posted % slots, posted % window, &b.post_seconds)) break;
+    // Bursts of up to --batch writes, each but the last of a burst with FI_MORE.
+    for (uint64_t in_burst = 0; posted < count && posted - done < window; ++in_burst) {
+      const bool last =
+          in_burst + 1 == s.batch || posted + 1 == count || posted + 1 - done == window;
+      if (!post(s, size, posted % slots, posted % window, &b.post_seconds, !last)) break;
       ++posted;
+      if (last) in_burst = UINT64_MAX;  // the next write starts a burst
     }
     done += next(s, posted > done).local;
     if (Clock::now() > deadline) die("writes did not complete in time", -FI_ETIMEDOUT);
@@ -495,6 +528,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fd", "spin"}))
       ->capture_default_str();
   app.add_option("--spin-us", o.spin_us, "--wait fd: busy-poll this long before sleeping")
+      ->capture_default_str();
+  app.add_option("--batch", o.batch,
+                 "bw: writes per burst through fi_writemsg, all but the last with FI_MORE (1: "
+                 "fi_writedata, no FI_MORE)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{4096}))
       ->capture_default_str();
   app.add_flag("--commands", o.commands,
                "measure once per line of stdin: bw SIZE COUNT WINDOW WARMUP [SPAN] | lat SIZE "
