@@ -258,7 +258,7 @@ void Worker::watch_nics() {
   }
 }
 
-void Worker::mark_down(uint32_t nic, const PeerQueue& culprit) {
+void Worker::mark_down(uint32_t nic, const PeerQueue& culprit, std::string_view why) {
   DomainState& d = domains_[nic];
   for (const Op* op = culprit.inflight; op != nullptr; op = op->next) {
     if (op->owner != nullptr) d.probe_owner = *op->owner;
@@ -270,10 +270,15 @@ void Worker::mark_down(uint32_t nic, const PeerQueue& culprit) {
   d.down_since = now_;
   d.next_probe = now_ + config_.nic_probe_interval;
   nic_up_[nic].store(false);
-  detail::log().warn(
-      "group {}: NIC '{}' marked down: no completion towards a peer for {} ms while another NIC "
-      "reached it; its work moves to the surviving NICs",
-      group_, d.domain->info().name, config_.nic_timeout.count());
+  if (why.empty()) {
+    detail::log().warn(
+        "group {}: NIC '{}' marked down: no completion towards a peer for {} ms while another "
+        "NIC reached it; its work moves to the surviving NICs",
+        group_, d.domain->info().name, config_.nic_timeout.count());
+  } else {
+    detail::log().warn("group {}: NIC '{}' marked down: {}; its work moves to the surviving NICs",
+                       group_, d.domain->info().name, why);
+  }
   // Unposted work moves at once. Posted work moves (or fails) where it stalled; elsewhere it
   // may still complete, and is moved only if it stalls in turn.
   std::vector<PeerQueue*> queues;

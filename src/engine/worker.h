@@ -406,7 +406,12 @@ class Worker {
   void declare_dead(DomainState& d, PeerQueue& q, const Status& error);
   // Failover.
   void watch_nics();
-  void mark_down(uint32_t nic, const PeerQueue& stalled);
+  // `why`: what showed the NIC down (default: the watchdog's stall against another NIC's progress).
+  void mark_down(uint32_t nic, const PeerQueue& stalled, std::string_view why = {});
+  // Whether a post that failed with `error` on NIC `nic` shows the NIC, not the peer, at fault:
+  // the provider called the peer unreachable from this NIC while another NIC of the group is up
+  // (no route, a connection refused at once), and the op could go over another NIC.
+  bool unreachable_here(uint32_t nic, const Op& op, const Status& error) const;
   // Moves a NIC's queued work to the surviving NICs; with posted_too, also its posted work
   // (data-only writes re-posted, the rest failed) and drops the connection.
   void fail_over(uint32_t nic, PeerQueue& q, bool posted_too);

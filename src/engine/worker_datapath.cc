@@ -113,7 +113,11 @@ bool Worker::post_some(DomainState& d) {
   bool any = false;
   uint32_t budget = config_.post_budget;
   const size_t peers = d.ready.size();
-  for (size_t i = 0; i < peers && budget > 0; ++i) {
+  // A post this NIC refused as unreachable while another NIC is up (unreachable_here): the op
+  // stays queued and the NIC goes down after the loop, its work moving to the others.
+  bool nic_unreachable = false;
+  transport::PeerHandle unreachable_peer = 0;
+  for (size_t i = 0; i < peers && budget > 0 && !nic_unreachable; ++i) {
     const transport::PeerHandle peer = d.ready.front();
     d.ready.pop_front();
     PeerQueue& q = d.queues[peer];
@@ -136,6 +140,13 @@ bool Worker::post_some(DomainState& d) {
       }
       auto r = post(d, op, peer);
       if (r.kind == transport::PostResult::Kind::kAgain) break;  // this peer waits; others go on
+      if (r.kind == transport::PostResult::Kind::kFailed && unreachable_here(index, op, r.error)) {
+        nic_unreachable = true;
+        unreachable_peer = peer;
+        detail::log().warn("group {}: NIC '{}' cannot reach a peer ({}) while another NIC is up",
+                           group_, d.domain->info().name, r.error.message());
+        break;
+      }
       q.ops.pop_front();
       --queued_;
       any = true;
@@ -154,7 +165,24 @@ bool Worker::post_some(DomainState& d) {
       d.ready.push_back(peer);
     }
   }
+  if (nic_unreachable) {
+    auto it = d.queues.find(unreachable_peer);
+    if (it != d.queues.end())
+      mark_down(index, it->second, "a post failed: the peer is unreachable");
+    any = true;
+  }
   return any;
+}
+
+bool Worker::unreachable_here(uint32_t nic, const Op& op, const Status& error) const {
+  if (error.code() != ErrorCode::kPeerUnreachable || !failover_active() || domains_[nic].down ||
+      op.transfer->probe_nic >= 0 || op.transfer->check_nic >= 0 || !movable(op)) {
+    return false;
+  }
+  for (uint32_t j = 0; j < domains_.size(); ++j) {
+    if (j != nic && !domains_[j].down) return true;
+  }
+  return false;
 }
 
 bool Worker::poll(uint32_t index) {
