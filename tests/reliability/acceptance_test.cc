@@ -261,7 +261,11 @@ TEST_P(Acceptance, UnregisterWithAWriterThatStopsAnsweringIsBounded) {
   const std::string stale = reg->descriptor.to_hex();
   writer.send("spam 24 " + stale + " 0 0 " + std::to_string(kSize) + " 7300");
   ASSERT_EQ(writer.read_line(), "submitted");
-  std::this_thread::sleep_for(std::chrono::milliseconds(300 * kSlowdown));
+  // The writer is under way when it stops: its first write has landed, so it has announced itself
+  // to the owner (a fixed sleep was not enough on a loaded machine under ASan: the writer had not
+  // written yet, so there was no writer to fence and unregister returned ok at once).
+  ASSERT_TRUE(owner.wait_imm(7300, 1, std::chrono::milliseconds(20000 * kSlowdown)))
+      << "no write of the writer landed";
   ASSERT_EQ(::kill(writer.pid(), SIGSTOP), 0);
   const auto t0 = std::chrono::steady_clock::now();
   Status s = owner.unregister_memory(reg->handle);
