@@ -68,9 +68,10 @@ struct GroupStats {
   uint64_t worker_passes = 0;
   uint64_t worker_sleeps = 0;
   uint64_t worker_wakeups = 0;
-  // Submissions that found the group's submission ring full (Config::submission_ring) and took
-  // the locked overflow list behind it instead: nothing is refused or lost, but each such
-  // submission takes a mutex. Often non-zero: a larger ring pays.
+  // Submissions that took the locked overflow list behind the group's submission ring
+  // (Config::submission_ring) instead of the ring: those that found it full, and those that
+  // queued behind them there (a thread's order is kept). Nothing is refused or lost, but each
+  // takes a mutex. Often non-zero: a larger ring pays.
   uint64_t submissions_ring_full = 0;
   // Transfers and messages accepted and not yet ended (submitted + sent - completed - failed).
   uint64_t in_flight = 0;

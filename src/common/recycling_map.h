@@ -27,18 +27,23 @@ class RecyclingMap {
     spare_.reserve(expected);
   }
 
-  // Inserts or replaces `key`'s value.
+  // Inserts or replaces `key`'s value (one hash lookup either way).
   V& put(const K& key, V value) {
-    if (auto it = map_.find(key); it != map_.end()) {
-      it->second = std::move(value);
+    if (spare_.empty()) {
+      auto [it, inserted] = map_.try_emplace(key, std::move(value));  // takes nothing if present
+      if (!inserted) it->second = std::move(value);
       return it->second;
     }
-    if (spare_.empty()) return map_.emplace(key, std::move(value)).first->second;
     typename Map::node_type node = std::move(spare_.back());
     spare_.pop_back();
     node.key() = key;
     node.mapped() = std::move(value);
-    return map_.insert(std::move(node)).position->second;
+    auto r = map_.insert(std::move(node));
+    if (!r.inserted) {  // `key` was there: its value is replaced, the node goes back
+      r.position->second = std::move(r.node.mapped());
+      keep(std::move(r.node));
+    }
+    return r.position->second;
   }
 
   iterator find(const K& key) { return map_.find(key); }
