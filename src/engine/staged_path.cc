@@ -366,10 +366,12 @@ void Worker::watch_acks() {
   }
   for (Transfer* t : overdue) {
     if (t->error.is_ok()) {
-      t->error = Status(ErrorCode::kPeerUnreachable,
-                        fmt::format("the owner of a staged destination did not acknowledge the "
-                                    "copy into its device memory within {} ms",
-                                    config_.peer_timeout.count()));
+      t->error = Status(
+          ErrorCode::kPeerUnreachable,
+          fmt::format("the owner did not acknowledge the transfer's Commit message (for a staged "
+                      "destination: the copy into its device memory; with Config::reliable_imm: "
+                      "the immediate counted) within {} ms",
+                      config_.peer_timeout.count()));
     }
     t->acks = 0;
     forget_commits(*t);

@@ -497,6 +497,13 @@ class Failover : public LabTest {
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     down_[index] = std::string(state) == "down";
   }
+  // One side's end of link `index` only ("a": this engine's, "b": the peer's).
+  void set_link_side(uint32_t index, const char* side, const char* state) {
+    const std::string cmd = std::string("ip -n ") + g_lab + "-" + side + " link set veth" +
+                            std::to_string(index) + " " + state;
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    if (std::string(state) == "down") down_[index] = true;
+  }
   // Waits (bounded) until NIC `nic` is marked `up`; returns whether it was.
   bool wait_nic(uint32_t nic, bool up, std::chrono::milliseconds timeout) {
     const auto until = std::chrono::steady_clock::now() + timeout;
@@ -556,7 +563,14 @@ class Failover : public LabTest {
     done = failed = 0;
     for (const auto& p : st.probes) {
       Status s = p->wait(bound);
-      ASSERT_NE(s.code(), ErrorCode::kTimeout) << "a transfer got no callback within the bound";
+      if (s.code() == ErrorCode::kTimeout) {
+        // What the worker was doing: passes that still advance mean it runs (a transfer lost in
+        // its state); passes that stand still mean it is blocked in a call.
+        const std::string before = describe_worker();
+        std::this_thread::sleep_for(1s);
+        FAIL() << "a transfer got no callback within the bound; the worker then: " << before
+               << "; one second later: " << describe_worker();
+      }
       EXPECT_EQ(p->calls(), 1);
       if (s) {
         ++done;
@@ -578,6 +592,46 @@ class Failover : public LabTest {
     EXPECT_EQ(peer_count(kSingleImm, singles), static_cast<uint64_t>(singles));
     EXPECT_EQ(peer_count(kPageImm, paged * kPagesPerWrite),
               static_cast<uint64_t>(paged * kPagesPerWrite));
+  }
+  // The links just went down under `st`: every transfer gets its one callback within
+  // nic_timeout + peer_timeout (a NIC that fails over first hands its work to one that then
+  // times out), with slack for the machine on top, and some of them failed.
+  void expect_every_callback_within_the_bound(const Stream& st, const char* what) {
+    const auto down_at = std::chrono::steady_clock::now();
+    const auto bound = kNicTimeout + kPeerTimeout + std::chrono::milliseconds(5000);
+    int done = 0, failed = 0;
+    Status first_error;
+    ASSERT_NO_FATAL_FAILURE(
+        wait_stream(st, std::chrono::duration_cast<std::chrono::seconds>(bound) + 1s, done, failed,
+                    first_error));
+    const auto took = std::chrono::steady_clock::now() - down_at;
+    std::cout << "observation: " << what << ": " << done << " done, " << failed
+              << " failed; all callbacks within "
+              << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+              << " ms; first error: " << first_error.to_string() << std::endl;
+    EXPECT_LE(took, bound);
+    EXPECT_EQ(done + failed, st.singles + st.paged);
+    EXPECT_GT(failed, 0) << "the links went down after everything completed: this shows nothing";
+    if (failed > 0) {
+      EXPECT_EQ(first_error.code(), ErrorCode::kPeerUnreachable);
+    }
+    // No late second callback.
+    std::this_thread::sleep_for(1s);
+    for (const auto& p : st.probes) EXPECT_EQ(p->calls(), 1);
+  }
+  std::string describe_worker() {
+    const GroupStats g = engine_->stats().groups.at(0);
+    std::ostringstream out;
+    out << "passes " << g.worker_passes << ", sleeps " << g.worker_sleeps << ", in flight "
+        << g.in_flight << ", completed " << g.transfers_completed << ", failed "
+        << g.transfers_failed;
+    for (size_t i = 0; i < g.nics.size(); ++i) {
+      const NicStats& n = g.nics[i];
+      out << "; NIC " << i << (engine_->nics_up().at(i) ? " up" : " down") << ": posted "
+          << n.work_requests_posted << ", completed " << n.work_requests_completed << ", failed "
+          << n.work_requests_failed << ", again " << n.post_retries;
+    }
+    return out.str();
   }
   uint64_t peer_count(uint32_t imm, uint64_t want) {
     std::istringstream in(peer_->count(imm, want));
@@ -768,29 +822,7 @@ TEST_F(Failover, AllLinksDownEveryTransferFailsWithinTheBound) {
   std::this_thread::sleep_for(100ms);
   set_link(0, "down");
   set_link(1, "down");
-  const auto down_at = std::chrono::steady_clock::now();
-  // The bound: a transfer fails at most nic_timeout + peer_timeout after its last progress (a
-  // NIC that fails over first hands its work to one that then times out); slack for the
-  // machine on top.
-  const auto bound = kNicTimeout + kPeerTimeout + std::chrono::milliseconds(5000);
-  int done = 0, failed = 0;
-  Status first_error;
-  wait_stream(st, std::chrono::duration_cast<std::chrono::seconds>(bound) + 1s, done, failed,
-              first_error);
-  const auto took = std::chrono::steady_clock::now() - down_at;
-  std::cout << "observation: all links down: " << done << " done, " << failed
-            << " failed; all callbacks within "
-            << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
-            << " ms; first error: " << first_error.to_string() << std::endl;
-  EXPECT_LE(took, bound);
-  EXPECT_EQ(done + failed, 32);
-  EXPECT_GT(failed, 0) << "the links went down after everything completed: the test shows nothing";
-  if (failed > 0) {
-    EXPECT_EQ(first_error.code(), ErrorCode::kPeerUnreachable);
-  }
-  // No late second callback.
-  std::this_thread::sleep_for(1s);
-  for (const auto& p : st.probes) EXPECT_EQ(p->calls(), 1);
+  ASSERT_NO_FATAL_FAILURE(expect_every_callback_within_the_bound(st, "all links down"));
   // Every transfer reported done was counted; none more than once.
   EXPECT_LE(peer_count(kSingleImm, 0), 16u);
   // The engine serves again once the links are back.
@@ -805,6 +837,24 @@ TEST_F(Failover, AllLinksDownEveryTransferFailsWithinTheBound) {
     served = p.wait(60s).is_ok();
   }
   EXPECT_TRUE(served) << "no write completed after the links came back";
+}
+
+// (b') The same when one NIC never connects (its handshakes go unanswered) and the other link
+// dies while the stream is in flight: the first NIC is marked down with the other's recent
+// progress as evidence, its work moves onto a NIC that is dead too, and every transfer still
+// fails within the bound, once. (A fresh-clone run once saw the shape of (b) end this way: NIC 1
+// marked down, then no callback for 11 s; not reproduced here since.)
+TEST_F(Failover, OneNicNeverConnectsThenTheOtherLinkDiesEveryTransferFailsWithinTheBound) {
+  ASSERT_NO_FATAL_FAILURE(open_failover(2, true));
+  // Down on the peer's side only: this side's connection attempts go out and are never
+  // answered (as when a first handshake is lost), rather than refused at once.
+  set_link_side(1, "b", "down");
+  Stream st;
+  submit_stream(st, 16, 16, 8);
+  std::this_thread::sleep_for(100ms);
+  set_link(0, "down");
+  ASSERT_NO_FATAL_FAILURE(
+      expect_every_callback_within_the_bound(st, "one NIC never connects, the other link down"));
 }
 
 // Weighted sharding (Config::weighted_sharding, docs/netlab.md "Unequal links"): link 1
