@@ -49,6 +49,11 @@ struct FaultConfig {
   // with kFabric instead of posting it. Called on the worker thread. Null: never fail.
   // `sequence` numbers the writes the domain accepted, from 0, per NIC.
   std::function<bool(uint64_t sequence)> fail_write;
+  // Called for each receive completion that carries a message, before it is held; the result
+  // is added to the length the provider reported (at least 0 is kept): a provider that hands
+  // over a message with bytes after it (> 0) or cut short (< 0). `sequence` numbers the
+  // receive completions per NIC, from 0. Called on the worker thread. Null: lengths unchanged.
+  std::function<int64_t(uint64_t sequence)> receive_length_delta;
 };
 
 // The verbs backend (Config::provider "verbs": RC queue pairs through libibverbs; docs/verbs.md).

@@ -1,7 +1,7 @@
 // The engine's two-sided messages. Every message a group sends starts with a header: one kind
-// byte, the sending worker's id and the message's sequence number. User messages (submit_send)
-// and the staged path's control messages share the receive buffers that every NIC of a group
-// keeps posted; the worker tells them apart by the kind byte.
+// byte, the sending worker's id, the message's sequence number and the length of what follows. User
+// messages (submit_send) and the staged path's control messages share the receive buffers that
+// every NIC of a group keeps posted; the worker tells them apart by the kind byte.
 //
 // Failover (docs/failover.md) may send a message again over another NIC when it cannot know
 // whether the first copy arrived; the receiver drops a (sender, sequence) pair it has already
@@ -40,32 +40,41 @@ enum class MessageKind : uint8_t {
   kFenceAck = 7,
   kGoodbye = 8,
 };
-// kind (1), sender (8), sequence (8).
-constexpr uint64_t kMessageHeaderBytes = 17;
+// kind (1), sender (8), sequence (8), body length (4). The body length lets the receiver tell a
+// message from one a provider handed over with bytes after it or cut short (seen once on
+// libfabric tcp;ofi_rxm after a reconnect: a Hello arrived with 21 stale bytes behind it).
+constexpr uint64_t kMessageHeaderBytes = 21;
 
 struct MessageHeader {
   MessageKind kind;
   uint64_t sender;
   uint64_t seq;
+  uint32_t body_length;
 };
 
-// A header with sender and sequence zero (stamped when the message is first sent).
+// A header with sender, sequence and length zero (stamped when the message is first sent).
 inline void put_header(detail::ByteWriter& w, MessageKind kind) {
   w.u8(static_cast<uint8_t>(kind));
   w.u64(0);
   w.u64(0);
+  w.u32(0);
 }
 
+// Stamps the sender, the sequence and the body's length (the message must be complete).
 inline void stamp_header(Bytes& message, uint64_t sender, uint64_t seq) {
+  const auto body = static_cast<uint32_t>(message.size() - kMessageHeaderBytes);
   std::memcpy(message.data() + 1, &sender, sizeof(sender));
   std::memcpy(message.data() + 9, &seq, sizeof(seq));
+  std::memcpy(message.data() + 17, &body, sizeof(body));
 }
 
 inline std::optional<MessageHeader> read_header(std::span<const std::byte> message) {
   detail::ByteReader r(message);
   uint8_t kind = 0;
   MessageHeader h{};
-  if (!r.u8(kind) || !r.u64(h.sender) || !r.u64(h.seq)) return std::nullopt;
+  if (!r.u8(kind) || !r.u64(h.sender) || !r.u64(h.seq) || !r.u32(h.body_length)) {
+    return std::nullopt;
+  }
   h.kind = static_cast<MessageKind>(kind);
   return h;
 }

@@ -96,8 +96,24 @@ void Worker::on_recv(const transport::Completion& c, uint32_t domain) {
     return;
   }
   const MessageHeader header = *read_header(std::span(slot.buf, c.length));
-  const std::span<const std::byte> body(slot.buf + kMessageHeaderBytes,
-                                        c.length - kMessageHeaderBytes);
+  const uint64_t arrived = c.length - kMessageHeaderBytes;
+  if (header.body_length != arrived) {
+    // Bytes after the message, or a message cut short: what the provider handed over is not
+    // what the sender sent. Bytes after it are dropped (the message itself is whole). A short
+    // one is dropped whole: the engine's own messages are sent again until answered; a user
+    // message is lost then, with this warning, rather than delivered cut.
+    detail::log().warn(
+        "group {}: a message of kind {} arrived on NIC '{}' with {} bytes after "
+        "its header where its sender wrote {}: {}",
+        group_, static_cast<unsigned>(header.kind), domains_[domain].domain->info().name, arrived,
+        header.body_length,
+        arrived > header.body_length ? "the bytes after it are dropped" : "cut short, dropped");
+    if (arrived < header.body_length) {
+      repost(slot);
+      return;
+    }
+  }
+  const std::span<const std::byte> body(slot.buf + kMessageHeaderBytes, header.body_length);
   if (!seen_[header.sender].insert(header.seq)) {
     // A copy failover sent again, and the first one arrived too: delivered once. A Commit's
     // writer still waits for an Ack, which may be what got lost.

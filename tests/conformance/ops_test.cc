@@ -489,6 +489,58 @@ TEST_P(Ops, InjectedFailuresReportEachTransferOnce) {
   EXPECT_TRUE(b_->wait_imm(8, c.done(), 20s));
 }
 
+// A provider that hands over a message with bytes after it, or cut short (FaultConfig::
+// receive_length_delta on the receiver): the receive handler gets exactly the bytes the sender
+// sent for the first kind, and nothing for the second: never stale bytes, never a cut message.
+TEST_P(Ops, MessagesReportedLongerOrShorterThanSentAreNeverDeliveredWrong) {
+  if (!GetParam().reorder) GTEST_SKIP() << "fault injection runs on the reorder variants";
+  b_.reset();
+  auto cfg = make_config(GetParam());
+  std::atomic<int> longer{0}, shorter{0};
+  cfg.faults.receive_length_delta = [&](uint64_t seq) -> int64_t {
+    if (seq % 2 == 0) {
+      ++longer;
+      return 21;
+    }
+    ++shorter;
+    return -3;
+  };
+  FABRIC_ENGINE_OR_SKIP(faulty, cfg);
+  std::mutex mu;
+  std::vector<std::string> got;
+  ASSERT_TRUE(faulty->set_receive_handler(
+      [&](std::span<const std::byte> m) {
+        std::lock_guard lock(mu);
+        got.emplace_back(reinterpret_cast<const char*>(m.data()), m.size());
+      },
+      1024, 64));
+  constexpr int kMessages = 40;
+  std::vector<std::string> sent;
+  Counter c;
+  for (int i = 0; i < kMessages; ++i) {
+    sent.push_back("message " + std::to_string(i) + std::string(static_cast<size_t>(i), 'y'));
+    ASSERT_TRUE(
+        a_->submit_send(faulty->address(), std::as_bytes(std::span(sent.back())), c.callbacks()));
+  }
+  ASSERT_TRUE(c.wait_total(kMessages));
+  EXPECT_EQ(c.done(), kMessages) << c.first_error().to_string();
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while (longer + shorter < kMessages && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(longer + shorter, kMessages) << "not every message reached the receiver";
+  std::this_thread::sleep_for(200ms);  // the handler runs on the callback thread
+  std::lock_guard lock(mu);
+  EXPECT_EQ(got.size(), static_cast<size_t>(longer.load()))
+      << "the longer ones are delivered (cut to what was sent), the shorter ones dropped";
+  for (const std::string& m : got) {
+    EXPECT_NE(std::find(sent.begin(), sent.end(), m), sent.end())
+        << "delivered bytes no sender sent: " << m.size() << " bytes";
+  }
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(std::adjacent_find(got.begin(), got.end()), got.end()) << "a message came twice";
+}
+
 TEST_P(Ops, CloseWithTransfersInFlightCompletesEachOnce) {
   auto src = make_buffer(*a_, 1 << 20);
   auto dst = make_buffer(*b_, 1 << 20);

@@ -255,6 +255,7 @@ TEST(MessageHeader, StampedSenderAndSequenceReadBack) {
   EXPECT_EQ(h->kind, MessageKind::kAck);
   EXPECT_EQ(h->sender, 0x1122334455667788ull);
   EXPECT_EQ(h->seq, 42u);
+  EXPECT_EQ(h->body_length, m.size() - kMessageHeaderBytes) << "the stamp records the body length";
   auto back = Ack::decode(std::span(m).subspan(kMessageHeaderBytes));
   ASSERT_TRUE(back);
   EXPECT_EQ(back->transfer, 7u);

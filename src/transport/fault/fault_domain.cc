@@ -31,7 +31,16 @@ PostResult FaultDomain::post_write(const WriteRequest& req) {
 size_t FaultDomain::poll(std::span<Completion> out) {
   const size_t got = inner_->poll(scratch_);
   std::uniform_int_distribution<uint32_t> hold(0, config_.max_hold_polls);
-  for (size_t i = 0; i < got; ++i) held_.push_back({std::move(scratch_[i]), hold(rng_)});
+  for (size_t i = 0; i < got; ++i) {
+    Completion& c = scratch_[i];
+    if (config_.receive_length_delta && c.kind == Completion::Kind::kRecv &&
+        c.error == ErrorCode::kOk) {
+      const int64_t length =
+          static_cast<int64_t>(c.length) + config_.receive_length_delta(receives_++);
+      c.length = static_cast<uint64_t>(std::max<int64_t>(length, 0));
+    }
+    held_.push_back({std::move(c), hold(rng_)});
+  }
   if (held_.empty()) return 0;
 
   // Release what is due, in a random order; the rest waits one more poll.

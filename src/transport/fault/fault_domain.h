@@ -49,6 +49,7 @@ class FaultDomain final : public Domain {
   std::mt19937_64 rng_;
   uint64_t sequence_ = 0;
   uint64_t injected_ = 0;
+  uint64_t receives_ = 0;  // receive completions seen (receive_length_delta)
   std::vector<Held> held_;
   std::vector<Completion> scratch_;
 };
