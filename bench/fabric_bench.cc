@@ -67,6 +67,7 @@ constexpr const char* kPython = "/usr/bin/python3";
 
 struct Options {
   std::string provider = "tcp";
+  std::string mode = "worker";    // worker, callbacks or progress (--mode)
   std::vector<std::string> nics;  // empty: lo for tcp, shm for shm, else the first NIC
   uint32_t nic_copies = 1;        // --nics N: the group's first NIC N times
   bool provider_given = false;
@@ -98,6 +99,8 @@ Result<Config> engine_config(const Options& o) {
   c.groups = {GroupConfig{}};
   c.groups[0].cpu = GroupConfig::kCpuNone;
   if (Status s = c.apply_env_overrides(); !s) return s;
+  c.callbacks_on_worker = o.mode == "callbacks";
+  c.groups[0].caller_progress = o.mode == "progress";
   if (o.provider_given) c.provider = o.provider;
   if (o.nics_given) {
     c.groups[0].nics = o.nics;
@@ -403,7 +406,8 @@ int run_client(const Options& o, const std::string& command) {
     fmt::print(stderr, "fabric-bench: registering the source: {}\n", src.status().to_string());
     return 1;
   }
-  std::vector<std::string> peer_args = {"fabric-bench", "--server", "--provider", config->provider};
+  std::vector<std::string> peer_args = {"fabric-bench",   "--server", "--provider",
+                                        config->provider, "--mode",   o.mode};
   if (!config->groups[0].nics.empty()) {
     peer_args.push_back("--nic");
     peer_args.push_back(fmt::format("{}", fmt::join(config->groups[0].nics, ",")));
@@ -427,6 +431,7 @@ int run_client(const Options& o, const std::string& command) {
   Session session(
       engine, *src, src_bytes,
       [&] { return PeerClient::start(peer_path, peer_args, client_address); }, o.seed);
+  session.set_caller_driven(config->groups[0].caller_progress);
   if (Status s = session.ensure_peers(1); !s) {
     fmt::print(stderr, "fabric-bench: the peer did not start: {}\n", s.to_string());
     return 1;
@@ -574,6 +579,14 @@ int main(int argc, char** argv) {
                  "NIC(s) of the device group, comma-separated (default: lo for tcp, shm for "
                  "shm, else the provider's first)")
       ->delimiter(',');
+  app.add_option("--mode", o.mode,
+                 "worker: a worker thread per group, callbacks on the callback thread; "
+                 "callbacks: callbacks run on the worker (Config::callbacks_on_worker); progress: "
+                 "no worker thread, the submitting thread drives the group with progress() "
+                 "(GroupConfig::caller_progress). Peers run in the same mode (progress: a "
+                 "thread of theirs drives)")
+      ->check(CLI::IsMember({"worker", "callbacks", "progress"}))
+      ->capture_default_str();
   app.add_option("--nics", o.nic_copies, "use the first NIC N times (multi-rail on one NIC)")
       ->check(CLI::Range(1, 16));
   app.add_option("--sizes", o.sizes, "single (and scatter) sizes, e.g. 4KiB,1MiB")->delimiter(',');

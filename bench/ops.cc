@@ -34,7 +34,10 @@ double us(Clock::duration d) {
 // Shared with the callbacks, which may outlive an abandoned pass.
 class Completions {
  public:
-  explicit Completions(size_t total) : state_(std::make_shared<State>(total)) {}
+  // `drive`: a caller-driven group's progress() (Config caller_progress): the waits run it,
+  // since nothing else moves the group and its callbacks run inside it. Empty: waits block.
+  explicit Completions(size_t total, std::function<bool()> drive = {})
+      : state_(std::make_shared<State>(total)), drive_(std::move(drive)) {}
 
   Callbacks callbacks(size_t index) {
     return Callbacks{[st = state_, index] { st->finish(index, Status::ok()); },
@@ -42,6 +45,16 @@ class Completions {
   }
   // Blocks until transfers [0, n) have all finished (done or failed); false at the deadline.
   bool wait_prefix(size_t n, Clock::time_point deadline) const {
+    if (drive_) {
+      for (;;) {
+        {
+          std::lock_guard lock(state_->mu);
+          if (state_->prefix >= n) return true;
+        }
+        if (Clock::now() >= deadline) return false;
+        drive_();
+      }
+    }
     std::unique_lock lock(state_->mu);
     return state_->cv.wait_until(lock, deadline, [&] { return state_->prefix >= n; });
   }
@@ -89,6 +102,7 @@ class Completions {
     Status first_error;
   };
   std::shared_ptr<State> state_;
+  std::function<bool()> drive_;
 };
 
 }  // namespace
@@ -172,6 +186,11 @@ Session::Session(TransferEngine& engine, Registration src, const PageBuffer& src
 
 Session::~Session() = default;
 
+std::function<bool()> Session::driver() {
+  if (!caller_driven_) return {};
+  return [this] { return engine_.progress(0); };
+}
+
 Status Session::ensure_peers(uint32_t n) {
   while (peers_.size() < n) {
     auto p = start_peer_();
@@ -184,7 +203,7 @@ Status Session::ensure_peers(uint32_t n) {
 }
 
 Status Session::warm_up() {
-  Completions done(peers_.size());
+  Completions done(peers_.size(), driver());
   for (size_t i = 0; i < peers_.size(); ++i) {
     ImmWrite w;
     w.peer = peers_[i]->address();
@@ -232,12 +251,21 @@ double per_op(uint64_t count, uint64_t ops) {
 
 }  // namespace
 
+void Session::count_per_op(PassResult& r, const Window& w) {
+  r.wakeups_per_op = per_op(w.wakeups, r.ops);
+  r.sleeps_per_op = per_op(w.sleeps, r.ops);
+  const double ops = r.ops == 0 ? std::nan("") : static_cast<double>(r.ops);
+  r.syscalls_per_op = w.sys.syscalls / ops;
+  r.switches_per_op = w.sys.context_switches / ops;
+}
+
 Session::Window Session::run_window(uint64_t count, uint64_t window, const SubmitFn& submit,
                                     const std::vector<Expectation>& expects) {
   Window w;
-  Completions done(count);
+  Completions done(count, driver());
   std::vector<Clock::time_point> submitted_at(count);
   const GroupStats before = engine_.stats().groups[0];
+  const SysCounters::Totals sys_before = sys_.read();
   const auto start = Clock::now();
   const auto deadline = start + kPassTimeout;
   for (uint64_t i = 0; i < count; ++i) {
@@ -265,6 +293,9 @@ Session::Window Session::run_window(uint64_t count, uint64_t window, const Submi
     finished = peers_[e.peer]->expect(e.imm, e.count, std::max(left, milliseconds(1)));
   }
   w.seconds = seconds_since(start);
+  const SysCounters::Totals sys_after = sys_.read();
+  w.sys.syscalls = sys_after.syscalls - sys_before.syscalls;
+  w.sys.context_switches = sys_after.context_switches - sys_before.context_switches;
   const GroupStats after = engine_.stats().groups[0];
   w.wakeups = after.worker_wakeups - before.worker_wakeups;
   w.sleeps = after.worker_sleeps - before.worker_sleeps;
@@ -374,8 +405,7 @@ Result<PassResult> Session::single(const Row& row, const Budget& b, uint32_t ite
   r.bytes = plan.bytes;
   r.ops = plan.transfers;
   r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
-  r.wakeups_per_op = per_op(w.wakeups, r.ops);
-  r.sleeps_per_op = per_op(w.sleeps, r.ops);
+  count_per_op(r, w);
   r.cpu_seconds = *cpu1 - *cpu0;
   r.lat_us = std::move(w.lat_us);
   return r;
@@ -458,8 +488,7 @@ Result<PassResult> Session::paged(const Row& row, const Budget& b, uint32_t iter
   r.bytes = plan.bytes;
   r.ops = plan.wrs;
   r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
-  r.wakeups_per_op = per_op(w.wakeups, r.ops);
-  r.sleeps_per_op = per_op(w.sleeps, r.ops);
+  count_per_op(r, w);
   r.cpu_seconds = *cpu1 - *cpu0;
   r.lat_us = std::move(w.lat_us);
   return r;
@@ -476,7 +505,7 @@ Result<PassResult> Session::imm(const Row& row, const Budget& b, uint32_t iterat
   const uint64_t rounds = kWarmupRounds + b.rounds;
   const uint64_t base = engine_.imm_count(kPong);
   const auto deadline = Clock::now() + kPassTimeout;
-  Completions pings(rounds);
+  Completions pings(rounds, driver());
   for (uint64_t k = 0; k < rounds; ++k) {
     if (Clock::now() > deadline) {
       return Status(ErrorCode::kTimeout, fmt::format("{} of {} round trips in {} s", k, rounds,
@@ -521,8 +550,7 @@ Result<PassResult> Session::imm(const Row& row, const Budget& b, uint32_t iterat
   r.seconds = w.seconds;
   r.ops = plan.transfers;
   r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
-  r.wakeups_per_op = per_op(w.wakeups, r.ops);
-  r.sleeps_per_op = per_op(w.sleeps, r.ops);
+  count_per_op(r, w);
   r.cpu_seconds = *cpu1 - *cpu0;
   return r;
 }
@@ -579,8 +607,7 @@ Result<PassResult> Session::scatter(const Row& row, const Budget& b, uint32_t it
   r.bytes = plan.bytes;
   r.ops = plan.wrs;
   r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
-  r.wakeups_per_op = per_op(w.wakeups, r.ops);
-  r.sleeps_per_op = per_op(w.sleeps, r.ops);
+  count_per_op(r, w);
   r.cpu_seconds = *cpu1 - *cpu0;
   r.lat_us = std::move(w.lat_us);
   return r;
@@ -597,7 +624,7 @@ Result<PassResult> Session::barrier(const Row& row, const Budget& b, uint32_t it
   PassResult r;
   const uint64_t rounds = kWarmupRounds + b.rounds;
   const uint64_t base = engine_.imm_count(kPong);
-  Completions done(rounds);
+  Completions done(rounds, driver());
   auto cpu0 = cpu_of(n);
   if (!cpu0) return cpu0.status();
   double submit_seconds = 0;

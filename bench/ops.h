@@ -18,6 +18,7 @@
 #include "fabric/fabric.h"
 #include "harness.h"
 #include "peer.h"
+#include "sys_counters.h"
 
 namespace fabric::bench {
 
@@ -66,6 +67,10 @@ struct PassResult {
   // it (an eventfd write) and times it slept (NaN where not measured).
   double wakeups_per_op = std::nan("");
   double sleeps_per_op = std::nan("");
+  // The client process per op (every thread of it), counted by the kernel (SysCounters):
+  // system calls and context switches (NaN where the kernel does not count them).
+  double syscalls_per_op = std::nan("");
+  double switches_per_op = std::nan("");
   double cpu_seconds = 0;      // client and peers, during the timed phase
   std::vector<double> lat_us;  // per transfer (submit to done); imm and barrier: round trips
 };
@@ -88,6 +93,9 @@ class Session {
   // Asks every peer to quit; the first error.
   Status quit_peers();
 
+  // The client's group is caller-driven (GroupConfig::caller_progress): every wait of a pass
+  // runs progress() on the waiting thread.
+  void set_caller_driven(bool on) { caller_driven_ = on; }
   size_t num_peers() const { return peers_.size(); }
   PeerClient& peer(size_t i) { return *peers_[i]; }
 
@@ -103,6 +111,7 @@ class Session {
     double submit_seconds = 0;
     uint64_t wakeups = 0;  // the client worker's, over the window (TransferEngine::stats())
     uint64_t sleeps = 0;
+    SysCounters::Totals sys;  // the client process's, over the window
     std::vector<double> lat_us;
     Status error;
   };
@@ -110,6 +119,8 @@ class Session {
 
   Window run_window(uint64_t count, uint64_t window, const SubmitFn& submit,
                     const std::vector<Expectation>& expects);
+  // The window's counts per op of `r` (r.ops set): wake-ups, sleeps, system calls, switches.
+  static void count_per_op(PassResult& r, const Window& w);
   Result<double> cpu_of(size_t peers);
   uint64_t src_offset(uint32_t iteration, uint64_t i, uint64_t size) const;
   // Compares a peer's hash of `count` ranges at first + k * step with the expected one;
@@ -119,6 +130,7 @@ class Session {
                 const std::function<std::string(uint64_t k)>& describe);
   Result<PeerGroup> group_of(uint32_t n);
   uint32_t fresh_imm() { return next_imm_++; }
+  std::function<bool()> driver();
 
   Result<PassResult> single(const Row& row, const Budget& b, uint32_t iteration);
   Result<PassResult> paged(const Row& row, const Budget& b, uint32_t iteration);
@@ -134,6 +146,8 @@ class Session {
   std::vector<std::unique_ptr<PeerClient>> peers_;
   std::map<uint32_t, PeerGroup> groups_;
   uint32_t next_imm_ = 1000;
+  SysCounters sys_;
+  bool caller_driven_ = false;
 };
 
 }  // namespace fabric::bench

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -10,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 namespace fabric::bench {
 
@@ -73,6 +76,24 @@ int run_peer(const Config& config) {
     if (!id) spdlog::warn("peer: cannot answer: {}", id.status().to_string());
   });
   std::optional<Registration> reg;
+  // A caller-driven group (--mode progress): a thread of the peer's drives it until quit;
+  // the command loop's blocking calls drive it too while they wait (one at a time).
+  std::atomic<bool> quit{false};
+  std::thread driver;
+  if (config.groups[0].caller_progress) {
+    driver = std::thread([&] {
+      // Spins while there is work; after 2 ms without any it naps 100 us between passes, so
+      // that an idle peer leaves the cores to the baselines run between our passes.
+      auto last_work = std::chrono::steady_clock::now();
+      while (!quit.load(std::memory_order_relaxed)) {
+        if (engine.progress(0)) {
+          last_work = std::chrono::steady_clock::now();
+        } else if (std::chrono::steady_clock::now() - last_work > std::chrono::milliseconds(2)) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+      }
+    });
+  }
   reply("address " + engine.address().to_hex());
   reply("ready");
 
@@ -171,6 +192,8 @@ int run_peer(const Config& config) {
     }
   }
   answerer.set(0, 0);
+  quit.store(true);
+  if (driver.joinable()) driver.join();
   engine.close();
   return 0;
 }

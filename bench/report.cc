@@ -105,7 +105,7 @@ Summary summarize(const RowReport& r) {
     s.error = r.error;
     return s;
   }
-  std::vector<double> gbps, mops, post, cpu, lat, wake, sleep;
+  std::vector<double> gbps, mops, post, cpu, lat, wake, sleep, sys, csw;
   for (const PassResult& p : r.passes) {
     if (p.seconds <= 0) continue;
     if (p.bytes > 0) {
@@ -116,10 +116,14 @@ Summary summarize(const RowReport& r) {
     post.push_back(p.post_us);
     if (!std::isnan(p.wakeups_per_op)) wake.push_back(p.wakeups_per_op);
     if (!std::isnan(p.sleeps_per_op)) sleep.push_back(p.sleeps_per_op);
+    if (!std::isnan(p.syscalls_per_op)) sys.push_back(p.syscalls_per_op);
+    if (!std::isnan(p.switches_per_op)) csw.push_back(p.switches_per_op);
     lat.insert(lat.end(), p.lat_us.begin(), p.lat_us.end());
   }
   s.wakeups_per_op = median(wake);
   s.sleeps_per_op = median(sleep);
+  s.syscalls_per_op = median(sys);
+  s.switches_per_op = median(csw);
   s.gbps = median(gbps);
   s.mops = median(mops);
   s.post_us = median(post);
@@ -197,8 +201,8 @@ std::string render_tables(const RunInfo& info, const std::vector<RowReport>& row
 
   if (!single.empty()) {
     title("single writes with an immediate");
-    Table t({"size", "Gbps", "Mops", "p50 us", "p99 us", "post us", "wake/op", "sleep/op",
-             "CPU s/GiB", "raw Gbps", "UCX put", "UCX tag", "ours/raw", "ours/UCX put",
+    Table t({"size", "Gbps", "Mops", "p50 us", "p99 us", "post us", "wake/op", "sleep/op", "sys/op",
+             "csw/op", "CPU s/GiB", "raw Gbps", "UCX put", "UCX tag", "ours/raw", "ours/UCX put",
              "verified"});
     for (const RowReport* r : single) {
       const Summary s = summarize(*r);
@@ -207,54 +211,56 @@ std::string render_tables(const RunInfo& info, const std::vector<RowReport>& row
       const Summary tag = summarize(runs_of(*r, kUcxTag));
       t.add({human_bytes(r->row.bytes), num(s.gbps, 2), num(s.mops, 3), num(s.p50_us, 1),
              num(s.p99_us, 1), num(s.post_us, 2), num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3),
-             num(s.cpu_s_per_gib, 2), num(raw.gbps, 2), num(put.gbps, 2), num(tag.gbps, 2),
-             num(ratio(s.gbps, raw.gbps), 2), num(ratio(s.gbps, put.gbps), 2), verified(*r)});
+             num(s.syscalls_per_op, 2), num(s.switches_per_op, 3), num(s.cpu_s_per_gib, 2),
+             num(raw.gbps, 2), num(put.gbps, 2), num(tag.gbps, 2), num(ratio(s.gbps, raw.gbps), 2),
+             num(ratio(s.gbps, put.gbps), 2), verified(*r)});
     }
     out += t.render(markdown);
   }
   if (!paged.empty()) {
     title("paged writes (random page indices, stride = page + 128 B, one immediate per page)");
     Table t({"page", "pages", "Gbps", "Mpages/s", "p50 us", "p99 us", "post us", "wake/op",
-             "sleep/op", "CPU s/GiB", "raw Gbps", "UCX put", "ours/raw", "ours/UCX put",
-             "verified"});
+             "sleep/op", "sys/op", "csw/op", "CPU s/GiB", "raw Gbps", "UCX put", "ours/raw",
+             "ours/UCX put", "verified"});
     for (const RowReport* r : paged) {
       const Summary s = summarize(*r);
       const Summary raw = summarize(runs_of(*r, kRaw));
       const Summary put = summarize(runs_of(*r, kUcxPut));
       t.add({human_bytes(r->row.page_bytes), std::to_string(r->row.pages), num(s.gbps, 2),
              num(s.mops, 3), num(s.p50_us, 0), num(s.p99_us, 0), num(s.post_us, 2),
-             num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3), num(s.cpu_s_per_gib, 2),
-             num(raw.gbps, 2), num(put.gbps, 2), num(ratio(s.gbps, raw.gbps), 2),
-             num(ratio(s.gbps, put.gbps), 2), verified(*r)});
+             num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3), num(s.syscalls_per_op, 2),
+             num(s.switches_per_op, 3), num(s.cpu_s_per_gib, 2), num(raw.gbps, 2), num(put.gbps, 2),
+             num(ratio(s.gbps, raw.gbps), 2), num(ratio(s.gbps, put.gbps), 2), verified(*r)});
     }
     out += t.render(markdown);
   }
   if (!imm.empty()) {
     title("imm-only writes: round trips one at a time, message rate with the window in flight");
-    Table t({"op", "Mops", "RTT p50 us", "RTT p99 us", "post us", "wake/op", "sleep/op", "raw Mops",
-             "raw p50", "raw p99", "UCX tag Mops", "UCX tag p50", "ours/raw Mops", "ours/raw p50",
-             "verified"});
+    Table t({"op", "Mops", "RTT p50 us", "RTT p99 us", "post us", "wake/op", "sleep/op", "sys/op",
+             "csw/op", "raw Mops", "raw p50", "raw p99", "UCX tag Mops", "UCX tag p50",
+             "ours/raw Mops", "ours/raw p50", "verified"});
     for (const RowReport* r : imm) {
       const Summary s = summarize(*r);
       const Summary raw = summarize(runs_of(*r, kRaw));
       const Summary tag = summarize(runs_of(*r, kUcxTag));
       t.add({"imm", num(s.mops, 3), num(s.p50_us, 1), num(s.p99_us, 1), num(s.post_us, 2),
-             num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3), num(raw.mops, 3),
-             num(raw.p50_us, 1), num(raw.p99_us, 1), num(tag.mops, 3), num(tag.p50_us, 1),
-             num(ratio(s.mops, raw.mops), 2), num(ratio(s.p50_us, raw.p50_us), 2), verified(*r)});
+             num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3), num(s.syscalls_per_op, 2),
+             num(s.switches_per_op, 3), num(raw.mops, 3), num(raw.p50_us, 1), num(raw.p99_us, 1),
+             num(tag.mops, 3), num(tag.p50_us, 1), num(ratio(s.mops, raw.mops), 2),
+             num(ratio(s.p50_us, raw.p50_us), 2), verified(*r)});
     }
     out += t.render(markdown);
   }
   if (!scatter.empty()) {
     title("scatter: one source to N peers, one immediate per target");
     Table t({"per target", "peers", "Gbps", "Mops", "p50 us", "p99 us", "post us", "wake/op",
-             "sleep/op", "CPU s/GiB", "verified"});
+             "sleep/op", "sys/op", "csw/op", "CPU s/GiB", "verified"});
     for (const RowReport* r : scatter) {
       const Summary s = summarize(*r);
       t.add({human_bytes(r->row.bytes), std::to_string(r->row.peers), num(s.gbps, 2),
              num(s.mops, 3), num(s.p50_us, 1), num(s.p99_us, 1), num(s.post_us, 2),
-             num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3), num(s.cpu_s_per_gib, 2),
-             verified(*r)});
+             num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3), num(s.syscalls_per_op, 2),
+             num(s.switches_per_op, 3), num(s.cpu_s_per_gib, 2), verified(*r)});
     }
     out += t.render(markdown);
   }
@@ -290,7 +296,9 @@ std::string render_tables(const RunInfo& info, const std::vector<RowReport>& row
       "barrier: round trips); post us: client time inside submit() per work request; wake/op, "
       "sleep/op: "
       "times a submission woke the client's worker (one eventfd write each) and times it slept, "
-      "per op (TransferEngine::stats()); CPU "
+      "per op (TransferEngine::stats()); sys/op, csw/op: system calls and context switches of "
+      "the whole client process (every thread: submitter, worker, callbacks) per op, counted "
+      "by the kernel (perf_event_open; n/a without it, and sys/op without tracefs); CPU "
       "s/GiB: CPU time of the client and its peers in the timed phase. raw: fabric-bench-raw "
       "(bare libfabric, same provider, same write size; paged: one write per page, "
       "contiguous); UCX put/tag: ucx_perftest ucp_put_bw / tag_bw (imm row: tag_bw and "
@@ -324,14 +332,15 @@ std::string render_json(const RunInfo& info, const std::vector<RowReport>& rows)
     out += fmt::format(
         "    {{\"op\": {}, \"bytes\": {}, \"page_bytes\": {}, \"pages\": {}, \"peers\": {}, "
         "\"gbps\": {}, \"mops\": {}, \"p50_us\": {}, \"p99_us\": {}, \"post_us\": {}, "
-        "\"wakeups_per_op\": {}, \"sleeps_per_op\": {}, "
+        "\"wakeups_per_op\": {}, \"sleeps_per_op\": {}, \"syscalls_per_op\": {}, "
+        "\"switches_per_op\": {}, "
         "\"cpu_s_per_gib\": {}, \"transfers_per_pass\": {}, \"window\": {}, \"passes\": {}, "
         "\"verified\": {}{}}}",
         json_string(op_name(r.row.op)), row_bytes(r.row), r.row.page_bytes, r.row.pages,
         r.row.peers, json_num(s.gbps), json_num(s.mops), json_num(s.p50_us), json_num(s.p99_us),
         json_num(s.post_us), json_num(s.wakeups_per_op), json_num(s.sleeps_per_op),
-        json_num(s.cpu_s_per_gib), r.plan.transfers, r.plan.window, s.runs,
-        r.error.empty() ? "true" : "false",
+        json_num(s.syscalls_per_op), json_num(s.switches_per_op), json_num(s.cpu_s_per_gib),
+        r.plan.transfers, r.plan.window, s.runs, r.error.empty() ? "true" : "false",
         r.error.empty() ? "" : ", \"error\": " + json_string(r.error));
   }
   out += "\n  ],\n  \"baselines\": [";

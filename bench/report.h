@@ -37,6 +37,8 @@ struct Summary {
   double post_us = std::nan("");
   double wakeups_per_op = std::nan("");  // ours only: the client engine's worker
   double sleeps_per_op = std::nan("");
+  double syscalls_per_op = std::nan("");  // ours only: the client process, every thread
+  double switches_per_op = std::nan("");
   double cpu_s_per_gib = std::nan("");
   size_t runs = 0;
   std::string error;  // the last error of a baseline that never ran
