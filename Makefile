@@ -10,7 +10,8 @@
 #                targets, ASan+UBSan and TSan (each building only what SANITIZER_LABELS need)
 #   make test-python  the fabric_lib Python module's pytest suite (Debian's /usr/bin/python3)
 #   make bench   the full benchmark over tcp and shm, with its baselines (UCX, iperf3, raw
-#                libfabric): tables on stdout, bench/results/<provider>.{json,md,png}
+#                libfabric): tables on stdout, bench/results/<provider>.{json,md,png};
+#                BENCH_ARGS="--mode progress" for caller-driven groups (fabric-bench --help)
 #   make bench-netlab  multi-NIC aggregation on the network-namespace lab (root): N = 1, 2, 4
 #                shaped veth links and an unequal set; bench/results/netlab.{md,json}
 #   make test-fuzz  build the libFuzzer targets (tests/fuzz, clang) and run each for
@@ -218,6 +219,9 @@ bench: deps bench-deps
 	@cmake --preset default >/dev/null
 	cmake --build --preset default --target fabric-bench fabric-bench-raw
 	mkdir -p bench/results
+	# sys/op counts system calls through the raw_syscalls tracepoint, which needs tracefs.
+	mountpoint -q /sys/kernel/tracing || mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || \
+	  echo "note: tracefs not mounted (not root?): the sys/op column reads n/a"
 	for p in $(BENCH_PROVIDERS); do
 	  echo
 	  echo "== fabric-bench over libfabric $$p =="

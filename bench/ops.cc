@@ -36,8 +36,10 @@ class Completions {
  public:
   // `drive`: a caller-driven group's progress() (Config caller_progress): the waits run it,
   // since nothing else moves the group and its callbacks run inside it. Empty: waits block.
-  explicit Completions(size_t total, std::function<bool()> drive = {})
-      : state_(std::make_shared<State>(total)), drive_(std::move(drive)) {}
+  // `hold`: kept while the waits may drive (Session::foreground()).
+  explicit Completions(size_t total, std::function<bool()> drive = {},
+                       std::shared_ptr<void> hold = {})
+      : state_(std::make_shared<State>(total)), drive_(std::move(drive)), hold_(std::move(hold)) {}
 
   Callbacks callbacks(size_t index) {
     return Callbacks{[st = state_, index] { st->finish(index, Status::ok()); },
@@ -103,6 +105,7 @@ class Completions {
   };
   std::shared_ptr<State> state_;
   std::function<bool()> drive_;
+  std::shared_ptr<void> hold_;
 };
 
 }  // namespace
@@ -184,11 +187,57 @@ Session::Session(TransferEngine& engine, Registration src, const PageBuffer& src
       start_peer_(std::move(start_peer)),
       seed_(seed) {}
 
-Session::~Session() = default;
+Session::~Session() {
+  {
+    std::lock_guard lock(between_mu_);
+    stop_between_ = true;
+  }
+  between_cv_.notify_all();
+  if (between_.joinable()) between_.join();
+}
 
 std::function<bool()> Session::driver() {
   if (!caller_driven_) return {};
   return [this] { return engine_.progress(0); };
+}
+
+void Session::set_caller_driven(bool on) {
+  caller_driven_ = on;
+  if (!on || between_.joinable()) return;
+  // Between the timed phases (peer commands, verification) nothing else drives the group, yet
+  // peers need answers from it (a peer's unregister fences this writer): a thread of ours
+  // drives it then, napping while idle, and stands aside while a phase's waits drive it.
+  between_ = std::thread([this] {
+    auto idle_since = Clock::now();
+    std::unique_lock lock(between_mu_);
+    while (!stop_between_) {
+      // Blocked, not napping, through a phase: its counts (sys/op, csw/op) stay the phase's.
+      between_cv_.wait(lock, [this] { return stop_between_ || foreground_ == 0; });
+      lock.unlock();
+      // Idle: naps that grow (50 us, then 2 ms after 50 ms), so that the baselines run
+      // between our passes keep the cores.
+      if (engine_.progress(0)) {
+        idle_since = Clock::now();
+      } else {
+        std::this_thread::sleep_for(Clock::now() - idle_since > std::chrono::milliseconds(50)
+                                        ? std::chrono::microseconds(2000)
+                                        : std::chrono::microseconds(50));
+      }
+      lock.lock();
+    }
+  });
+}
+
+std::shared_ptr<void> Session::foreground() {
+  if (!caller_driven_) return {};
+  {
+    std::lock_guard lock(between_mu_);
+    ++foreground_;
+  }
+  return std::shared_ptr<void>(nullptr, [this](void*) {
+    std::lock_guard lock(between_mu_);
+    if (--foreground_ == 0) between_cv_.notify_all();
+  });
 }
 
 Status Session::ensure_peers(uint32_t n) {
@@ -203,7 +252,7 @@ Status Session::ensure_peers(uint32_t n) {
 }
 
 Status Session::warm_up() {
-  Completions done(peers_.size(), driver());
+  Completions done(peers_.size(), driver(), foreground());
   for (size_t i = 0; i < peers_.size(); ++i) {
     ImmWrite w;
     w.peer = peers_[i]->address();
@@ -262,7 +311,7 @@ void Session::count_per_op(PassResult& r, const Window& w) {
 Session::Window Session::run_window(uint64_t count, uint64_t window, const SubmitFn& submit,
                                     const std::vector<Expectation>& expects) {
   Window w;
-  Completions done(count, driver());
+  Completions done(count, driver(), foreground());
   std::vector<Clock::time_point> submitted_at(count);
   const GroupStats before = engine_.stats().groups[0];
   const SysCounters::Totals sys_before = sys_.read();
@@ -505,7 +554,7 @@ Result<PassResult> Session::imm(const Row& row, const Budget& b, uint32_t iterat
   const uint64_t rounds = kWarmupRounds + b.rounds;
   const uint64_t base = engine_.imm_count(kPong);
   const auto deadline = Clock::now() + kPassTimeout;
-  Completions pings(rounds, driver());
+  Completions pings(rounds, driver(), foreground());
   for (uint64_t k = 0; k < rounds; ++k) {
     if (Clock::now() > deadline) {
       return Status(ErrorCode::kTimeout, fmt::format("{} of {} round trips in {} s", k, rounds,
@@ -624,7 +673,7 @@ Result<PassResult> Session::barrier(const Row& row, const Budget& b, uint32_t it
   PassResult r;
   const uint64_t rounds = kWarmupRounds + b.rounds;
   const uint64_t base = engine_.imm_count(kPong);
-  Completions done(rounds, driver());
+  Completions done(rounds, driver(), foreground());
   auto cpu0 = cpu_of(n);
   if (!cpu0) return cpu0.status();
   double submit_seconds = 0;

@@ -7,12 +7,15 @@
 #pragma once
 
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "fabric/fabric.h"
@@ -93,9 +96,9 @@ class Session {
   // Asks every peer to quit; the first error.
   Status quit_peers();
 
-  // The client's group is caller-driven (GroupConfig::caller_progress): every wait of a pass
-  // runs progress() on the waiting thread.
-  void set_caller_driven(bool on) { caller_driven_ = on; }
+  // The client's group is caller-driven (GroupConfig::caller_progress): every wait of a timed
+  // phase runs progress() on the waiting thread; between phases a thread of the session's does.
+  void set_caller_driven(bool on);
   size_t num_peers() const { return peers_.size(); }
   PeerClient& peer(size_t i) { return *peers_[i]; }
 
@@ -131,6 +134,8 @@ class Session {
   Result<PeerGroup> group_of(uint32_t n);
   uint32_t fresh_imm() { return next_imm_++; }
   std::function<bool()> driver();
+  // Held while a phase's waits drive the group: the between-phases thread stands aside.
+  std::shared_ptr<void> foreground();
 
   Result<PassResult> single(const Row& row, const Budget& b, uint32_t iteration);
   Result<PassResult> paged(const Row& row, const Budget& b, uint32_t iteration);
@@ -148,6 +153,11 @@ class Session {
   uint32_t next_imm_ = 1000;
   SysCounters sys_;
   bool caller_driven_ = false;
+  std::mutex between_mu_;
+  std::condition_variable between_cv_;
+  int foreground_ = 0;  // phases whose waits drive the group now
+  bool stop_between_ = false;
+  std::thread between_;
 };
 
 }  // namespace fabric::bench

@@ -82,13 +82,19 @@ int run_peer(const Config& config) {
   std::thread driver;
   if (config.groups[0].caller_progress) {
     driver = std::thread([&] {
-      // Spins while there is work; after 2 ms without any it naps 100 us between passes, so
-      // that an idle peer leaves the cores to the baselines run between our passes.
+      // Spins while there is work; after 2 ms without any it naps 100 us between passes, after
+      // 50 ms 2 ms, so that an idle peer leaves the cores to the baselines run between our
+      // passes (their first work request waits for the nap to end: warm-up absorbs it).
       auto last_work = std::chrono::steady_clock::now();
       while (!quit.load(std::memory_order_relaxed)) {
         if (engine.progress(0)) {
           last_work = std::chrono::steady_clock::now();
-        } else if (std::chrono::steady_clock::now() - last_work > std::chrono::milliseconds(2)) {
+          continue;
+        }
+        const auto idle = std::chrono::steady_clock::now() - last_work;
+        if (idle > std::chrono::milliseconds(50)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        } else if (idle > std::chrono::milliseconds(2)) {
           std::this_thread::sleep_for(std::chrono::microseconds(100));
         }
       }

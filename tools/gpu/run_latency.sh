@@ -7,11 +7,7 @@
 # before and after share the machine's state. JSON and markdown land in $OUT (default
 # /tmp/latency-out); every run is under `timeout`.
 set -u
-export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
-export PATH=$PWD/.gpu/bin:$PATH
-out=${OUT:-/tmp/latency-out}
-mkdir -p "$out"
-nproc >"$out/nproc.txt"
+source tools/gpu/bench_env.sh /tmp/latency-out
 versions=(after)
 [ -x .gpu/bin/fabric-bench-before ] && versions=(before after)
 rows=(--op single,paged,imm --sizes 4KiB,64KiB,256KiB,1MiB --page-sizes 4KiB --pages 100
