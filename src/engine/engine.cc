@@ -57,7 +57,8 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
 
     engine::WorkerServices services{
         e->callbacks_.get(), &e->imms_,
-        [raw = e.get()](std::vector<uint32_t>& imms) { raw->on_unexpected(imms); }, &e->regions_};
+        [raw = e.get()](std::vector<uint32_t>& imms, bool here) { raw->on_unexpected(imms, here); },
+        &e->regions_};
     auto w = engine::Worker::create(g, config, cpu, std::move(domains), std::move(services));
     if (!w) return w.status();
     std::vector<NicAddress> nic_addrs;
@@ -344,13 +345,13 @@ void EngineImpl::set_unexpected_imm_handler(std::function<void(uint32_t)> handle
       handler ? std::make_shared<const std::function<void(uint32_t)>>(std::move(handler)) : nullptr;
 }
 
-void EngineImpl::on_unexpected(std::vector<uint32_t>& imms) {
+void EngineImpl::on_unexpected(std::vector<uint32_t>& imms, bool here) {
   if (!has_unexpected_handler_.load()) return;
   auto handler = [this] {
     std::lock_guard lock(unexpected_mu_);
     return unexpected_handler_;
   };
-  if (config_.callbacks_on_worker) {
+  if (here) {  // callbacks on the worker, or a caller-driven pass: no hop
     if (auto h = handler()) {
       for (uint32_t imm : imms) {
         engine::CallbackThread::Job job = [&h, imm] { (*h)(imm); };

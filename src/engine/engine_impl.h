@@ -224,7 +224,8 @@ class EngineImpl {
   std::shared_ptr<const std::function<void(uint32_t)>> unexpected_handler_;
   std::atomic<bool> has_unexpected_handler_{false};
   // On a worker: immediates that arrived with no expectation, for the user's handler.
-  void on_unexpected(std::vector<uint32_t>& imms);
+  // `here`: run the handler on this thread (callbacks on the worker, a caller-driven pass).
+  void on_unexpected(std::vector<uint32_t>& imms, bool here);
   std::vector<std::unique_ptr<engine::Worker>> workers_;
   bool any_caller_driven_ = false;  // some group has GroupConfig::caller_progress
   std::vector<GroupInfo> infos_;

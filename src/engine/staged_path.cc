@@ -267,7 +267,8 @@ void Worker::commit_done(CommitJob& job) {
     std::vector<uint32_t> imms(job.commit.imm_times, job.commit.imm);
     std::vector<uint32_t> unexpected;
     services_.imms->arrive(imms, jobs_, unexpected);
-    if (!unexpected.empty() && services_.on_unexpected) services_.on_unexpected(unexpected);
+    if (!unexpected.empty() && services_.on_unexpected)
+      services_.on_unexpected(unexpected, config_.callbacks_on_worker || caller_driven_);
   }
   if (!job.status.is_ok()) {
     detail::log().warn("group {}: staged commit failed: {}", group_, job.status.to_string());

@@ -134,8 +134,10 @@ struct PeerQueue {
 struct WorkerServices {
   CallbackThread* callbacks;
   ImmCounters* imms;
-  // Called on the worker with immediates that arrived with no expectation.
-  std::function<void(std::vector<uint32_t>&)> on_unexpected;
+  // Called on the worker with immediates that arrived with no expectation; `here`: the
+  // handler runs on this thread (callbacks on the worker, or a caller-driven pass), else on
+  // the callback thread.
+  std::function<void(std::vector<uint32_t>&, bool here)> on_unexpected;
   // The engine's registrations (staged-path and CUDA IPC Commits name their region); outlives
   // the worker's thread.
   const RegionTable* regions = nullptr;

@@ -238,7 +238,9 @@ bool Worker::poll(uint32_t index) {
     services_.imms->arrive(imm_batch_, jobs_, unexpected_);
     imm_batch_.clear();
     if (!unexpected_.empty()) {
-      if (services_.on_unexpected) services_.on_unexpected(unexpected_);
+      if (services_.on_unexpected) {
+        services_.on_unexpected(unexpected_, config_.callbacks_on_worker || caller_driven_);
+      }
       unexpected_.clear();
     }
   }

@@ -165,6 +165,40 @@ TEST_P(Progress, WaitImmDrivesTheGroup) {
   EXPECT_TRUE(done.wait(std::chrono::seconds(20)));
 }
 
+// An immediate nobody expects reaches the unexpected-immediate handler on the thread that
+// drives the group (no hop to the callback thread, which a peer answering pings would pay on
+// every round trip), and the handler may submit from there.
+TEST_P(Progress, UnexpectedImmediatesReachTheHandlerOnTheDrivingThread) {
+  OPEN_OR_SKIP(a, false);
+  OPEN_OR_SKIP(b, true);
+  std::atomic<size_t> handler_thread{0};
+  std::atomic<int> seen{0};
+  TransferEngine& rb = *b;
+  const Address back = a->address();
+  b->set_unexpected_imm_handler([&](uint32_t imm) {
+    handler_thread.store(this_thread_hash());
+    if (imm != 41) return;
+    ImmWrite answer;
+    answer.peer = back;
+    answer.imm = 42;
+    EXPECT_TRUE(rb.submit(answer, {}));
+    seen.fetch_add(1);
+  });
+  Driver driver(*b);
+  constexpr int kPings = 20;
+  for (int i = 0; i < kPings; ++i) {
+    ImmWrite ping;
+    ping.peer = b->address();
+    ping.imm = 41;
+    ASSERT_TRUE(a->submit(ping, {}));
+    ASSERT_TRUE(a->wait_imm(42, static_cast<uint64_t>(i + 1), std::chrono::seconds(20)))
+        << "no answer to ping " << i;
+  }
+  driver.stop();
+  EXPECT_EQ(seen.load(), kPings);
+  EXPECT_EQ(handler_thread.load(), driver.id()) << "the handler ran on another thread";
+}
+
 // Two threads call progress() on the same group at once while traffic flows: one pass at a
 // time (the other call returns false), nothing is lost or counted twice.
 TEST_P(Progress, ConcurrentCallsOnOneGroupAreSafe) {
