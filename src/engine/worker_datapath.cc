@@ -202,7 +202,12 @@ bool Worker::poll(uint32_t index) {
           if (--t.abandoned == 0 && t.finished) live_.retire(t.id);
           break;
         }
-        op.queue->last_progress = now_;
+        // Evidence that the peer is alive, for the watchdogs (peer_timeout, nic_timeout). Not a
+        // write-fence note's: on tcp a send completes once the socket has taken it, and the
+        // fence re-sends its Hello every few ms until answered, so a dead link would look alive
+        // for ever while the writes it holds back wait (a fresh-clone run: all links down, no
+        // callback for 11 s, a Hello completing on the dead NIC 16 times a second).
+        if (!op.urgent) op.queue->last_progress = now_;
         WorkerCounters::bump(c.error == ErrorCode::kOk ? counters_->nic[index].completed
                                                        : counters_->nic[index].failed);
         if (c.error == ErrorCode::kOk && op.kind == Op::Kind::kWrite && op.length > 0) {

@@ -857,6 +857,28 @@ TEST_F(Failover, OneNicNeverConnectsThenTheOtherLinkDiesEveryTransferFailsWithin
       expect_every_callback_within_the_bound(st, "one NIC never connects, the other link down"));
 }
 
+// (b'') Links die after the connections are made but before the peer has answered this
+// engine's write-fence Hello: the writes wait for that answer, the Hello is sent again every
+// few ms and, on tcp, completes as soon as the socket takes it. Those completions are no sign
+// of the peer, so every transfer still fails within the bound (a fresh-clone run twice saw
+// them keep the dead link "alive": no callback for 11 s).
+TEST_F(Failover, WritesWaitingForAnUnansweredHelloFailWithinTheBound) {
+  ASSERT_NO_FATAL_FAILURE(open_failover(2, true));
+  // A message connects NIC 0 (messages need no Hello); then the peer's ends go down, so what
+  // this side sends is taken by its sockets and never answered.
+  const std::string text = "connect";
+  Probe sent;
+  ASSERT_TRUE(
+      engine_->submit_send(peer_->address, std::as_bytes(std::span(text)), sent.callbacks()));
+  ASSERT_TRUE(sent.wait(20s));
+  set_link_side(0, "b", "down");
+  set_link_side(1, "b", "down");
+  Stream st;
+  submit_stream(st, 8, 8, 9);
+  ASSERT_NO_FATAL_FAILURE(
+      expect_every_callback_within_the_bound(st, "links down before the Hello was answered"));
+}
+
 // Weighted sharding (Config::weighted_sharding, docs/netlab.md "Unequal links"): link 1
 // re-shaped to 50 Mbit next to link 0's 1 Gbit. After a few writes have measured the links, the
 // faster link carries most of every sharded and paged write, and the receiver's data and
