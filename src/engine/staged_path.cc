@@ -268,7 +268,7 @@ void Worker::commit_done(CommitJob& job) {
     std::vector<uint32_t> unexpected;
     services_.imms->arrive(imms, jobs_, unexpected);
     if (!unexpected.empty() && services_.on_unexpected)
-      services_.on_unexpected(unexpected, config_.callbacks_on_worker || caller_driven_);
+      services_.on_unexpected(unexpected, callbacks_here());
   }
   if (!job.status.is_ok()) {
     detail::log().warn("group {}: staged commit failed: {}", group_, job.status.to_string());

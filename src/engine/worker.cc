@@ -276,7 +276,7 @@ Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> Worker::regi
 // --- the loop -------------------------------------------------------------------------------
 
 void Worker::run_jobs() {
-  if ((!config_.callbacks_on_worker && !caller_driven_) || stopping_) {
+  if (!callbacks_here() || stopping_) {
     services_.callbacks->push(jobs_);
     return;
   }

@@ -565,6 +565,9 @@ class Worker {
   int event_fd_ = -1;
   std::thread thread_;
   bool caller_driven_ = false;
+  // Whether callbacks run on the thread of the pass (Config::callbacks_on_worker, or a
+  // caller-driven group) rather than on the engine's callback thread.
+  bool callbacks_here() const { return config_.callbacks_on_worker || caller_driven_; }
   std::mutex pass_mu_;  // caller-driven: held by the thread in a pass
 };
 

@@ -244,7 +244,7 @@ bool Worker::poll(uint32_t index) {
     imm_batch_.clear();
     if (!unexpected_.empty()) {
       if (services_.on_unexpected) {
-        services_.on_unexpected(unexpected_, config_.callbacks_on_worker || caller_driven_);
+        services_.on_unexpected(unexpected_, callbacks_here());
       }
       unexpected_.clear();
     }

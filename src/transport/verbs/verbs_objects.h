@@ -1,6 +1,7 @@
 // The verbs backend's own objects, shared by its control path and hot path.
 #pragma once
 
+#include <fmt/format.h>
 #include <infiniband/verbs.h>
 
 #include <bit>
@@ -119,6 +120,23 @@ inline constexpr uint32_t kGrhBytes = 40;  // a UD receive starts with the globa
 inline constexpr uint64_t kTagMask = 0xffull << 56;
 inline constexpr uint64_t kMsgRecvTag = 0x01ull << 56;
 inline constexpr uint64_t kImmRecvTag = 0x02ull << 56;
+
+// Shared by the control path and the connection handshake.
+inline constexpr uint32_t kUdSlotBytes = 256;  // a GRH and a Hello, rounded up
+static_assert(kGrhBytes + sizeof(Hello) <= kUdSlotBytes);
+inline constexpr uint8_t kHopLimit = 64;
+
+inline uint32_t mtu_bytes(uint8_t mtu) {
+  return mtu >= IBV_MTU_256 && mtu <= IBV_MTU_4096 ? 128u << mtu : 0;
+}
+
+inline std::string gid_text(const ibv_gid& g) {
+  std::string s;
+  for (int i = 0; i < 16; i += 2) {
+    s += fmt::format("{}{:02x}{:02x}", i ? ":" : "", g.raw[i], g.raw[i + 1]);
+  }
+  return s;
+}
 
 }  // namespace fabric::transport::verbs_detail
 
