@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -115,10 +116,14 @@ struct Config {
   std::chrono::microseconds inflight_spin{20};
   // After running user callbacks, the callback thread polls this long for more (yielding its
   // CPU between looks) before it sleeps, so that a callback soon after another one starts
-  // without a wake-up. Zero (the default): sleep at once. Worth it only where cores are to
-  // spare: 50 us took shm imm round trips from 19.7 to 13.3 us p50 on a 16-core host, and from
-  // 23 to 316 us on two cores (README, "Engine tuning").
-  std::chrono::microseconds callback_spin{0};
+  // without a wake-up. Unset (the default): auto_spin() of the CPUs the process may run on,
+  // 50 us where there are at least kAutoSpinMinCpus and 0 (sleep at once) on fewer. Spinning
+  // pays only where cores are to spare: on a 16-core host 50 us (with wait_spin's) took shm imm
+  // round trips with the worker thread from 23.4 to 7.1 us p50 and tcp from 58.0 to 36.8
+  // (bench/results/gpu-host/session12-modes); on two cores it took them from 23 to 316 us
+  // (bench/results/gpu-host/README.md, "Engine tuning").
+  // Environment: FABRIC_CALLBACK_SPIN_US (microseconds, or "auto").
+  std::optional<std::chrono::microseconds> callback_spin;
   // Run completion callbacks (on_done, on_error), expect_imm callbacks and the unexpected-imm
   // handler on the worker thread that saw them, as soon as it does, instead of handing them to
   // the callback thread: no thread hop and no wake-up between an arrival and its callback (an
@@ -133,9 +138,16 @@ struct Config {
   // Environment: FABRIC_CALLBACKS_ON_WORKER=0|1.
   bool callbacks_on_worker = false;
   // wait_imm polls for this long before it sleeps, so that an arrival soon after the call is
-  // seen without a wake-up of the waiting thread. Zero (the default): sleep at once. Like
-  // callback_spin, worth it only where cores are to spare. Environment: FABRIC_WAIT_SPIN_US.
-  std::chrono::microseconds wait_spin{0};
+  // seen without a wake-up of the waiting thread. Unset (the default): auto_spin(), as for
+  // callback_spin. Zero: sleep at once. Environment: FABRIC_WAIT_SPIN_US (microseconds, or
+  // "auto").
+  std::optional<std::chrono::microseconds> wait_spin;
+  // What an unset callback_spin or wait_spin means for a process allowed to run on `cpus` CPUs.
+  static constexpr unsigned kAutoSpinMinCpus = 8;
+  static constexpr std::chrono::microseconds kAutoSpin{50};
+  static constexpr std::chrono::microseconds auto_spin(size_t cpus) {
+    return cpus >= kAutoSpinMinCpus ? kAutoSpin : std::chrono::microseconds(0);
+  }
 
   // Two-sided messages: largest message submit_send accepts, and how many send buffers of
   // that size each group keeps registered (more sends than that wait for a free buffer).

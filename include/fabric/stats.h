@@ -10,6 +10,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -84,6 +85,10 @@ struct EngineStats {
   // Immediates counted by the engine's counters (every group and NIC; one per arrival, so a
   // paged write with an immediate counts one per page).
   uint64_t immediates_received = 0;
+  // Config::callback_spin and Config::wait_spin in effect: as configured, or what an unset one
+  // resolved to on this host (Config::auto_spin).
+  std::chrono::microseconds callback_spin{0};
+  std::chrono::microseconds wait_spin{0};
 };
 
 }  // namespace fabric

@@ -37,6 +37,25 @@ void duration_property(py::class_<Config>& cls, const char* name, const char* do
       [name](Config& c, py::handle v) { c.*Field = to_duration<Duration>(v, name); }, doc);
 }
 
+// A duration that may be unset (None): the engine then picks it (Config::auto_spin).
+template <typename Duration, std::optional<Duration> Config::*Field>
+void optional_duration_property(py::class_<Config>& cls, const char* name, const char* doc) {
+  cls.def_property(
+      name,
+      [](const Config& c) -> py::object {
+        if (!(c.*Field)) return py::none();
+        return py::cast(*(c.*Field));
+      },
+      [name](Config& c, py::handle v) {
+        if (v.is_none()) {
+          (c.*Field).reset();
+        } else {
+          c.*Field = to_duration<Duration>(v, name);
+        }
+      },
+      doc);
+}
+
 // FaultConfig.fail_write: a Python callable run on the worker thread for each work request.
 struct FailWriteHook {
   std::shared_ptr<PyRef> fn;
@@ -366,6 +385,10 @@ void bind_types(py::module_& m) {
       .def_readonly("groups", &EngineStats::groups, "A GroupStats per device group.")
       .def_readonly("immediates_received", &EngineStats::immediates_received,
                     "Immediates counted (every group and NIC; one per arrival).")
+      .def_readonly("callback_spin", &EngineStats::callback_spin,
+                    "Config.callback_spin in effect (a timedelta; an unset one resolved).")
+      .def_readonly("wait_spin", &EngineStats::wait_spin,
+                    "Config.wait_spin in effect (a timedelta; an unset one resolved).")
       .def(
           "__repr__",
           [](const EngineStats& s) {
@@ -585,13 +608,15 @@ void bind_config(py::module_& m) {
       config, "inflight_spin",
       "With work in flight and nothing else to do, how long the worker polls before blocking "
       "on the NICs' completion descriptors (timedelta or seconds).");
-  duration_property<std::chrono::microseconds, &Config::callback_spin>(
+  optional_duration_property<std::chrono::microseconds, &Config::callback_spin>(
       config, "callback_spin",
       "How long the callback thread polls for more callbacks before sleeping (timedelta or "
-      "seconds).");
-  duration_property<std::chrono::microseconds, &Config::wait_spin>(
+      "seconds; None, the default: 50 us on a host with 8 or more usable CPUs, else 0; "
+      "EngineStats.callback_spin says what an engine uses).");
+  optional_duration_property<std::chrono::microseconds, &Config::wait_spin>(
       config, "wait_spin",
-      "How long wait_imm polls before it sleeps (timedelta or seconds; 0: sleep at once).");
+      "How long wait_imm polls before it sleeps (timedelta or seconds; 0: sleep at once; None, "
+      "the default: as callback_spin).");
   duration_property<std::chrono::milliseconds, &Config::peer_timeout>(
       config, "peer_timeout",
       "A peer silent this long with work outstanding is declared unreachable (timedelta or "

@@ -70,12 +70,20 @@ Status Config::apply_env_overrides() {
     inflight_spin = std::chrono::microseconds(n);
   }
   if (const char* v = std::getenv("FABRIC_CALLBACK_SPIN_US"); v && *v) {
-    if (Status s = parse_int("FABRIC_CALLBACK_SPIN_US", v, 0, kMaxIdleMicros, n); !s) return s;
-    callback_spin = std::chrono::microseconds(n);
+    if (std::string_view(v) == "auto") {
+      callback_spin.reset();
+    } else {
+      if (Status s = parse_int("FABRIC_CALLBACK_SPIN_US", v, 0, kMaxIdleMicros, n); !s) return s;
+      callback_spin = std::chrono::microseconds(n);
+    }
   }
   if (const char* v = std::getenv("FABRIC_WAIT_SPIN_US"); v && *v) {
-    if (Status s = parse_int("FABRIC_WAIT_SPIN_US", v, 0, kMaxIdleMicros, n); !s) return s;
-    wait_spin = std::chrono::microseconds(n);
+    if (std::string_view(v) == "auto") {
+      wait_spin.reset();
+    } else {
+      if (Status s = parse_int("FABRIC_WAIT_SPIN_US", v, 0, kMaxIdleMicros, n); !s) return s;
+      wait_spin = std::chrono::microseconds(n);
+    }
   }
   if (const char* v = std::getenv("FABRIC_CALLBACKS_ON_WORKER"); v && *v) {
     if (Status s = parse_int("FABRIC_CALLBACKS_ON_WORKER", v, 0, 1, n); !s) return s;

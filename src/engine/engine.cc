@@ -31,6 +31,10 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
   }
   if (config.staging_chunk_bytes == 0)
     return invalid("config.staging_chunk_bytes must be positive");
+  if ((config.callback_spin && config.callback_spin->count() < 0) ||
+      (config.wait_spin && config.wait_spin->count() < 0)) {
+    return invalid("config.callback_spin and config.wait_spin must be 0 or more (or unset: auto)");
+  }
   for (uint32_t g = 0; g < config.groups.size(); ++g) {
     const int cpu = config.groups[g].cpu;
     if (cpu < 0 && cpu != GroupConfig::kCpuAuto && cpu != GroupConfig::kCpuNone) {
@@ -42,11 +46,14 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
   }
   std::unique_ptr<EngineImpl> e(new EngineImpl(config));
   e->tag_ = std::random_device{}() & 0xffffff;
-  e->callbacks_ = std::make_unique<engine::CallbackThread>(config.callback_spin);
-  e->imms_.set_wait_spin(config.wait_spin);
+  const std::vector<int> allowed = topology::allowed_cpus();
+  // Unset spins follow the CPUs this process may use (Config::auto_spin).
+  e->callback_spin_ = config.callback_spin.value_or(Config::auto_spin(allowed.size()));
+  e->wait_spin_ = config.wait_spin.value_or(Config::auto_spin(allowed.size()));
+  e->callbacks_ = std::make_unique<engine::CallbackThread>(e->callback_spin_);
+  e->imms_.set_wait_spin(e->wait_spin_);
   e->rotations_ = std::make_unique<std::atomic<uint32_t>[]>(config.groups.size());
 
-  const std::vector<int> allowed = topology::allowed_cpus();
   for (uint32_t g = 0; g < config.groups.size(); ++g) {
     auto group = engine::open_domain_group(config, g, allowed);
     if (!group) return group.status();

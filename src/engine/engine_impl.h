@@ -137,6 +137,8 @@ class EngineImpl {
   void reset_imm(uint32_t imm) { imms_.reset(imm); }
   EngineStats stats() const {
     EngineStats s = stats_.snapshot(imms_.total());
+    s.callback_spin = callback_spin_;
+    s.wait_spin = wait_spin_;
     std::shared_lock lock(close_mu_);
     for (size_t g = 0; g < s.groups.size() && g < workers_.size(); ++g) {
       if (workers_[g]) workers_[g]->fill_stats(s.groups[g]);
@@ -216,6 +218,9 @@ class EngineImpl {
   }
 
   const Config config_;
+  // Config::callback_spin and wait_spin in effect (an unset one resolved by Config::auto_spin).
+  std::chrono::microseconds callback_spin_{0};
+  std::chrono::microseconds wait_spin_{0};
   uint64_t tag_ = 0;  // distinguishes this engine's handles from another engine's
   std::unique_ptr<engine::CallbackThread> callbacks_;
   engine::ImmCounters imms_;

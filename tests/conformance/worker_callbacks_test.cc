@@ -2,6 +2,7 @@
 // worker thread; what they may call works, what would wait for the worker refuses at once; a
 // throwing callback does not stop the worker. And Config::wait_spin: wait_imm still counts.
 #include <pthread.h>
+#include <sched.h>
 
 #include <atomic>
 #include <string>
@@ -137,6 +138,27 @@ TEST_P(WorkerCallbacks, ThrowingCallbackDoesNotStopTheWorker) {
     ASSERT_TRUE(p.wait());
   }
   EXPECT_TRUE(b_->wait_imm(45, 10, std::chrono::seconds(20)));
+}
+
+// The spins in effect: a set one as set, an unset one resolved from the CPUs this process may
+// use (Config::auto_spin), and a negative one refused at creation, naming the fields.
+TEST_P(WorkerCallbacks, SpinsInEffectAreReportedAndNegativeOnesRefused) {
+  EXPECT_EQ(a_->stats().wait_spin.count(), 200);  // set by SetUp
+  Config c = make_config(GetParam());
+  auto e = TransferEngine::create(c);
+  ASSERT_TRUE(e) << e.status().to_string();
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  const auto expected = Config::auto_spin(static_cast<size_t>(CPU_COUNT(&set)));
+  const EngineStats st = (*e)->stats();
+  EXPECT_EQ(st.callback_spin, expected);
+  EXPECT_EQ(st.wait_spin, expected);
+  c.callback_spin = std::chrono::microseconds(-5);
+  auto bad = TransferEngine::create(c);
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("callback_spin"), std::string::npos);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, WorkerCallbacks, ::testing::ValuesIn(all_backends()),

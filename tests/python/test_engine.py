@@ -39,7 +39,11 @@ def test_config_fields_and_keywords():
     assert c.spin_time == datetime.timedelta(microseconds=100)
     c.inflight_spin = datetime.timedelta(microseconds=5)
     assert c.inflight_spin == datetime.timedelta(microseconds=5)
-    assert c.callback_spin == datetime.timedelta(0)
+    assert c.callback_spin is None and c.wait_spin is None  # auto: the engine picks
+    c.wait_spin = 0.00005
+    assert c.wait_spin == datetime.timedelta(microseconds=50)
+    c.wait_spin = None
+    assert c.wait_spin is None
     assert c.peer_timeout == datetime.timedelta(seconds=2)
     assert c.shard_min_bytes == 1 << 20
     c.groups[0].nics = ["lo", "lo"]  # edits the config, not a copy
@@ -71,6 +75,19 @@ def test_cuda_ipc_mode_in_config_info_and_stats():
         assert e.group_info().cuda_ipc == "off"
         g = e.stats().groups[0]
         assert g.cuda_ipc_transfers == 0 and g.cuda_ipc_bytes == 0
+
+
+def test_spins_in_effect_are_in_stats():
+    import os
+    c = fabric_lib.Config(provider="tcp", nics=["lo"], cpu=fabric_lib.GroupConfig.CPU_NONE)
+    auto = datetime.timedelta(microseconds=50) if len(os.sched_getaffinity(0)) >= 8 \
+        else datetime.timedelta(0)
+    with fabric_lib.TransferEngine(c) as e:
+        assert e.stats().callback_spin == auto and e.stats().wait_spin == auto
+    c.wait_spin = datetime.timedelta(microseconds=30)
+    with fabric_lib.TransferEngine(c) as e:
+        assert e.stats().wait_spin == datetime.timedelta(microseconds=30)
+        assert e.stats().callback_spin == auto
 
 
 def test_env_overrides(monkeypatch):

@@ -69,5 +69,38 @@ TEST(Config, WeightedShardingFromTheEnvironment) {
   unsetenv("FABRIC_WEIGHTED_SHARDING");
 }
 
+// The callback thread's and wait_imm's spins: unset by default (auto), set from the
+// environment in microseconds or back to auto with "auto"; auto spins only on hosts with CPUs
+// to spare.
+TEST(Config, SpinsAreAutoUnlessSetAndAutoFollowsTheCpuCount) {
+  Config c;
+  EXPECT_FALSE(c.callback_spin.has_value());
+  EXPECT_FALSE(c.wait_spin.has_value());
+  EXPECT_EQ(Config::auto_spin(2).count(), 0);
+  EXPECT_EQ(Config::auto_spin(Config::kAutoSpinMinCpus - 1).count(), 0);
+  EXPECT_EQ(Config::auto_spin(Config::kAutoSpinMinCpus), Config::kAutoSpin);
+  EXPECT_EQ(Config::auto_spin(128), Config::kAutoSpin);
+  EXPECT_GT(Config::kAutoSpin.count(), 0);
+
+  setenv("FABRIC_CALLBACK_SPIN_US", "0", 1);
+  setenv("FABRIC_WAIT_SPIN_US", "75", 1);
+  ASSERT_TRUE(c.apply_env_overrides());
+  ASSERT_TRUE(c.callback_spin.has_value());
+  EXPECT_EQ(c.callback_spin->count(), 0);
+  ASSERT_TRUE(c.wait_spin.has_value());
+  EXPECT_EQ(c.wait_spin->count(), 75);
+  setenv("FABRIC_WAIT_SPIN_US", "auto", 1);
+  ASSERT_TRUE(c.apply_env_overrides());
+  EXPECT_FALSE(c.wait_spin.has_value());
+  for (const char* bad : {"-1", "fast", "5us"}) {
+    setenv("FABRIC_CALLBACK_SPIN_US", bad, 1);
+    Status s = c.apply_env_overrides();
+    EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("FABRIC_CALLBACK_SPIN_US"), std::string::npos) << s.to_string();
+  }
+  unsetenv("FABRIC_CALLBACK_SPIN_US");
+  unsetenv("FABRIC_WAIT_SPIN_US");
+}
+
 }  // namespace
 }  // namespace fabric

@@ -4,13 +4,19 @@
 # --mode) over tcp and shm, single 4 KiB and 64 KiB writes and imm-only round trips and rate,
 # each against raw libfabric in the same run (issue 16's goals). The host's CPUs are shared
 # with nothing else, so the tracefs mount for sys/op is attempted (root). JSON and markdown
-# land in $OUT (default /tmp/modes-out); every run is under `timeout`.
+# land in $OUT (default /tmp/modes-out); every run is under `timeout`. BENCH_PROVIDERS and
+# BENCH_MODES narrow the loops; FABRIC_* tuning variables (FABRIC_WAIT_SPIN_US, ...) pass
+# through to the client and its peers.
 set -u
 source tools/gpu/bench_env.sh /tmp/modes-out
+# What a clock read costs depends on the clock source; the CPU model explains per-op costs.
+cat /sys/devices/system/clocksource/clocksource0/current_clocksource >"$out/clocksource.txt" 2>&1
+grep -m1 'model name' /proc/cpuinfo >"$out/cpu.txt" 2>&1
+env | grep '^FABRIC_' >"$out/env.txt" || true
 mountpoint -q /sys/kernel/tracing || mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null ||
   echo "note: no tracefs: sys/op reads n/a"
 for p in ${BENCH_PROVIDERS:-tcp shm}; do
-  for m in worker callbacks progress; do
+  for m in ${BENCH_MODES:-worker callbacks progress}; do
     echo "== $p $m =="
     timeout 100 fabric-bench --provider "$p" --mode "$m" --op single,imm --sizes 4KiB,64KiB \
       --iters 5 --pass-mib 32 --baseline raw --json "$out/$p-$m.json" \
