@@ -484,7 +484,8 @@ def test_waits_release_the_gil(pair):
     t.start()
     try:
         for wait in (lambda: b.wait_imm(12345, 1, 0.5),
-                     lambda: b.expect_imm(12346, 1).exception(0.5)):
+                     lambda: b.expect_imm(12346, 1).exception(0.5),
+                     lambda: fabric_lib.CompletionCounter().wait(1, 0.5)):
             start = time.monotonic()
             try:
                 wait()
