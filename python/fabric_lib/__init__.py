@@ -11,6 +11,7 @@ sender writes into it, and the receiver counts the immediates that arrive::
     ...
     engine.paged_write(src_reg, dst_descriptor, page_bytes, src_pages, dst_pages, imm=7).result()
     await engine.write(src_reg, dst_descriptor)       # every submission is also awaitable
+    engine.write(src_reg, dst_descriptor, counter=c)  # or counted: c = CompletionCounter()
 
 fabric_lib also carries fabric::kv (KvLayout, KvDecoder, KvPrefiller: disaggregated KV-cache
 transfer, docs/kv.md) and its membership registries (LocalRegistry, FileRegistry, EtcdRegistry),
@@ -28,6 +29,7 @@ from ._fabric_lib import (
     AlreadyExists,
     Cancelled,
     Closed,
+    CompletionCounter,
     Config,
     EngineStats,
     ErrorCode,
@@ -94,6 +96,7 @@ __all__ = [
     "AlreadyExists",
     "Cancelled",
     "Closed",
+    "CompletionCounter",
     "Config",
     "EngineStats",
     "ErrorCode",

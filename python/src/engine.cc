@@ -5,7 +5,9 @@
 // Ownership. A TransferEngine (Python) owns an EngineCore; each Registration shares it, so a
 // registration dropped after its engine still finds it (closed). Each submission owns a
 // Completion (its future, callbacks and the source registration), shared by the C++ callbacks;
-// the callback thread clears it under the GIL when the transfer completes.
+// the callback thread clears it under the GIL when the transfer completes. A submission with a
+// counter= has no Completion: its C++ callbacks own the counter, and the engine core holds its
+// source registration until a Python thread sees the transfer's callbacks gone.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -93,6 +95,24 @@ Callbacks callbacks_for(const std::shared_ptr<Completion>& c) {
   return Callbacks{[c] { c->done(); }, [c](const Status& s) { c->failed(s); }};
 }
 
+// What a submission with counter= gives its C++ callbacks to own: the counter, so that dropping
+// the Python CompletionCounter while the transfer runs frees nothing the worker still counts
+// into. No Python object: the callbacks are destroyed on whichever thread ends the transfer,
+// without the GIL. While they live, the transfer may still use its source memory.
+struct CountedTransfer {
+  std::shared_ptr<CompletionCounter> counter;
+};
+
+Callbacks counted_callbacks(std::shared_ptr<CountedTransfer> t) {
+  Callbacks cb;
+  cb.counter = t->counter.get();
+  // on_done stays empty: a transfer that succeeds then queues no job for the callback thread,
+  // and its callbacks (with `t`) are destroyed by the worker when it retires the transfer. A
+  // failure queues this no-op, which only carries `t` to the callback thread.
+  cb.on_error = [t = std::move(t)](const Status&) {};
+  return cb;
+}
+
 // A user handler the engine calls with an argument (unexpected immediates).
 struct HandlerSlot {
   PyRef fn;
@@ -151,6 +171,32 @@ struct EngineCore {
   std::map<uint32_t, std::shared_ptr<Completion>> expectations;
   std::shared_ptr<HandlerSlot> unexpected;
   std::map<uint32_t, std::shared_ptr<Receiver>> receivers;
+  // The source registrations of counted transfers, in submission order. The thread that ends
+  // such a transfer holds no GIL and cannot drop them; a Python thread does, at the engine's next
+  // submission (release_ended) or at close, once the transfer's callbacks are gone.
+  struct Held {
+    Held(std::weak_ptr<const CountedTransfer> t, py::object obj)
+        : transfer(std::move(t)), keepalive(std::move(obj)) {}
+    std::weak_ptr<const CountedTransfer> transfer;
+    PyRef keepalive;
+  };
+  std::deque<Held> held;
+
+  // Holding the GIL. Drops the registrations held for counted transfers that ended, from the
+  // oldest on: a transfer still running keeps those after it for a while longer, which keeps
+  // this O(1) per submission however many are in flight. `all`: every one (the engine closed).
+  void release_ended(bool all = false) {
+    // Dropped after the lock: a registration's destructor runs Python and unregisters with the
+    // GIL released, when another thread may take the GIL and then wait for `mu`.
+    std::vector<py::object> ended;
+    {
+      std::lock_guard lock(mu);
+      while (!held.empty() && (all || held.front().transfer.expired())) {
+        ended.push_back(held.front().keepalive.get());
+        held.pop_front();
+      }
+    }
+  }
 
   // Holding the GIL, on no callback thread. Ends what Python holds, then closes the engine
   // with the GIL released.
@@ -163,6 +209,7 @@ struct EngineCore {
     }
     // No callback runs any more; an expectation added by another thread meanwhile never will.
     fail_expectations();
+    release_ended(/*all=*/true);
     std::lock_guard lock(mu);
     if (unexpected) unexpected->fn.reset();
     for (auto& [g, r] : receivers) {
@@ -383,10 +430,47 @@ py::object callable_or_none(py::object fn, const char* what) {
   return fn;
 }
 
-// Makes the Completion of a submission and runs `post(callbacks)` with the GIL released;
-// returns the submission's Transfer future, or raises what the engine rejected.
+std::shared_ptr<CompletionCounter> to_counter(py::handle counter) {
+  if (!py::isinstance<CompletionCounter>(counter)) {
+    throw py::type_error("counter: expected a CompletionCounter or None");
+  }
+  return py::cast<std::shared_ptr<CompletionCounter>>(counter);
+}
+
+// The completion arguments every submission takes.
+struct Completions {
+  py::object on_done;
+  py::object on_error;
+  py::object counter;
+};
+
+// Makes the Completion of a submission (or, with a counter, counted callbacks) and runs
+// `post(callbacks)` with the GIL released; returns the submission's Transfer future (with a
+// counter: its transfer id), or raises what the engine rejected.
 template <typename Post>
-py::object submit(py::object on_done, py::object on_error, py::object keepalive, Post&& post) {
+py::object submit(EngineCore& core, Completions how, py::object keepalive, Post&& post) {
+  core.release_ended();
+  if (!how.counter.is_none()) {
+    // Either way of completing, not both: a counted transfer runs no Python code when it ends.
+    if (!how.on_done.is_none() || !how.on_error.is_none()) {
+      throw StatusError{Status(ErrorCode::kInvalidArgument,
+                               "counter: a counted transfer takes no on_done or on_error")};
+    }
+    auto t = std::make_shared<CountedTransfer>(CountedTransfer{to_counter(how.counter)});
+    std::weak_ptr<const CountedTransfer> watch = t;
+    Result<TransferId> id = [&] {
+      py::gil_scoped_release nogil;
+      return post(counted_callbacks(std::move(t)));
+    }();
+    if (!id) throw StatusError{id.status()};
+    if (!keepalive.is_none()) {
+      std::lock_guard lock(core.mu);
+      core.held.emplace_back(std::move(watch), std::move(keepalive));
+    }
+    return py::int_(*id);
+  }
+  py::object on_done = std::move(how.on_done);
+  py::object on_error = std::move(how.on_error);
   auto c = std::make_shared<Completion>();
   py::object future = futures_class("Transfer")();
   c->future = PyRef(future);
@@ -406,9 +490,8 @@ py::object submit(py::object on_done, py::object on_error, py::object keepalive,
 }
 
 template <typename Request>
-py::object submit(PyEngine& self, const Request& request, py::object on_done, py::object on_error,
-                  py::object keepalive) {
-  return submit(std::move(on_done), std::move(on_error), std::move(keepalive),
+py::object submit(PyEngine& self, const Request& request, Completions how, py::object keepalive) {
+  return submit(*self.core(), std::move(how), std::move(keepalive),
                 [&](Callbacks cb) { return self.engine().submit(request, std::move(cb)); });
 }
 
@@ -444,6 +527,45 @@ std::string duration_text(std::optional<double> s) {
 }  // namespace
 
 void bind_engine(py::module_& m) {
+  py::class_<CompletionCounter, std::shared_ptr<CompletionCounter>>(
+      m, "CompletionCounter",
+      "Completions as counts, for code that polls instead of taking callbacks: pass "
+      "counter=it to any TransferEngine submission. The engine counts each such transfer here "
+      "the moment it ends, on the thread that ends it (the group's worker), taking no GIL and "
+      "running no Python code. One counter may serve any number of transfers on any engines; "
+      "the transfers keep it alive, so dropping it early is safe. Thread-safe.")
+      .def(py::init<>(), "A counter at zero.")
+      .def_property_readonly("done", &CompletionCounter::done,
+                             "Transfers that ended successfully. An atomic load.")
+      .def_property_readonly("failed", &CompletionCounter::failed, "Transfers that failed.")
+      .def_property_readonly("ended", &CompletionCounter::ended, "done + failed.")
+      .def_property_readonly(
+          "first_error",
+          [](const CompletionCounter& c) -> py::object {
+            Status s = c.first_error();
+            if (s.is_ok()) return py::none();
+            return make_exception(s);
+          },
+          "The exception of the first failure counted (the class and message a Transfer "
+          "would raise: PeerUnreachable, Cancelled, ...), or None.")
+      .def(
+          "wait",
+          [](const CompletionCounter& c, uint64_t n, std::optional<double> timeout) {
+            return wait_interruptibly(
+                timeout, [&](std::chrono::milliseconds slice) { return c.wait(n, slice); });
+          },
+          py::arg("n"), py::arg("timeout") = py::none(),
+          "Waits until `ended` >= n or `timeout` seconds passed (None: forever); returns whether "
+          "it got there. Polls (yielding, then napping 50 us); GIL released. It does not drive "
+          "a caller-driven group: call progress() for that.")
+      .def(
+          "__repr__",
+          [](const CompletionCounter& c) {
+            return "CompletionCounter(done=" + std::to_string(c.done()) +
+                   ", failed=" + std::to_string(c.failed()) + ")";
+          },
+          "CompletionCounter(done=..., failed=...).");
+
   py::class_<PyRegistration>(
       m, "Registration",
       "Memory registered with an engine: `handle` for local submissions, `descriptor` (bytes, "
@@ -509,7 +631,11 @@ void bind_engine(py::module_& m) {
       "thread, then the future resolves. Invalid submissions raise at once (nothing is posted, "
       "no callback runs). Exceptions raised by callbacks go to sys.unraisablehook and never "
       "stop the engine. The GIL is released around every call that waits. Use as a context "
-      "manager, or call close().")
+      "manager, or call close().\n\n"
+      "Every submission also takes `counter=CompletionCounter()` instead of on_done/on_error "
+      "(both: InvalidArgument): the transfer is then counted there by the thread that ends it, "
+      "no Python code runs for it, and the submission returns the transfer id (an int). Its "
+      "source Registration is released at a later submission to this engine or at close().")
       .def(py::init([](std::optional<Config> config) {
              return std::make_unique<PyEngine>(config ? *config : Config{});
            }),
@@ -654,7 +780,8 @@ void bind_engine(py::module_& m) {
           "write",
           [](PyEngine& e, py::handle src, py::handle dst, std::optional<uint64_t> length,
              uint64_t src_offset, uint64_t dst_offset, py::object imm,
-             std::optional<Routing> routing, py::object on_done, py::object on_error) {
+             std::optional<Routing> routing, py::object on_done, py::object on_error,
+             py::object counter) {
             Source s = to_source(src);
             if (!length) {
               if (!s.length) {
@@ -671,23 +798,25 @@ void bind_engine(py::module_& m) {
             }
             SingleWrite w{s.handle, src_offset,  to_remote(dst, "write: dst"), dst_offset,
                           *length,  to_imm(imm), routing.value_or(Routing{})};
-            return submit(e, w, std::move(on_done), std::move(on_error), std::move(s.keepalive));
+            return submit(e, w, {std::move(on_done), std::move(on_error), std::move(counter)},
+                          std::move(s.keepalive));
           },
           py::arg("src"), py::arg("dst"), py::arg("length") = py::none(), py::kw_only(),
           py::arg("src_offset") = 0, py::arg("dst_offset") = 0, py::arg("imm") = py::none(),
           py::arg("routing") = py::none(), py::arg("on_done") = py::none(),
-          py::arg("on_error") = py::none(),
+          py::arg("on_error") = py::none(), py::arg("counter") = py::none(),
           "Writes `length` bytes (default: the rest of the source registration) from `src` "
           "(Registration or MemoryHandle) at src_offset to `dst` (RemoteMemory or its bytes) at "
           "dst_offset. With `imm`, the receiver counts exactly one arrival, after all the data. "
-          "`routing`: Routing.sharded(n) (default) or Routing.pinned(nic). Returns a Transfer; "
-          "raises OutOfRange, NotFound, InvalidArgument, Closed for a rejected write.")
+          "`routing`: Routing.sharded(n) (default) or Routing.pinned(nic). Returns a Transfer "
+          "(with `counter`, the transfer id); raises OutOfRange, NotFound, InvalidArgument, "
+          "Closed for a rejected write.")
       .def(
           "paged_write",
           [](PyEngine& e, py::handle src, py::handle dst, uint64_t page_bytes, py::handle src_pages,
              py::handle dst_pages, std::optional<uint64_t> src_stride, uint64_t src_offset,
              std::optional<uint64_t> dst_stride, uint64_t dst_offset, py::object imm,
-             py::object on_done, py::object on_error) {
+             py::object on_done, py::object on_error, py::object counter) {
             Source s = to_source(src);
             PagedWrite w;
             w.src = s.handle;
@@ -700,21 +829,24 @@ void bind_engine(py::module_& m) {
             w.dst_stride = dst_stride.value_or(page_bytes);
             w.dst_offset = dst_offset;
             w.imm = to_imm(imm);
-            return submit(e, w, std::move(on_done), std::move(on_error), std::move(s.keepalive));
+            return submit(e, w, {std::move(on_done), std::move(on_error), std::move(counter)},
+                          std::move(s.keepalive));
           },
           py::arg("src"), py::arg("dst"), py::arg("page_bytes"), py::arg("src_pages"),
           py::arg("dst_pages"), py::kw_only(), py::arg("src_stride") = py::none(),
           py::arg("src_offset") = 0, py::arg("dst_stride") = py::none(), py::arg("dst_offset") = 0,
           py::arg("imm") = py::none(), py::arg("on_done") = py::none(),
-          py::arg("on_error") = py::none(),
+          py::arg("on_error") = py::none(), py::arg("counter") = py::none(),
           "The KV-cache pattern: page i copies page_bytes from src_offset + src_pages[i] * "
           "src_stride to dst_offset + dst_pages[i] * dst_stride (strides default to page_bytes). "
           "Page lists: sequences of ints, integer NumPy arrays or integer CPU tensors. With "
-          "`imm`, the receiver counts one arrival per page. Returns a Transfer.")
+          "`imm`, the receiver counts one arrival per page. Returns a Transfer (with `counter`, "
+          "the transfer id).")
       .def(
           "scatter",
           [](PyEngine& e, py::handle src, PeerGroup group, py::iterable targets, py::object imm,
-             Scatter::Sharding sharding, py::object on_done, py::object on_error) {
+             Scatter::Sharding sharding, py::object on_done, py::object on_error,
+             py::object counter) {
             Source s = to_source(src);
             Scatter sc;
             sc.src = s.handle;
@@ -737,45 +869,51 @@ void bind_engine(py::module_& m) {
             }
             sc.imm = to_imm(imm);
             sc.sharding = sharding;
-            return submit(e, sc, std::move(on_done), std::move(on_error), std::move(s.keepalive));
+            return submit(e, sc, {std::move(on_done), std::move(on_error), std::move(counter)},
+                          std::move(s.keepalive));
           },
           py::arg("src"), py::arg("group"), py::arg("targets"), py::kw_only(),
           py::arg("imm") = py::none(), py::arg("sharding") = Scatter::Sharding::kByPeer,
           py::arg("on_done") = py::none(), py::arg("on_error") = py::none(),
+          py::arg("counter") = py::none(),
           "The MoE pattern: one source to many peers of a PeerGroup. `targets`: ScatterTarget "
           "or (dst, length, src_offset, dst_offset) tuples, each dst owned by a member. With "
           "`imm`, each receiver counts one arrival per target addressed to it. Returns a "
-          "Transfer.")
+          "Transfer (with `counter`, the transfer id).")
       .def(
           "barrier",
           [](PyEngine& e, PeerGroup group, uint32_t imm, uint32_t nic, uint32_t local_group,
-             py::object on_done, py::object on_error) {
-            return submit(e, Barrier{group, imm, nic, local_group}, std::move(on_done),
-                          std::move(on_error), py::none());
+             py::object on_done, py::object on_error, py::object counter) {
+            return submit(e, Barrier{group, imm, nic, local_group},
+                          {std::move(on_done), std::move(on_error), std::move(counter)},
+                          py::none());
           },
           py::arg("group"), py::arg("imm"), py::kw_only(), py::arg("nic") = 0,
           py::arg("local_group") = 0, py::arg("on_done") = py::none(),
-          py::arg("on_error") = py::none(),
+          py::arg("on_error") = py::none(), py::arg("counter") = py::none(),
           "A zero-byte write with immediate `imm` to every member of `group`: each counts one "
-          "arrival. Sent from local NIC `nic` of device group `local_group`. Returns a Transfer.")
+          "arrival. Sent from local NIC `nic` of device group `local_group`. Returns a Transfer "
+          "(with `counter`, the transfer id).")
       .def(
           "imm_write",
           [](PyEngine& e, py::handle peer, uint32_t imm, uint32_t nic, uint32_t local_group,
-             py::object on_done, py::object on_error) {
+             py::object on_done, py::object on_error, py::object counter) {
             return submit(e, ImmWrite{to_address(peer, "imm_write: peer"), imm, nic, local_group},
-                          std::move(on_done), std::move(on_error), py::none());
+                          {std::move(on_done), std::move(on_error), std::move(counter)},
+                          py::none());
           },
           py::arg("peer"), py::arg("imm"), py::kw_only(), py::arg("nic") = 0,
           py::arg("local_group") = 0, py::arg("on_done") = py::none(),
-          py::arg("on_error") = py::none(),
+          py::arg("on_error") = py::none(), py::arg("counter") = py::none(),
           "One zero-byte write with immediate `imm` to `peer` (Address or bytes), from local NIC "
-          "`nic` to the peer's NIC on that rail. Returns a Transfer.")
+          "`nic` to the peer's NIC on that rail. Returns a Transfer (with `counter`, the transfer "
+          "id).")
 
       // --- two-sided messages ---
       .def(
           "send",
           [](PyEngine& e, py::handle peer, py::handle message, uint32_t group, py::object on_done,
-             py::object on_error) {
+             py::object on_error, py::object counter) {
             Address a = to_address(peer, "send: peer");
             Py_buffer view;
             if (PyObject_GetBuffer(message.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
@@ -785,16 +923,19 @@ void bind_engine(py::module_& m) {
             std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> guard(&view, PyBuffer_Release);
             auto bytes = std::span<const std::byte>(static_cast<const std::byte*>(view.buf),
                                                     static_cast<size_t>(view.len));
-            return submit(std::move(on_done), std::move(on_error), py::none(), [&](Callbacks cb) {
-              return e.engine().submit_send(a, bytes, std::move(cb), group);
-            });
+            return submit(*e.core(), {std::move(on_done), std::move(on_error), std::move(counter)},
+                          py::none(), [&](Callbacks cb) {
+                            return e.engine().submit_send(a, bytes, std::move(cb), group);
+                          });
           },
           py::arg("peer"), py::arg("message"), py::kw_only(), py::arg("group") = 0,
           py::arg("on_done") = py::none(), py::arg("on_error") = py::none(),
+          py::arg("counter") = py::none(),
           "Sends `message` (bytes-like, copied before return, at most Config.max_message_bytes: "
           "OutOfRange otherwise) to the peer, which must receive "
           "(set_receive_handler). Messages are not flow-controlled: a peer without a free "
-          "receive buffer may fail or drop. Returns a Transfer.")
+          "receive buffer may fail or drop. Returns a Transfer (with `counter`, the transfer "
+          "id).")
       .def(
           "set_receive_handler",
           [](PyEngine& e, py::object handler, uint64_t buffer_bytes, uint32_t count,

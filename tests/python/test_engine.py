@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -485,25 +486,31 @@ def test_info_mirrors_fabric_info():
 
 
 def test_waits_release_the_gil(pair):
-    """Another Python thread runs while this one waits in the engine."""
+    """Another Python thread runs while this one waits in the engine: in the middle of the
+    wait, not only at its edges (a thread switch just before or after a wait that holds the GIL
+    would let it run there)."""
     a, b = pair
-    count, stop = [0], threading.Event()
+    ran_at, stop = [], threading.Event()
 
-    def spin():
+    def tick():
         while not stop.is_set():
-            count[0] += 1
+            ran_at.append(time.monotonic())
+            time.sleep(0.01)  # wakes up to the GIL: it cannot go on while a wait holds it
 
-    t = threading.Thread(target=spin)
+    t = threading.Thread(target=tick)
     t.start()
     try:
         for wait in (lambda: b.wait_imm(12345, 1, 0.5),
-                     lambda: b.expect_imm(12346, 1).exception(0.5)):
-            before = count[0]
+                     lambda: b.expect_imm(12346, 1).exception(0.5),
+                     lambda: fabric_lib.CompletionCounter().wait(1, 0.5)):
+            start = time.monotonic()
             try:
                 wait()
             except concurrent.futures.TimeoutError:
                 pass
-            assert count[0] > before, "the other thread did not run during the wait"
+            end = time.monotonic()
+            assert any(start + 0.1 < r < end - 0.1 for r in ran_at), \
+                "the other thread did not run during the wait"
     finally:
         stop.set()
         t.join()
