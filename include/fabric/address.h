@@ -5,6 +5,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <span>
@@ -52,7 +53,13 @@ struct Origin {
   // meaningful for an origin that shares this process's host and PID namespace; true when that
   // cannot be told.
   bool process_alive() const;
-  friend bool operator==(const Origin&, const Origin&) = default;
+  // Field by field, the random instance first and the boot id as one block (a defaulted
+  // comparison compares its 16 bytes one by one: a tenth of a scatter's instructions).
+  friend bool operator==(const Origin& a, const Origin& b) {
+    return a.instance == b.instance && a.pid == b.pid && a.start_time == b.start_time &&
+           a.netns == b.netns && a.pidns == b.pidns &&
+           std::memcmp(a.boot_id.data(), b.boot_id.data(), a.boot_id.size()) == 0;
+  }
 };
 
 // The address of one device group of an engine: one entry per NIC, in rail order, and where the
@@ -73,10 +80,11 @@ class Address {
   std::string to_hex() const;
 
   bool empty() const { return nics().empty(); }
-  const std::string& provider() const;
-  const std::vector<NicAddress>& nics() const;
+  // Inline: the submission path reads these for every target of a scatter.
+  const std::string& provider() const { return data().provider; }
+  const std::vector<NicAddress>& nics() const { return data().nics; }
   size_t num_nics() const { return nics().size(); }
-  const Origin& origin() const;
+  const Origin& origin() const { return data().origin; }
   // A short human-readable form for logs: "tcp;ofi_rxm/2nic/3f9a1c2e" (provider, NIC count,
   // a hash of the encoding).
   std::string short_name() const;
@@ -84,7 +92,13 @@ class Address {
   friend bool operator==(const Address& a, const Address& b);
 
  private:
-  struct Data;
+  struct Data {
+    std::string provider;
+    std::vector<NicAddress> nics;
+    Origin origin;
+  };
+  static const Data& no_data();  // what a default Address reads
+  const Data& data() const { return data_ ? *data_ : no_data(); }
   std::shared_ptr<const Data> data_;
 };
 
@@ -130,21 +144,30 @@ class RemoteMemory {
   std::string to_hex() const;
 
   bool empty() const { return data_ == nullptr; }
-  const Address& owner() const;
-  uint64_t base() const;  // the owner's virtual address of the region (informational)
-  uint64_t length() const;
-  const std::vector<Rail>& rails() const;
+  const Address& owner() const { return data().owner; }
+  uint64_t base() const { return data().base; }  // the owner's address of byte 0 (informational)
+  uint64_t length() const { return data().length; }
+  const std::vector<Rail>& rails() const { return data().rails; }
   // Non-zero when the region is GPU memory that the owner's NICs cannot reach: the rails then
   // name a pinned host mirror, and a writer asks the owner (by this id) to copy what it wrote
   // into the GPU before the write's immediate is counted (the staged path).
-  uint64_t staged_region() const;
+  uint64_t staged_region() const { return data().staged_region; }
   // Present when a same-host peer may write into the region over CUDA IPC.
-  const std::optional<CudaIpc>& cuda_ipc() const;
+  const std::optional<CudaIpc>& cuda_ipc() const { return data().cuda_ipc; }
 
   friend bool operator==(const RemoteMemory& a, const RemoteMemory& b);
 
  private:
-  struct Data;
+  struct Data {
+    Address owner;
+    uint64_t base = 0;
+    uint64_t length = 0;
+    std::vector<Rail> rails;
+    uint64_t staged_region = 0;
+    std::optional<CudaIpc> cuda_ipc;
+  };
+  static const Data& no_data();  // what an empty descriptor reads
+  const Data& data() const { return data_ ? *data_ : no_data(); }
   std::shared_ptr<const Data> data_;
 };
 

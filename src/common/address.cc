@@ -72,29 +72,13 @@ Result<Bytes> from_hex(std::string_view hex) {
 
 // --- Address --------------------------------------------------------------------------------
 
-struct Address::Data {
-  std::string provider;
-  std::vector<NicAddress> nics;
-  Origin origin;
-};
-
 Address::Address(std::string provider, std::vector<NicAddress> nics, Origin origin)
     : data_(std::make_shared<const Data>(
           Data{std::move(provider), std::move(nics), std::move(origin)})) {}
 
-const Origin& Address::origin() const {
-  static const Origin kUnknown;
-  return data_ ? data_->origin : kUnknown;
-}
-
-const std::string& Address::provider() const {
-  static const std::string kEmpty;
-  return data_ ? data_->provider : kEmpty;
-}
-
-const std::vector<NicAddress>& Address::nics() const {
-  static const std::vector<NicAddress> kEmpty;
-  return data_ ? data_->nics : kEmpty;
+const Address::Data& Address::no_data() {
+  static const Data kEmpty;
+  return kEmpty;
 }
 
 bool operator==(const Address& a, const Address& b) {
@@ -210,40 +194,14 @@ Result<Address> Address::from_hex(std::string_view hex) {
 
 // --- RemoteMemory ---------------------------------------------------------------------------
 
-struct RemoteMemory::Data {
-  Address owner;
-  uint64_t base;
-  uint64_t length;
-  std::vector<Rail> rails;
-  uint64_t staged_region;
-  std::optional<CudaIpc> cuda_ipc;
-};
-
 RemoteMemory::RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails,
                            uint64_t staged_region, std::optional<CudaIpc> cuda_ipc)
     : data_(std::make_shared<const Data>(
           Data{std::move(owner), base, length, std::move(rails), staged_region, cuda_ipc})) {}
 
-const Address& RemoteMemory::owner() const {
-  static const Address kEmpty;
-  return data_ ? data_->owner : kEmpty;
-}
-uint64_t RemoteMemory::base() const {
-  return data_ ? data_->base : 0;
-}
-uint64_t RemoteMemory::length() const {
-  return data_ ? data_->length : 0;
-}
-const std::vector<RemoteMemory::Rail>& RemoteMemory::rails() const {
-  static const std::vector<Rail> kEmpty;
-  return data_ ? data_->rails : kEmpty;
-}
-uint64_t RemoteMemory::staged_region() const {
-  return data_ ? data_->staged_region : 0;
-}
-const std::optional<RemoteMemory::CudaIpc>& RemoteMemory::cuda_ipc() const {
-  static const std::optional<CudaIpc> kNone;
-  return data_ ? data_->cuda_ipc : kNone;
+const RemoteMemory::Data& RemoteMemory::no_data() {
+  static const Data kEmpty;
+  return kEmpty;
 }
 
 bool operator==(const RemoteMemory& a, const RemoteMemory& b) {

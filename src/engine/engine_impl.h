@@ -49,29 +49,28 @@ inline Status invalid(std::string message) {
 }  // namespace engine_impl
 
 namespace engine {
-// A peer group's members, and an index by each member's first NIC name, so that a scatter
-// checks each target's owner in constant time (a scan compared every target with every member:
-// about 2000 address comparisons for a scatter to 63 peers).
+// A peer group's members, and an index of them, so that a scatter checks each target's owner
+// in constant time (a scan compared every target with every member: about 2000 address
+// comparisons for a scatter to 63 peers).
 struct PeerGroupMembers {
   std::vector<Address> peers;
-  std::unordered_multimap<std::string_view, size_t> by_first_nic;  // views into `peers`
+  // Indices into `peers` by the origin's random instance id (one per engine device group): a
+  // check hashes a number, not a NIC name (which cost a third of a scatter's instructions), and
+  // compares whole addresses only with the members of that engine (addresses without an origin,
+  // wire version 1, share instance 0).
+  std::unordered_multimap<uint64_t, size_t> by_instance;
 
   explicit PeerGroupMembers(std::vector<Address> members) : peers(std::move(members)) {
-    by_first_nic.reserve(peers.size());
-    for (size_t i = 0; i < peers.size(); ++i) by_first_nic.emplace(first_nic(peers[i]), i);
+    by_instance.reserve(peers.size());
+    for (size_t i = 0; i < peers.size(); ++i) by_instance.emplace(peers[i].origin().instance, i);
   }
   bool contains(const Address& a) const {
     if (a.empty()) return false;
-    auto [lo, hi] = by_first_nic.equal_range(first_nic(a));
+    auto [lo, hi] = by_instance.equal_range(a.origin().instance);
     for (auto it = lo; it != hi; ++it) {
       if (peers[it->second] == a) return true;
     }
     return false;
-  }
-  static std::string_view first_nic(const Address& a) {
-    if (a.empty()) return {};
-    const Bytes& name = a.nics()[0].name;
-    return {reinterpret_cast<const char*>(name.data()), name.size()};
   }
 };
 }  // namespace engine

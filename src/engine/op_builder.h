@@ -23,18 +23,21 @@ struct Scratch {
 // `domain`. A write of zero bytes goes from `scratch`.
 inline Op write_op(Transfer& t, uint32_t domain, const RemoteMemory& dst, uint64_t offset,
                    const void* local, void* local_desc, uint64_t length, Scratch scratch) {
-  const uint32_t rail = remote_rail(domain, dst.rails().size());
+  // Each accessor of a descriptor is a call (its data is private to address.cc): read once.
+  const std::vector<RemoteMemory::Rail>& rails = dst.rails();
+  const Address& owner = dst.owner();
+  const uint32_t rail = remote_rail(domain, rails.size());
   Op op;
   op.transfer = &t;
   op.domain = domain;
-  op.peer = &dst.owner().nics()[rail].name;
-  op.owner = &dst.owner();
+  op.peer = &owner.nics()[rail].name;
+  op.owner = &owner;
   op.dst_mem = &dst;
   op.length = length;
   op.local = length == 0 ? scratch.local : local;
   op.local_desc = length == 0 ? scratch.desc : local_desc;
-  op.remote_addr = dst.rails()[rail].addr + offset;
-  op.remote_key = dst.rails()[rail].key;
+  op.remote_addr = rails[rail].addr + offset;
+  op.remote_key = rails[rail].key;
   return op;
 }
 

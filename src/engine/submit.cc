@@ -232,13 +232,19 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   auto in_range = [](uint64_t offset, uint64_t length, uint64_t region) {
     return offset <= region && length <= region - offset;
   };
+  const std::string& provider = infos_[group].provider;
+  const uint64_t src_length = (*src)->length;
   for (size_t i = 0; i < sc.targets.size(); ++i) {
     const ScatterTarget& tg = sc.targets[i];
-    // The common case without formatting a message; the checks below say what is wrong.
-    if (!tg.dst.empty() && tg.dst.owner().provider() == infos_[group].provider &&
-        members.contains(tg.dst.owner()) && in_range(tg.src_offset, tg.length, (*src)->length) &&
-        in_range(tg.dst_offset, tg.length, tg.dst.length())) {
-      continue;
+    // The common case without formatting a message: what check_remote and the checks below
+    // hold, in one expression (each descriptor accessor is a call: owner read once).
+    if (!tg.dst.empty()) {
+      const Address& owner = tg.dst.owner();
+      if (tg.dst.rails().size() == owner.num_nics() && owner.provider() == provider &&
+          members.contains(owner) && in_range(tg.src_offset, tg.length, src_length) &&
+          in_range(tg.dst_offset, tg.length, tg.dst.length())) {
+        continue;
+      }
     }
     const std::string what = fmt::format("scatter target {}", i);
     if (Status s = check_remote(tg.dst, group, what); !s) return s;

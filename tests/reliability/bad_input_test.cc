@@ -250,6 +250,18 @@ const std::vector<Row>& rows() {
                       e.cb)
              .status();
        }},
+      // The fast check of a scatter's targets must hold a descriptor made by hand to the rule
+      // that check_remote holds single writes to: one rail per owner NIC (the plan indexes the
+      // owner's NICs by rail).
+      {"scatter_descriptor_rails_mismatch", ErrorCode::kInvalidArgument, "rails",
+       [](Env& e) {
+         const RemoteMemory& d = e.dst->reg.descriptor;
+         std::vector<RemoteMemory::Rail> rails(d.rails().size() + 2, d.rails()[0]);
+         const RemoteMemory wide = descriptor_with(d, kBytes, std::move(rails));
+         auto g = e.a->add_peer_group({e.b->address()});
+         return e.a->submit(Scatter{e.src->reg.handle, *g, {{wide, 16, 0, 0}}, kImm, {}}, e.cb)
+             .status();
+       }},
       {"scatter_unknown_peer_group", ErrorCode::kNotFound, "does not exist",
        [](Env& e) {
          return e.a
