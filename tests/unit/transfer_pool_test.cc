@@ -1,6 +1,6 @@
 // TransferPool and LiveTransfers (src/engine/transfer_pool.h, live_transfers.h): a transfer
-// given back is reset and handed out again with its buffers, a full pool frees, and many threads
-// take and give back at once.
+// given back lets go of what it holds at once and is handed out again reset with its buffers, a
+// full pool frees, and many threads take and give back at once.
 #include "engine/transfer_pool.h"
 
 #include <gtest/gtest.h>
@@ -48,6 +48,25 @@ TEST(TransferPool, AGivenBackTransferComesBackResetWithItsBuffers) {
   EXPECT_FALSE(again->callbacks.on_done);
   EXPECT_TRUE(again->control.empty());
   EXPECT_EQ(again->probe_nic, -1);
+}
+
+// What others wait for goes the moment the transfer is given back, not when it is taken again:
+// unregister_memory waits for the source registration's last holder, and a callback's captures
+// (Python's counted transfers watch theirs) must not outlive the transfer in the pool.
+TEST(TransferPool, GivingBackLetsGoOfCallbacksSourceAndDescriptorsAtOnce) {
+  TransferPool pool(4);
+  auto region = std::make_shared<LocalRegion>();
+  auto captured = std::make_shared<int>(7);
+  std::weak_ptr<int> watch = captured;
+  {
+    TransferPtr t = pool.take();
+    t->src = region;
+    t->callbacks.on_done = [c = std::move(captured)] { (void)c; };
+    t->dsts.resize(2);
+    t->peers.resize(1);
+  }
+  EXPECT_EQ(region.use_count(), 1) << "the pool still holds the source registration";
+  EXPECT_TRUE(watch.expired()) << "the pool still holds the callbacks' captures";
 }
 
 TEST(TransferPool, AFullPoolFreesWhatIsGivenBack) {
