@@ -201,6 +201,14 @@ void plan_single_up(std::vector<Shard>& out, uint64_t length, const std::vector<
                     std::span<const uint64_t> weights) {
   const auto n = static_cast<uint32_t>(up.size());
   if (routing.kind == Routing::Kind::kPinned) {
+    // The common case (every target of a scatter by peer) in one step: the NIC is up and the
+    // write fits one work request; what plan_single and append_split would give.
+    if (routing.nic < n && up[routing.nic] &&
+        (length <= params.max_wr_bytes || params.max_wr_bytes == 0)) {
+      out.clear();
+      out.push_back({routing.nic, 0, length});
+      return;
+    }
     plan_single(out, length, n, Routing::pinned(failover_nic(routing.nic, up, rotation)), rotation,
                 params);
     return;

@@ -187,6 +187,30 @@ TEST(PlanUp, PinnedToADownNicMovesToAnUpOne) {
   EXPECT_EQ(plan_single_up(5000, up, Routing::pinned(3), 0, kParams)[0].domain, 3u);
 }
 
+// The one-step path for a pinned write to an up NIC gives what the general one does, at the
+// edges of the largest work request too (0 bytes, exactly max, one over, no limit).
+TEST(PlanUp, PinnedToAnUpNicPlansAsTheGeneralPathDoes) {
+  const std::vector<bool> up{true, false, true};
+  for (uint64_t max_wr : {uint64_t{0}, uint64_t{4096}, UINT64_MAX}) {
+    const ShardParams params{1024, 256, max_wr};
+    for (uint64_t length : {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{4096},
+                            uint64_t{4097}, uint64_t{3} * 4096 + 5}) {
+      for (uint32_t nic : {0u, 2u}) {
+        std::vector<Shard> fast;
+        plan_single_up(fast, length, up, Routing::pinned(nic), 7, params);
+        std::vector<Shard> general;
+        plan_single(general, length, 3, Routing::pinned(nic), 7, params);
+        ASSERT_EQ(fast.size(), general.size()) << length << " max " << max_wr;
+        for (size_t i = 0; i < fast.size(); ++i) {
+          EXPECT_EQ(fast[i].domain, general[i].domain);
+          EXPECT_EQ(fast[i].offset, general[i].offset);
+          EXPECT_EQ(fast[i].length, general[i].length);
+        }
+      }
+    }
+  }
+}
+
 TEST(PlanUp, NoNicUpPlansOverAllOfThem) {
   // The transfer then fails by peer_timeout rather than at submission.
   const std::vector<bool> up(3, false);
