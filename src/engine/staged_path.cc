@@ -160,7 +160,7 @@ void Worker::send_commit(Transfer& t, const Commit& c, const Address& owner) {
   Bytes& msg = t.control_msgs.emplace_back(c.encode());
   CommitSend& cs = t.commits.emplace_back();
   cs.transfer = &t;
-  cs.seq = stamp(msg);
+  cs.seq = messages_->stamp(msg);
   cs.message = &msg;
   cs.owner = &owner;
   unacked_.emplace(cs.seq, &cs);

@@ -12,7 +12,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <utility>
 
 #include "engine/plan.h"
@@ -73,23 +72,13 @@ Result<std::unique_ptr<Worker>> Worker::create(
     w->domains_.push_back(std::move(d));
   }
   w->counters_ = std::make_unique<WorkerCounters>(w->domains_.size());
-  // Registered send buffers, on every NIC: a message goes over the first NIC that is up.
-  w->send_pool_ = std::make_unique<SendPool>();
-  w->send_pool_->slot_bytes =
-      round_up(config.max_message_bytes + kMessageHeaderBytes, kBufferAlignment);
-  w->send_pool_->per_chunk = std::max<uint32_t>(config.send_buffers, 1);
-  if (Status s = w->add_send_chunk(); !s) return s;
-  // The engine's own receive buffers on every NIC, posted before anything can be sent here.
-  for (uint32_t i = 0; i < w->domains_.size(); ++i) {
-    auto control = w->make_pool(i, config.max_message_bytes + kMessageHeaderBytes,
-                                std::max<uint32_t>(config.control_buffers, 1));
-    if (!control) return control.status();
-    w->control_pools_.push_back(std::move(*control));
-    for (RecvSlot& slot : w->control_pools_.back()->slots) w->repost(slot);
-  }
-  // Receivers tell this worker's messages apart from any other's (a restarted engine's too).
-  std::random_device random;
-  w->sender_id_ = (uint64_t{random()} << 32) ^ random();
+  std::vector<transport::Domain*> nics;
+  for (auto& d : w->domains_) nics.push_back(d.domain.get());
+  auto messages =
+      Messenger::create(group, std::move(nics),
+                        {config.max_message_bytes, config.send_buffers, config.control_buffers});
+  if (!messages) return messages.status();
+  w->messages_ = std::move(*messages);
   return w;
 }
 
@@ -97,9 +86,7 @@ Worker::~Worker() {
   stop();
   for (RingEntry e{}; ring_.try_pop(e);) TransferPtr(e.transfer, TransferRecycler{e.pool});
   // Registrations before the domains they live on.
-  recv_pools_.clear();
-  control_pools_.clear();
-  send_pool_.reset();
+  messages_.reset();
   commit_jobs_.clear();
   live_.clear();
   copiers_.clear();
