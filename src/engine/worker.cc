@@ -50,6 +50,7 @@ Result<std::unique_ptr<Worker>> Worker::create(
     std::vector<std::unique_ptr<transport::Domain>> domains, WorkerServices services) {
   std::unique_ptr<Worker> w(new Worker(group, config, cpu));
   w->services_ = std::move(services);
+  w->staged_ = std::make_unique<StagedPath>(group, w->services_.regions, w.get());
   w->completions_.resize(std::max<uint32_t>(config.cq_batch, 1));
   w->nic_up_ = std::make_unique<std::atomic<bool>[]>(domains.size());
   for (size_t i = 0; i < domains.size(); ++i) w->nic_up_[i].store(true);
@@ -87,7 +88,7 @@ Worker::~Worker() {
   for (RingEntry e{}; ring_.try_pop(e);) TransferPtr(e.transfer, TransferRecycler{e.pool});
   // Registrations before the domains they live on.
   messages_.reset();
-  commit_jobs_.clear();
+  staged_.reset();  // its jobs hold regions, which release on the domains
   live_.clear();
   copiers_.clear();
   for (auto& d : domains_) d.scratch.reset();
@@ -298,7 +299,7 @@ bool Worker::pass(bool& finished) {
   for (auto& d : domains_) active |= post_some(d);
   for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
   if (!ipc_open_.empty()) flush_ipc_batches();  // the Commits those polls read
-  if (!copiers_.empty()) active |= poll_copies();
+  if (!copiers_.empty() || staged_->has_copiers()) active |= poll_copies();
   for (auto& d : domains_) active |= post_some(d);
   watch_peers();
   active |= drain_ready();
@@ -358,7 +359,7 @@ void Worker::finish_stop() {
   for (CopierEntry& c : copiers_) c.copier->drain();
   ipc_open_.clear();
   ipc_batches_.clear();
-  commit_jobs_.clear();
+  staged_->drain();
   awaiting_acks_.clear();
   if (posted_ > abandoned_) {
     detail::log().warn("group {}: closing with {} work requests still in flight after {} ms",
@@ -383,6 +384,7 @@ void Worker::idle(bool active) {
   const auto now = now_;
   bool copying = false;
   for (const CopierEntry& c : copiers_) copying |= c.copier->outstanding() > 0;
+  copying |= staged_->copying();
   // Queued work waits for room in a provider queue that only polling makes: keep polling.
   if (active || queued_ > 0 || stopping_ || copying) {
     last_active_ = now;

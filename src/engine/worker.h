@@ -26,6 +26,7 @@
 #include "engine/op_builder.h"
 #include "engine/rate_meter.h"
 #include "engine/regions.h"
+#include "engine/staged_path.h"
 #include "engine/transfer_pool.h"
 #include "engine/transfer_state.h"
 #include "engine/write_fence.h"
@@ -37,9 +38,10 @@ namespace fabric::engine {
 
 // The worker's files (docs/engine.md, "Files"): worker.cc (creation, the loop, stopping, idling),
 // worker_datapath.cc, worker_messages.cc (routing what the Messenger receives, internal
-// messages), failover.cc, staged_path.cc, isolation.cc, write_fence.cc, ipc_worker.cc. Its
-// components, which own their state and call nothing above them: Messenger (messenger.h),
-// WriteFence (write_fence.h), TransferPool (transfer_pool.h), LiveTransfers (live_transfers.h).
+// messages), failover.cc, staged_path.cc (the writer's side), isolation.cc, write_fence.cc,
+// ipc_worker.cc. Its components, which own their state and call nothing above them: Messenger
+// (messenger.h), StagedPath (staged_path.h: the owner's side of Commits), WriteFence
+// (write_fence.h), TransferPool (transfer_pool.h), LiveTransfers (live_transfers.h).
 
 inline Status cancelled(std::string_view why) {
   return Status(ErrorCode::kCancelled, std::string(why));
@@ -242,39 +244,10 @@ class Worker {
     uint64_t failed_over = 0;  // work requests moved off it, for the log
     RateMeter rate;            // weighted sharding: its write rate, published in nic_rate_
   };
-  // A staged-path Commit being copied into device memory; its address is the copier's token.
-  struct CommitJob {
-    Commit commit;
-    uint64_t sender = 0;
-    uint64_t seq = 0;
-    uint32_t reply_domain = 0;  // the NIC its latest copy arrived on: the Ack goes back there
-    std::shared_ptr<LocalRegion> region;
-    Status status;
-    IpcImports::Lease lease;  // the CUDA IPC path: the writer's mapped source, while copying
-  };
-  // Commits counted, by (sender, sequence), so that a copy sent again is acknowledged with the
-  // first one's result instead of being counted twice. Bounded (kMaxCommitRecords, oldest
-  // forgotten first).
-  struct CommitKey {
-    uint64_t sender;
-    uint64_t seq;
-    friend bool operator==(const CommitKey&, const CommitKey&) = default;
-  };
-  struct CommitKeyHash {
-    size_t operator()(const CommitKey& k) const noexcept {
-      return std::hash<uint64_t>{}(k.sender * 0x9e3779b97f4a7c15ull ^ k.seq);
-    }
-  };
-  struct CommitRecord {
-    CommitJob* job = nullptr;  // still being copied; null once acknowledged
-    ErrorCode code = ErrorCode::kOk;
-    std::string message;
-    uint64_t transfer = 0;  // the writer's, for the Ack
-    Bytes reply;            // the writer's Address, encoded
-  };
-  // What a copier's fence tokens point to: Gates (the staged path's host-bound copies),
-  // CommitJobs (its device-bound copies), or IpcBatches (the CUDA IPC path's owner copies).
-  enum class Tokens { kGates, kCommits, kIpcBatches };
+  // What a copier's fence tokens point to: Gates (the staged path's host-bound copies) or
+  // IpcBatches (the CUDA IPC path's owner copies). The device-bound copies of staged Commits
+  // have copiers of their own, in the StagedPath.
+  enum class Tokens { kGates, kIpcBatches };
   struct CopierEntry {
     cuda::PointerInfo device;
     std::unique_ptr<cuda::Copier> copier;
@@ -338,9 +311,8 @@ class Worker {
   void gate_done(Gate& gate, const Status& status);
   void record_staged(Op& op);
   void flush_commits(Transfer& t, uint32_t dst_index, bool with_imm);
-  void handle_commit(const MessageHeader& header, std::span<const std::byte> body, uint32_t domain);
-  void commit_duplicate(const MessageHeader& header, uint32_t domain);
-  void commit_done(CommitJob& job);
+  // Does what the StagedPath asked for since the last call (staged_path.h, Event), in order.
+  void run_staged_events();
   void send_ack(const Address& to, uint32_t domain, const Ack& ack);
   void handle_ack(std::span<const std::byte> body);
   // An urgent message goes ahead of the work already queued towards the peer; one sent
@@ -434,6 +406,8 @@ class Worker {
   // Two-sided messages: send and receive pools, stamps, dedup (made in create(), on domains_).
   std::unique_ptr<Messenger> messages_;
   std::vector<CopierEntry> copiers_;
+  // The owner's side of Commits: jobs, commit records, device-bound copiers (made in create()).
+  std::unique_ptr<StagedPath> staged_;
   // The CUDA IPC path: peers' exports mapped here (created on first use), the copiers its
   // copies spread over (also listed in copiers_), and the next sweep of idle mappings.
   std::unique_ptr<IpcImports> ipc_imports_;
@@ -445,15 +419,11 @@ class Worker {
   std::unique_ptr<std::atomic<bool>[]> nic_up_;        // published to submitting threads
   std::unique_ptr<std::atomic<uint64_t>[]> nic_rate_;  // RateMeter estimates, likewise
   uint32_t failover_salt_ = 0;
-  std::unordered_map<CommitJob*, std::unique_ptr<CommitJob>> commit_jobs_;
   std::vector<Transfer*> awaiting_acks_;  // transfers with Commits not yet acknowledged
   std::vector<cuda::Copier::Done> copies_done_;
   uint64_t next_internal_ = 0;
   Bytes self_;
   std::unordered_map<uint64_t, CommitSend*> unacked_;  // by sequence number
-  static constexpr size_t kMaxCommitRecords = size_t{1} << 14;
-  std::unordered_map<CommitKey, CommitRecord, CommitKeyHash> commit_records_;
-  std::deque<CommitKey> commit_order_;
 
   // The write fence (write_fence.h), on domains whose provider checks a key once per write
   // (DomainInfo::key_checked_once); null elsewhere.

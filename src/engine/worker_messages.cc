@@ -23,7 +23,8 @@ void Worker::on_recv(const transport::Completion& c, uint32_t domain) {
       jobs_.push_back(messages_->deliver(r.body));
       break;
     case Received::Kind::kCommit:
-      handle_commit(r.header, r.body, domain);
+      staged_->on_commit(r.header, r.body, domain);
+      run_staged_events();
       break;
     case Received::Kind::kAck:
       handle_ack(r.body);
@@ -32,7 +33,8 @@ void Worker::on_recv(const transport::Completion& c, uint32_t domain) {
       handle_fence_note(r.header, r.body, domain);
       break;
     case Received::Kind::kDuplicateCommit:
-      commit_duplicate(r.header, domain);
+      staged_->on_duplicate(r.header, domain);
+      run_staged_events();
       break;
     case Received::Kind::kDropped:
       break;
