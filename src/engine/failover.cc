@@ -332,7 +332,7 @@ void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
       // not the first one landed. A message: the receiver drops a second copy. The copy
       // completes in the original's place. The connection was dropped: the original's buffer
       // is free again.
-      release_send_slot(*op);
+      messages_->release_send_slot(*op);
       repost_copy(*op, to);
       continue;
     }

@@ -10,7 +10,7 @@
 // region unregistered since is refused with kRemoteAccess: unregister_memory is a barrier), the
 // writer's allocation is mapped (cached in IpcImports), every range is copied GPU to GPU on one
 // of the worker's IPC streams, and once the copies' event has completed the immediate is
-// counted and the Commit acknowledged (Worker::commit_done, shared with the staged path). The
+// counted and the Commit acknowledged (StagedPath::commit_done, shared with the staged path). The
 // Commits read in one pass are copied together: their ranges go into one batch per GPU
 // (IpcBatch), launched at the end of the pass (one kernel launch and one event for all the
 // small ranges), on the next stream in turn.
@@ -106,7 +106,7 @@ void Worker::start_ipc_copy(CommitJob& job) {
                         fmt::format("CUDA IPC destination region {:#x} is not registered on this "
                                     "group (was it unregistered?)",
                                     c.region));
-    commit_done(job);
+    staged_->commit_done(job);
     return;
   }
   const LocalRegion& region = *job.region;
@@ -120,12 +120,12 @@ void Worker::start_ipc_copy(CommitJob& job) {
                  fmt::format("CUDA IPC copy of {} bytes from source offset {} (of {}) to offset {} "
                              "exceeds a region ({} bytes)",
                              r.length, so, src.length, r.offset, region.length));
-      commit_done(job);
+      staged_->commit_done(job);
       return;
     }
   }
   if (c.ranges.empty()) {  // an immediate that follows acknowledged ranges
-    commit_done(job);
+    staged_->commit_done(job);
     return;
   }
   auto writer = Address::decode(c.reply_to);
@@ -138,7 +138,7 @@ void Worker::start_ipc_copy(CommitJob& job) {
     job.status =
         Status(lease.status().code(),
                fmt::format("mapping the writer's CUDA IPC export: {}", lease.status().message()));
-    commit_done(job);
+    staged_->commit_done(job);
     return;
   }
   job.lease = *lease;
@@ -151,7 +151,7 @@ void Worker::start_ipc_copy(CommitJob& job) {
     auto copier = ipc_copier(region.memory);
     if (!copier) {
       job.status = copier.status();
-      commit_done(job);
+      staged_->commit_done(job);
       return;
     }
     auto owned = std::make_unique<IpcBatch>();
@@ -183,8 +183,9 @@ void Worker::ipc_batch_done(IpcBatch* batch, const Status& status) {
   auto owned = ipc_batches_.extract(batch);
   for (CommitJob* job : batch->jobs) {
     if (!status.is_ok()) job->status = status;
-    commit_done(*job);
+    staged_->commit_done(*job);
   }
+  run_staged_events();
 }
 
 void Worker::sweep_ipc() {

@@ -89,7 +89,7 @@ bool Worker::isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error) 
   }
   // A message's registered buffer goes back to the pool while it waits (others' messages need
   // it); posting it again takes a buffer afresh.
-  release_send_slot(op);
+  messages_->release_send_slot(op);
   q.suspects.push_back(&op);
   ++queued_;
   q.broken = true;
@@ -172,7 +172,7 @@ void Worker::lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& statu
     return;
   }
   // Failed alone, not as a refused key: bad key or unreachable peer? A check tells.
-  release_send_slot(op);
+  messages_->release_send_slot(op);
   q.suspects.push_front(&op);
   ++queued_;
   check_peer(d, q);

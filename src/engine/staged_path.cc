@@ -1,4 +1,5 @@
-// Worker: the staged path and the Commits it shares with reliable immediates.
+// Worker: the writer's side of the staged path and the Commits it shares with reliable
+// immediates; the owner's side is the StagedPath (staged_path.h, staged_owner.cc).
 // GPU memory that the NICs cannot reach moves through the pinned host mirror of its region.
 // Sender: ops reading a staged source wait, in gates of about staging_chunk_bytes, for their
 // device-to-host copies. Writer into a staged destination: ranges that landed in the owner's
@@ -74,14 +75,14 @@ bool Worker::poll_copies() {
     for (const cuda::Copier::Done& d : copies_done_) {
       if (tokens == Tokens::kIpcBatches) {
         ipc_batch_done(reinterpret_cast<IpcBatch*>(d.token), d.status);
-      } else if (tokens == Tokens::kCommits) {
-        auto* job = reinterpret_cast<CommitJob*>(d.token);
-        if (!d.status.is_ok()) job->status = d.status;
-        commit_done(*job);
       } else {
         gate_done(*reinterpret_cast<Gate*>(d.token), d.status);
       }
     }
+  }
+  if (staged_->has_copiers() && staged_->poll()) {  // Commits copied into device memory
+    any = true;
+    run_staged_events();
   }
   return any;
 }
@@ -160,7 +161,7 @@ void Worker::send_commit(Transfer& t, const Commit& c, const Address& owner) {
   Bytes& msg = t.control_msgs.emplace_back(c.encode());
   CommitSend& cs = t.commits.emplace_back();
   cs.transfer = &t;
-  cs.seq = stamp(msg);
+  cs.seq = messages_->stamp(msg);
   cs.message = &msg;
   cs.owner = &owner;
   unacked_.emplace(cs.seq, &cs);
@@ -188,118 +189,31 @@ void Worker::forget_commits(Transfer& t) {
   }
 }
 
-void Worker::handle_commit(const MessageHeader& header, std::span<const std::byte> body,
-                           uint32_t domain) {
-  auto commit = Commit::decode(body);
-  auto reply = commit ? Address::decode(commit->reply_to) : Result<Address>(Status::ok());
-  if (!commit || !reply || reply->empty()) {
-    detail::log().warn("group {}: dropped a malformed commit message", group_);
-    return;
-  }
-  auto owned = std::make_unique<CommitJob>();
-  CommitJob& job = *owned;
-  job.commit = std::move(*commit);
-  job.sender = header.sender;
-  job.seq = header.seq;
-  job.reply_domain = domain;
-  CommitJob* key = owned.get();
-  commit_jobs_.emplace(key, std::move(owned));
-  const CommitKey record{header.sender, header.seq};
-  commit_records_[record] = CommitRecord{key, ErrorCode::kOk, {}, 0, {}};
-  commit_order_.push_back(record);
-  while (commit_order_.size() > kMaxCommitRecords) {
-    commit_records_.erase(commit_order_.front());
-    commit_order_.pop_front();
-  }
-  if (job.commit.ipc) {  // the CUDA IPC path (ipc_worker.cc)
-    start_ipc_copy(job);
-    return;
-  }
-  if (job.commit.region == 0) {
-    // A reliable immediate (Config::reliable_imm) for host memory: the writes it follows have
-    // completed, so the data is in place; nothing to copy, count it now.
-    if (!job.commit.ranges.empty()) {
-      job.status = Status(ErrorCode::kRemoteAccess, "commit of ranges without a staged region");
-    }
-    commit_done(job);
-    return;
-  }
-  job.region = services_.regions ? services_.regions->find(job.commit.region) : nullptr;
-  if (!job.region || job.region->worker != this || !job.region->staged()) {
-    job.status = Status(ErrorCode::kRemoteAccess,
-                        fmt::format("staged region {:#x} is not registered on this group (was "
-                                    "it unregistered?)",
-                                    job.commit.region));
-    commit_done(job);
-    return;
-  }
-  const LocalRegion& region = *job.region;
-  for (const Range& r : job.commit.ranges) {
-    if (r.offset > region.length || r.length > region.length - r.offset) {
-      job.status = Status(ErrorCode::kRemoteAccess,
-                          fmt::format("staged commit of {} bytes at offset {} exceeds the region "
-                                      "({} bytes)",
-                                      r.length, r.offset, region.length));
-      commit_done(job);
-      return;
+void Worker::run_staged_events() {
+  // Handling an event may add more (a CUDA IPC Commit that fails at once is acknowledged):
+  // those come in the next round, after the ones that were there before them.
+  while (!staged_->events().empty()) {
+    std::vector<StagedPath::Event> events;
+    events.swap(staged_->events());
+    for (StagedPath::Event& e : events) {
+      switch (e.kind) {
+        case StagedPath::Event::Kind::kStartIpc:
+          start_ipc_copy(*e.job);
+          break;
+        case StagedPath::Event::Kind::kCountImm: {
+          std::vector<uint32_t> imms(e.times, e.imm);
+          std::vector<uint32_t> unexpected;
+          services_.imms->arrive(imms, jobs_, unexpected);
+          if (!unexpected.empty() && services_.on_unexpected)
+            services_.on_unexpected(unexpected, callbacks_here());
+          break;
+        }
+        case StagedPath::Event::Kind::kSendAck:
+          send_ack(e.to, e.domain, e.ack);
+          break;
+      }
     }
   }
-  if (job.commit.ranges.empty()) {
-    commit_done(job);
-    return;
-  }
-  auto copier = copier_for(region.memory, Tokens::kCommits);
-  Status s = copier ? Status::ok() : copier.status();
-  for (const Range& r : job.commit.ranges) {
-    if (!s.is_ok()) break;
-    s = (*copier)->copy(region.ptr + r.offset, region.host + r.offset, r.length,
-                        cuda::Copier::Direction::kToDevice);
-  }
-  if (s.is_ok()) s = (*copier)->fence(reinterpret_cast<uint64_t>(&job));
-  if (!s.is_ok()) {
-    job.status = s;
-    commit_done(job);
-  }
-}
-
-void Worker::commit_done(CommitJob& job) {
-  if (job.status.is_ok() && job.commit.has_imm && job.commit.imm_times > 0) {
-    std::vector<uint32_t> imms(job.commit.imm_times, job.commit.imm);
-    std::vector<uint32_t> unexpected;
-    services_.imms->arrive(imms, jobs_, unexpected);
-    if (!unexpected.empty() && services_.on_unexpected)
-      services_.on_unexpected(unexpected, callbacks_here());
-  }
-  if (!job.status.is_ok()) {
-    detail::log().warn("group {}: staged commit failed: {}", group_, job.status.to_string());
-  }
-  Ack ack{job.commit.transfer, job.seq, job.status.code(), job.status.message()};
-  auto record = commit_records_.find({job.sender, job.seq});
-  if (record != commit_records_.end()) {
-    record->second =
-        CommitRecord{nullptr, ack.code, ack.message, ack.transfer, job.commit.reply_to};
-  }
-  send_ack(*Address::decode(job.commit.reply_to), job.reply_domain, ack);
-  commit_jobs_.erase(&job);
-}
-
-void Worker::commit_duplicate(const MessageHeader& header, uint32_t domain) {
-  auto it = commit_records_.find({header.sender, header.seq});
-  if (it == commit_records_.end()) {
-    detail::log().warn(
-        "group {}: a commit message arrived again after its result was "
-        "forgotten; not acknowledged",
-        group_);
-    return;
-  }
-  CommitRecord& r = it->second;
-  if (r.job != nullptr) {  // still being copied: its Ack goes back the way this copy came
-    r.job->reply_domain = domain;
-    return;
-  }
-  auto reply = Address::decode(r.reply);
-  if (!reply) return;
-  send_ack(*reply, domain, Ack{r.transfer, header.seq, r.code, r.message});
 }
 
 void Worker::send_ack(const Address& to, uint32_t domain, const Ack& ack) {

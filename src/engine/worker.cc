@@ -12,7 +12,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <utility>
 
 #include "engine/plan.h"
@@ -51,6 +50,7 @@ Result<std::unique_ptr<Worker>> Worker::create(
     std::vector<std::unique_ptr<transport::Domain>> domains, WorkerServices services) {
   std::unique_ptr<Worker> w(new Worker(group, config, cpu));
   w->services_ = std::move(services);
+  w->staged_ = std::make_unique<StagedPath>(group, w->services_.regions, w.get());
   w->completions_.resize(std::max<uint32_t>(config.cq_batch, 1));
   w->nic_up_ = std::make_unique<std::atomic<bool>[]>(domains.size());
   for (size_t i = 0; i < domains.size(); ++i) w->nic_up_[i].store(true);
@@ -73,23 +73,13 @@ Result<std::unique_ptr<Worker>> Worker::create(
     w->domains_.push_back(std::move(d));
   }
   w->counters_ = std::make_unique<WorkerCounters>(w->domains_.size());
-  // Registered send buffers, on every NIC: a message goes over the first NIC that is up.
-  w->send_pool_ = std::make_unique<SendPool>();
-  w->send_pool_->slot_bytes =
-      round_up(config.max_message_bytes + kMessageHeaderBytes, kBufferAlignment);
-  w->send_pool_->per_chunk = std::max<uint32_t>(config.send_buffers, 1);
-  if (Status s = w->add_send_chunk(); !s) return s;
-  // The engine's own receive buffers on every NIC, posted before anything can be sent here.
-  for (uint32_t i = 0; i < w->domains_.size(); ++i) {
-    auto control = w->make_pool(i, config.max_message_bytes + kMessageHeaderBytes,
-                                std::max<uint32_t>(config.control_buffers, 1));
-    if (!control) return control.status();
-    w->control_pools_.push_back(std::move(*control));
-    for (RecvSlot& slot : w->control_pools_.back()->slots) w->repost(slot);
-  }
-  // Receivers tell this worker's messages apart from any other's (a restarted engine's too).
-  std::random_device random;
-  w->sender_id_ = (uint64_t{random()} << 32) ^ random();
+  std::vector<transport::Domain*> nics;
+  for (auto& d : w->domains_) nics.push_back(d.domain.get());
+  auto messages =
+      Messenger::create(group, std::move(nics),
+                        {config.max_message_bytes, config.send_buffers, config.control_buffers});
+  if (!messages) return messages.status();
+  w->messages_ = std::move(*messages);
   return w;
 }
 
@@ -97,10 +87,8 @@ Worker::~Worker() {
   stop();
   for (RingEntry e{}; ring_.try_pop(e);) TransferPtr(e.transfer, TransferRecycler{e.pool});
   // Registrations before the domains they live on.
-  recv_pools_.clear();
-  control_pools_.clear();
-  send_pool_.reset();
-  commit_jobs_.clear();
+  messages_.reset();
+  staged_.reset();  // its jobs hold regions, which release on the domains
   live_.clear();
   copiers_.clear();
   for (auto& d : domains_) d.scratch.reset();
@@ -311,7 +299,7 @@ bool Worker::pass(bool& finished) {
   for (auto& d : domains_) active |= post_some(d);
   for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
   if (!ipc_open_.empty()) flush_ipc_batches();  // the Commits those polls read
-  if (!copiers_.empty()) active |= poll_copies();
+  if (!copiers_.empty() || staged_->has_copiers()) active |= poll_copies();
   for (auto& d : domains_) active |= post_some(d);
   watch_peers();
   active |= drain_ready();
@@ -371,7 +359,7 @@ void Worker::finish_stop() {
   for (CopierEntry& c : copiers_) c.copier->drain();
   ipc_open_.clear();
   ipc_batches_.clear();
-  commit_jobs_.clear();
+  staged_->drain();
   awaiting_acks_.clear();
   if (posted_ > abandoned_) {
     detail::log().warn("group {}: closing with {} work requests still in flight after {} ms",
@@ -396,6 +384,7 @@ void Worker::idle(bool active) {
   const auto now = now_;
   bool copying = false;
   for (const CopierEntry& c : copiers_) copying |= c.copier->outstanding() > 0;
+  copying |= staged_->copying();
   // Queued work waits for room in a provider queue that only polling makes: keep polling.
   if (active || queued_ > 0 || stopping_ || copying) {
     last_active_ = now;

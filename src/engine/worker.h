@@ -22,9 +22,11 @@
 #include "engine/ipc_imports.h"
 #include "engine/live_transfers.h"
 #include "engine/messages.h"
+#include "engine/messenger.h"
 #include "engine/op_builder.h"
 #include "engine/rate_meter.h"
 #include "engine/regions.h"
+#include "engine/staged_path.h"
 #include "engine/transfer_pool.h"
 #include "engine/transfer_state.h"
 #include "engine/write_fence.h"
@@ -35,15 +37,11 @@
 namespace fabric::engine {
 
 // The worker's files (docs/engine.md, "Files"): worker.cc (creation, the loop, stopping, idling),
-// worker_datapath.cc, worker_messages.cc, failover.cc, staged_path.cc, isolation.cc,
-// write_fence.cc, ipc_worker.cc.
-
-// Alignment of the worker's registered buffers (scratch, send and receive pools).
-inline constexpr size_t kBufferAlignment = 64;
-
-inline uint64_t round_up(uint64_t n, uint64_t to) {
-  return (n + to - 1) / to * to;
-}
+// worker_datapath.cc, worker_messages.cc (routing what the Messenger receives, internal
+// messages), failover.cc, staged_path.cc (the writer's side), isolation.cc, write_fence.cc,
+// ipc_worker.cc. Its components, which own their state and call nothing above them: Messenger
+// (messenger.h), StagedPath (staged_path.h: the owner's side of Commits), WriteFence
+// (write_fence.h), TransferPool (transfer_pool.h), LiveTransfers (live_transfers.h).
 
 inline Status cancelled(std::string_view why) {
   return Status(ErrorCode::kCancelled, std::string(why));
@@ -223,24 +221,15 @@ class Worker {
   // Worker-thread operations, for call().
   Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> register_on_all(
       void* ptr, uint64_t length);
-  Status start_receives(std::function<void(std::span<const std::byte>)> handler,
-                        uint64_t buffer_bytes, uint32_t count);
+  Status start_receives(Messenger::Handler handler, uint64_t buffer_bytes, uint32_t count) {
+    return messages_->start_receives(std::move(handler), buffer_bytes, count);
+  }
 
  private:
-  struct AlignedFree {
-    void operator()(std::byte* p) const noexcept { std::free(p); }
-  };
-  using Buffer = std::unique_ptr<std::byte, AlignedFree>;
-  struct RecvSlot {
-    std::byte* buf;
-    uint64_t size;
-    void* desc;
-    uint32_t domain;
-  };
   using PeerQueue = engine::PeerQueue;
   struct DomainState {
     std::unique_ptr<transport::Domain> domain;
-    Buffer scratch_buf;
+    AlignedBuffer scratch_buf;
     std::unique_ptr<transport::MemoryRegistration> scratch;
     std::unordered_map<transport::PeerHandle, PeerQueue> queues;
     std::deque<transport::PeerHandle> ready;  // peers with queued ops, in round-robin order
@@ -255,48 +244,10 @@ class Worker {
     uint64_t failed_over = 0;  // work requests moved off it, for the log
     RateMeter rate;            // weighted sharding: its write rate, published in nic_rate_
   };
-  // Receive buffers of one NIC: the engine's own pool, posted from the start, and the user's
-  // (set_receive_handler). Every NIC has both, since a message may come over any rail. Any
-  // message may land in either; its kind byte routes it.
-  struct ReceivePool {
-    Buffer storage;
-    std::unique_ptr<transport::MemoryRegistration> reg;
-    std::vector<RecvSlot> slots;
-  };
-  using MessageHandler = std::function<void(std::span<const std::byte>)>;
-  // A staged-path Commit being copied into device memory; its address is the copier's token.
-  struct CommitJob {
-    Commit commit;
-    uint64_t sender = 0;
-    uint64_t seq = 0;
-    uint32_t reply_domain = 0;  // the NIC its latest copy arrived on: the Ack goes back there
-    std::shared_ptr<LocalRegion> region;
-    Status status;
-    IpcImports::Lease lease;  // the CUDA IPC path: the writer's mapped source, while copying
-  };
-  // Commits counted, by (sender, sequence), so that a copy sent again is acknowledged with the
-  // first one's result instead of being counted twice. Bounded (kMaxCommitRecords, oldest
-  // forgotten first).
-  struct CommitKey {
-    uint64_t sender;
-    uint64_t seq;
-    friend bool operator==(const CommitKey&, const CommitKey&) = default;
-  };
-  struct CommitKeyHash {
-    size_t operator()(const CommitKey& k) const noexcept {
-      return std::hash<uint64_t>{}(k.sender * 0x9e3779b97f4a7c15ull ^ k.seq);
-    }
-  };
-  struct CommitRecord {
-    CommitJob* job = nullptr;  // still being copied; null once acknowledged
-    ErrorCode code = ErrorCode::kOk;
-    std::string message;
-    uint64_t transfer = 0;  // the writer's, for the Ack
-    Bytes reply;            // the writer's Address, encoded
-  };
-  // What a copier's fence tokens point to: Gates (the staged path's host-bound copies),
-  // CommitJobs (its device-bound copies), or IpcBatches (the CUDA IPC path's owner copies).
-  enum class Tokens { kGates, kCommits, kIpcBatches };
+  // What a copier's fence tokens point to: Gates (the staged path's host-bound copies) or
+  // IpcBatches (the CUDA IPC path's owner copies). The device-bound copies of staged Commits
+  // have copiers of their own, in the StagedPath.
+  enum class Tokens { kGates, kIpcBatches };
   struct CopierEntry {
     cuda::PointerInfo device;
     std::unique_ptr<cuda::Copier> copier;
@@ -311,27 +262,6 @@ class Worker {
     std::vector<cuda::Copier::DeviceCopy> copies;
     std::vector<CommitJob*> jobs;
   };
-  // Registered send buffers, in chunks of `per_chunk` slots. A send abandoned on a NIC that
-  // died keeps its slot until that NIC's provider lets go of it, which may take minutes: the
-  // pool then grows by a chunk (at most kMaxSendChunks) so its copy on a live NIC can go out.
-  struct SendPool {
-    struct Chunk {
-      Buffer storage;
-      std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;  // one per NIC
-    };
-    std::vector<Chunk> chunks;
-    std::vector<int32_t> free;
-    uint64_t slot_bytes = 0;
-    uint32_t per_chunk = 0;
-    std::byte* at(int32_t slot) const {
-      return chunks[slot / per_chunk].storage.get() + (slot % per_chunk) * slot_bytes;
-    }
-    void* desc(int32_t slot, uint32_t nic) const {
-      return chunks[slot / per_chunk].regs[nic]->local_desc();
-    }
-  };
-  static constexpr size_t kMaxSendChunks = 8;
-  Status add_send_chunk();
 
   Worker(uint32_t group, const Config& config, int cpu);
   void run_on_worker(std::function<void()> fn);
@@ -354,8 +284,6 @@ class Worker {
   bool poll(uint32_t domain_index);
   void measure(uint32_t domain_index, const Op& op);  // a write completed: feed the RateMeter
   void complete_op(Op& op, const Status& status);
-  // Gives a send's registered buffer back to the pool, if it holds one.
-  void release_send_slot(Op& op);
   // The next NIC that is up other than `nic` (rotating), or `nic` when there is none.
   uint32_t other_up_nic(uint32_t nic);
   // Completions are reported upward as events, not calls: an op or an Ack that leaves its
@@ -372,12 +300,8 @@ class Worker {
   // immediates) goes out, or the transfer finishes. Calling it again changes nothing.
   void advance(Transfer& t);
   void finish(Transfer& t);
+  // A receive completed: the Messenger reads it, this routes what it says, the buffer goes back.
   void on_recv(const transport::Completion& c, uint32_t domain);
-  void repost(RecvSlot& slot);
-  Result<std::unique_ptr<ReceivePool>> make_pool(uint32_t domain, uint64_t buffer_bytes,
-                                                 uint32_t count);
-  // Gives a message its sender id and the next sequence number.
-  uint64_t stamp(Bytes& message);
   // The first NIC that is up (messages go there), or 0 when none is.
   uint32_t message_nic() const;
   // Staged path.
@@ -387,9 +311,8 @@ class Worker {
   void gate_done(Gate& gate, const Status& status);
   void record_staged(Op& op);
   void flush_commits(Transfer& t, uint32_t dst_index, bool with_imm);
-  void handle_commit(const MessageHeader& header, std::span<const std::byte> body, uint32_t domain);
-  void commit_duplicate(const MessageHeader& header, uint32_t domain);
-  void commit_done(CommitJob& job);
+  // Does what the StagedPath asked for since the last call (staged_path.h, Event), in order.
+  void run_staged_events();
   void send_ack(const Address& to, uint32_t domain, const Ack& ack);
   void handle_ack(std::span<const std::byte> body);
   // An urgent message goes ahead of the work already queued towards the peer; one sent
@@ -470,7 +393,6 @@ class Worker {
   void begin_stop();
   void finish_stop();
   void idle(bool active);
-  Status ensure_send_pool();
 
   const uint32_t group_;
   const Config config_;
@@ -481,11 +403,11 @@ class Worker {
   int cpu_;
   WorkerServices services_;
   std::vector<DomainState> domains_;
-  std::vector<std::unique_ptr<ReceivePool>> control_pools_;  // one per NIC
-  std::vector<std::unique_ptr<ReceivePool>> recv_pools_;     // one per NIC; empty: no handler
-  std::shared_ptr<MessageHandler> user_handler_;             // null until set_receive_handler
-  std::unique_ptr<SendPool> send_pool_;
+  // Two-sided messages: send and receive pools, stamps, dedup (made in create(), on domains_).
+  std::unique_ptr<Messenger> messages_;
   std::vector<CopierEntry> copiers_;
+  // The owner's side of Commits: jobs, commit records, device-bound copiers (made in create()).
+  std::unique_ptr<StagedPath> staged_;
   // The CUDA IPC path: peers' exports mapped here (created on first use), the copiers its
   // copies spread over (also listed in copiers_), and the next sweep of idle mappings.
   std::unique_ptr<IpcImports> ipc_imports_;
@@ -497,20 +419,11 @@ class Worker {
   std::unique_ptr<std::atomic<bool>[]> nic_up_;        // published to submitting threads
   std::unique_ptr<std::atomic<uint64_t>[]> nic_rate_;  // RateMeter estimates, likewise
   uint32_t failover_salt_ = 0;
-  std::unordered_map<CommitJob*, std::unique_ptr<CommitJob>> commit_jobs_;
   std::vector<Transfer*> awaiting_acks_;  // transfers with Commits not yet acknowledged
   std::vector<cuda::Copier::Done> copies_done_;
   uint64_t next_internal_ = 0;
-  // Messages: this worker's sender id (random), its last sequence number, and what it has
-  // seen from every sender.
-  uint64_t sender_id_ = 0;
-  uint64_t next_seq_ = 0;
-  std::unordered_map<uint64_t, SeenWindow> seen_;
   Bytes self_;
   std::unordered_map<uint64_t, CommitSend*> unacked_;  // by sequence number
-  static constexpr size_t kMaxCommitRecords = size_t{1} << 14;
-  std::unordered_map<CommitKey, CommitRecord, CommitKeyHash> commit_records_;
-  std::deque<CommitKey> commit_order_;
 
   // The write fence (write_fence.h), on domains whose provider checks a key once per write
   // (DomainInfo::key_checked_once); null elsewhere.

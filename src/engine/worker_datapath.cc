@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <bit>
 #include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "common/log.h"
@@ -23,7 +22,7 @@ void Worker::start_transfer(TransferPtr owned) {
     finish(t);
     return;
   }
-  if (!t.message.empty()) stamp(t.message);
+  if (!t.message.empty()) messages_->stamp(t.message);
   t.pending = t.ops.size();
   if (t.src && t.src->staged()) {
     stage_sources(t);  // ops are queued as their device-to-host copies complete
@@ -84,26 +83,9 @@ transport::PostResult Worker::post_to_provider(DomainState& d, Op& op, transport
                                  op.local_desc, peer, op.remote_addr, op.remote_key, op.has_imm,
                                  op.imm});
   }
-  // A send takes a registered buffer for as long as it is posted.
-  if (op.send_slot < 0) {
-    SendPool& pool = *send_pool_;
-    if (pool.free.empty()) {
-      // Slots held by sends abandoned on a dead NIC may never come back soon: grow (bounded).
-      if (abandoned_ == 0 || pool.chunks.size() >= kMaxSendChunks) {
-        return transport::PostResult::again();
-      }
-      if (Status s = add_send_chunk(); !s) {
-        detail::log().warn("group {}: could not add send buffers: {}", group_, s.to_string());
-        return transport::PostResult::again();
-      }
-    }
-    op.send_slot = pool.free.back();
-    pool.free.pop_back();
-    std::byte* buf = pool.at(op.send_slot);
-    std::memcpy(buf, op.message->data(), op.message->size());
-    op.local = buf;
-  }
-  op.local_desc = send_pool_->desc(op.send_slot, op.domain);  // the op may have moved NICs
+  // A send takes a registered buffer for as long as it is posted. Buffers held by sends
+  // abandoned on a dead NIC may not come back soon: then the pool may grow (bounded).
+  if (!messages_->fill_send(op, abandoned_ > 0)) return transport::PostResult::again();
   return d.domain->post_send(
       {reinterpret_cast<uint64_t>(&op), op.local, op.length, op.local_desc, peer});
 }
@@ -197,7 +179,7 @@ bool Worker::poll(uint32_t index) {
         --posted_;
         if (op.abandoned) {  // given up on or replaced; the provider has let go of it now
           --abandoned_;
-          release_send_slot(op);
+          messages_->release_send_slot(op);
           Transfer& t = *op.transfer;
           if (--t.abandoned == 0 && t.finished) live_.retire(t.id);
           break;
@@ -253,7 +235,7 @@ bool Worker::poll(uint32_t index) {
 }
 
 void Worker::complete_op(Op& op, const Status& status) {
-  release_send_slot(op);
+  messages_->release_send_slot(op);
   Transfer& t = *op.transfer;
   if (op.commit != nullptr) {
     CommitSend& cs = *op.commit;
