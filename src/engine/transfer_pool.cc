@@ -19,18 +19,8 @@ TransferPool::~TransferPool() {
 
 TransferPtr TransferPool::take() {
   Transfer* t = nullptr;
-  if (idle_.try_pop(t)) {
-    t->reset();
-    return TransferPtr(t, TransferRecycler{this});
-  }
+  if (idle_.try_pop(t)) return TransferPtr(t, TransferRecycler{this});
   return TransferPtr(new Transfer, TransferRecycler{this});
-}
-
-void Transfer::release() {
-  callbacks = Callbacks{};
-  src.reset();
-  dsts.clear();
-  peers.clear();
 }
 
 void Transfer::reset() {
@@ -59,11 +49,7 @@ TransferPtr TransferPool::unpooled() {
 }
 
 void TransferPool::give_back(Transfer* t) {
-  // Only what others wait for is let go here, on the worker; the rest is reset by the thread
-  // that takes the transfer next (take()), which writes those cache lines anyway as it plans:
-  // resetting them here moved every line of the transfer to the worker's core and back for
-  // each submission.
-  t->release();
+  t->reset();
   if (!idle_.try_push(t)) delete t;
 }
 

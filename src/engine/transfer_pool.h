@@ -1,7 +1,6 @@
 // Recycled Transfer objects, so that a submission takes its state from a pool instead of the
-// heap: a transfer the worker is done with lets go of what it holds (Transfer::release) and goes
-// back to its group's pool; the next submission on any thread takes it from there and resets
-// it (its vectors emptied, their capacity kept).
+// heap: a transfer the worker is done with is reset (its vectors emptied, their capacity kept)
+// and goes back to its group's pool; the next submission on any thread takes it from there.
 // The pool is a bounded lock-free queue (common/bounded_queue.h): taking and giving back never
 // lock. An empty pool allocates a fresh Transfer; a full one frees what is given back.
 #pragma once
@@ -39,7 +38,7 @@ class TransferPool {
   // A transfer outside any pool, freed when its pointer goes.
   static TransferPtr unpooled();
 
-  // Releases what `t` holds and keeps it, or frees it when the pool is full (any thread).
+  // Resets `t` and keeps it, or frees it when the pool is full (any thread).
   void give_back(Transfer* t);
 
  private:

@@ -186,10 +186,6 @@ struct Transfer {
   std::vector<Address> peers;
   Bytes message;  // kSend: the copied message, behind its kind byte
 
-  // Lets go, on the thread that ends the transfer, of what others wait for: the callbacks (and
-  // what they capture), the source registration (unregister_memory waits for its last holder),
-  // the destination descriptors and the peer addresses. The vectors keep their buffers.
-  void release();
   // Back to the default state, keeping the buffers of the vectors a submission fills (ops,
   // deferred, dsts, peers, message): a recycled transfer is planned without allocating
   // (engine/transfer_pool.h).
