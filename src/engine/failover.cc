@@ -1,6 +1,8 @@
-// Worker: the peer watchdog (dead peers), weighted sharding by measured NIC rates, and NIC
-// failover: a NIC marked down, its work moved to the NICs still up, probes that bring it back
-// (docs/failover.md, docs/netlab.md "Unequal links").
+// Worker: the peer watchdog (dead peers), and the worker's side of NIC failover: NicHealth
+// (nic_health.h) says which NIC is down, which NIC takes its work and when to probe; this moves
+// the Ops of its queues to the NICs still up and posts the probes that bring it back
+// (docs/failover.md). Weighted sharding's rates (docs/netlab.md "Unequal links") are fed to
+// NicHealth here.
 
 #include <fmt/format.h>
 
@@ -14,12 +16,6 @@
 #include "engine/worker.h"
 
 namespace fabric::engine {
-
-uint32_t Worker::other_up_nic(uint32_t nic) {
-  std::vector<bool> up(domains_.size());
-  for (size_t i = 0; i < up.size(); ++i) up[i] = !domains_[i].down && i != nic;
-  return failover_nic(nic, up, failover_salt_++);
-}
 
 void Worker::watch_peers() {
   const auto now = now_;
@@ -98,12 +94,8 @@ void Worker::declare_dead(DomainState& d, PeerQueue& q, const Status& error) {
 // --- weighted sharding (docs/netlab.md, "Unequal links") --------------------------------------
 
 void Worker::measure(uint32_t index, const Op& op) {
-  DomainState& d = domains_[index];
   // Idle: op (still linked) is the last work request posted on this NIC, towards any peer.
-  const bool idle = d.inflight <= 1;
-  if (d.rate.completed(op.length, now_, idle)) {
-    nic_rate_[index].store(d.rate.bytes_per_second(), std::memory_order_relaxed);
-  }
+  health_->completed(index, op.length, now_, domains_[index].inflight <= 1);
 }
 
 std::vector<uint64_t> Worker::nic_rates() const {
@@ -112,31 +104,16 @@ std::vector<uint64_t> Worker::nic_rates() const {
   return rates;
 }
 
-void Worker::nic_rates(std::vector<uint64_t>& out) const {
-  out.resize(domains_.size());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = nic_rate_[i].load(std::memory_order_relaxed);
-}
-
 std::vector<bool> Worker::up_nics() const {
   std::vector<bool> up;
   up_nics(up);
   return up;
 }
 
-void Worker::up_nics(std::vector<bool>& out) const {
-  out.resize(domains_.size());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = nic_up_[i].load(std::memory_order_relaxed);
-}
-
 bool Worker::movable(const Op& op) const {
   // Work that was never posted can go over any NIC: rail-aligned addresses and keys come from
   // the op's destination, and every NIC of the peer has receive buffers for messages.
   return op.owner != nullptr;
-}
-
-bool Worker::failover_active() const {
-  return config_.nic_timeout.count() > 0 && config_.nic_timeout < config_.peer_timeout &&
-         domains_.size() >= 2;
 }
 
 void Worker::repost_copy(Op& op, uint32_t to) {
@@ -152,7 +129,7 @@ void Worker::repost_copy(Op& op, uint32_t to) {
   copy.prev = copy.next = nullptr;
   retarget(copy, to);
   if (copy.commit != nullptr) copy.commit->sent = now_;
-  ++domains_[op.domain].failed_over;
+  health_->moved_off(op.domain);
   enqueue(copy);
 }
 
@@ -160,18 +137,18 @@ void Worker::reroute_messages(uint32_t nic, PeerQueue& q) {
   // Only to a NIC whose own work towards the same peer is not stalled too: messages moved onto
   // a queue that is as late as this one would be moved back at the next look (a busy or slow
   // machine stalls every NIC at once; then it is peer_timeout's call).
-  std::vector<bool> up(domains_.size());
-  for (size_t i = 0; i < up.size(); ++i) {
-    up[i] = !domains_[i].down && i != nic;
+  std::vector<bool> stalled_too(domains_.size());
+  for (size_t i = 0; i < stalled_too.size(); ++i) {
+    if (i == nic || health_->down(static_cast<uint32_t>(i))) continue;
     for (auto& [p2, q2] : domains_[i].queues) {
-      if (up[i] && q2.owner == q.owner && (q2.inflight_count > 0 || !q2.ops.empty()) &&
+      if (q2.owner == q.owner && (q2.inflight_count > 0 || !q2.ops.empty()) &&
           now_ - q2.last_progress > config_.nic_timeout) {
-        up[i] = false;
+        stalled_too[i] = true;
       }
     }
   }
-  const uint32_t to = failover_nic(nic, up, failover_salt_++);
-  if (to == nic || !up[to]) return;
+  const uint32_t to = health_->other_up(nic, stalled_too);
+  if (to == nic) return;
   std::vector<Op*> unposted, posted;
   std::erase_if(q.ops, [&](Op* op) {
     const bool move = op->kind == Op::Kind::kSend && movable(*op);
@@ -201,84 +178,63 @@ void Worker::retarget(Op& op, uint32_t to) {
   engine::retarget(op, to, scratch(to));
 }
 
-void Worker::watch_nics() {
-  if (!failover_active()) return;
+void Worker::look_at_queues() {
   const auto timeout = config_.nic_timeout;
-  auto stalled = [&](const PeerQueue& q) {
-    return (q.inflight_count > 0 || !q.ops.empty()) && now_ - q.last_progress > timeout;
-  };
+  looks_.resize(domains_.size());
+  look_queues_.resize(domains_.size());
+  for (size_t i = 0; i < domains_.size(); ++i) {
+    looks_[i].clear();
+    look_queues_[i].clear();
+    for (auto& [peer, q] : domains_[i].queues) {
+      const bool late = now_ - q.last_progress > timeout;
+      looks_[i].push_back({&q.owner, (q.inflight_count > 0 || !q.ops.empty()) && late, !late});
+      look_queues_[i].push_back(&q);
+    }
+  }
+}
+
+void Worker::watch_nics() {
+  if (!health_->active()) return;
+  using Kind = NicHealth::Verdict::Kind;
+  bool moved = true;  // the queues changed since they were looked at
   for (uint32_t i = 0; i < domains_.size(); ++i) {
-    DomainState& d = domains_[i];
-    if (d.down) {
-      // Work still on a NIC that is down (probes; ops posted before it went down) gets the
-      // same bound: moved or failed once it has made no progress for nic_timeout.
-      std::vector<PeerQueue*> stuck;
-      for (auto& [peer, q] : d.queues) {
-        if (stalled(q)) stuck.push_back(&q);
-      }
-      for (PeerQueue* q : stuck) fail_over(i, *q, true);
-      if (!d.probing && !stopping_ && now_ >= d.next_probe) {
-        if (!d.probe_owner.empty()) {
-          probe(i);
-        } else {  // nothing to probe with (it stalled on engine messages only): try it again
-          d.down = false;
-          nic_up_[i].store(true);
-        }
-      }
-      continue;
+    if (moved) look_at_queues();
+    const NicHealth::Verdict v = health_->judge(i, looks_);
+    std::vector<PeerQueue*> stalled;
+    for (size_t k : v.stalled) stalled.push_back(look_queues_[i][k]);
+    moved = v.kind != Kind::kNone;
+    switch (v.kind) {
+      case Kind::kNone:
+        break;
+      case Kind::kStuckWhileDown:
+        // Work still on a NIC that is down (probes; ops posted before it went down) gets the
+        // same bound: moved or failed once it has made no progress for nic_timeout.
+        for (PeerQueue* q : stalled) fail_over(i, *q, true);
+        if (auto owner = health_->probe_due(i, now_, stopping_)) probe(i, *owner);
+        break;
+      case Kind::kMarkDown:
+        mark_down(i, *look_queues_[i][v.culprit]);
+        break;
+      case Kind::kReroute:
+        // No evidence against the NIC (no other NIC reached the same peer lately), but messages
+        // stalled on it: they try another NIC, where a dead link would be bypassed. The
+        // receiver drops a copy it already has.
+        for (PeerQueue* q : stalled) reroute_messages(i, *q);
+        break;
     }
-    const PeerQueue* culprit = nullptr;
-    for (auto& [peer, q] : d.queues) {
-      if (!stalled(q) || q.owner.empty()) continue;
-      // Down only if another NIC that is up reached the same peer within nic_timeout: else the
-      // peer itself may be gone, which is peer_timeout's call.
-      for (uint32_t j = 0; j < domains_.size() && culprit == nullptr; ++j) {
-        if (j == i || domains_[j].down) continue;
-        for (auto& [p2, q2] : domains_[j].queues) {
-          if (q2.owner == q.owner && now_ - q2.last_progress <= timeout) {
-            culprit = &q;
-            break;
-          }
-        }
-      }
-      if (culprit != nullptr) break;
-    }
-    if (culprit != nullptr) {
-      mark_down(i, *culprit);
-      continue;
-    }
-    // No evidence against the NIC (no other NIC reached the same peer lately), but messages
-    // stalled on it: they try another NIC, where a dead link would be bypassed. The receiver
-    // drops a copy it already has.
-    std::vector<PeerQueue*> stuck;
-    for (auto& [peer, q] : d.queues) {
-      if (stalled(q)) stuck.push_back(&q);
-    }
-    for (PeerQueue* q : stuck) reroute_messages(i, *q);
   }
 }
 
 void Worker::mark_down(uint32_t nic, const PeerQueue& culprit, std::string_view why) {
   DomainState& d = domains_[nic];
+  Address owner;  // the peer engine to probe the NIC towards
   for (const Op* op = culprit.inflight; op != nullptr; op = op->next) {
-    if (op->owner != nullptr) d.probe_owner = *op->owner;
+    if (op->owner != nullptr) owner = *op->owner;
   }
   for (const Op* op : culprit.ops) {
-    if (op->owner != nullptr) d.probe_owner = *op->owner;
+    if (op->owner != nullptr) owner = *op->owner;
   }
-  d.down = true;
-  d.down_since = now_;
-  d.next_probe = now_ + config_.nic_probe_interval;
-  nic_up_[nic].store(false);
-  if (why.empty()) {
-    detail::log().warn(
-        "group {}: NIC '{}' marked down: no completion towards a peer for {} ms while another "
-        "NIC reached it; its work moves to the surviving NICs",
-        group_, d.domain->info().name, config_.nic_timeout.count());
-  } else {
-    detail::log().warn("group {}: NIC '{}' marked down: {}; its work moves to the surviving NICs",
-                       group_, d.domain->info().name, why);
-  }
+  health_->mark_down(nic, now_, owner, why);
   // Unposted work moves at once. Posted work moves (or fails) where it stalled; elsewhere it
   // may still complete, and is moved only if it stalls in turn.
   std::vector<PeerQueue*> queues;
@@ -319,12 +275,10 @@ void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
   // The connection is dropped (a probe or a later transfer connects afresh): nothing posted on
   // it can complete any more, so its work requests are abandoned to the provider.
   if (posted_too) d.domain->forget_peer(peer);
-  std::vector<bool> up(domains_.size());
-  for (size_t i = 0; i < domains_.size(); ++i) up[i] = !domains_[i].down;
   const std::string& name = d.domain->info().name;
   for (Op* op : posted) {
     Transfer& t = *op->transfer;
-    const uint32_t to = failover_nic(nic, up, failover_salt_++);
+    const uint32_t to = health_->survivor(nic);
     const bool idempotent = (op->kind == Op::Kind::kWrite && !op->has_imm) ||
                             (op->kind == Op::Kind::kSend && movable(*op));
     if (idempotent && t.probe_nic < 0 && to != nic) {
@@ -363,10 +317,10 @@ void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
     complete_op(*op, error);
   }
   for (Op* op : unposted) {
-    const uint32_t to = failover_nic(nic, up, failover_salt_++);
+    const uint32_t to = health_->survivor(nic);
     if (movable(*op) && op->transfer->probe_nic < 0 && to != nic) {
       retarget(*op, to);  // never posted: nothing can have landed, immediates included
-      ++d.failed_over;
+      health_->moved_off(nic);
       enqueue(*op);
     } else {
       complete_op(*op,
@@ -377,34 +331,13 @@ void Worker::fail_over(uint32_t nic, PeerQueue& q, bool posted_too) {
   }
 }
 
-void Worker::probe(uint32_t nic) {
-  DomainState& d = domains_[nic];
+void Worker::probe(uint32_t nic, const Address& owner) {
   TransferPtr t = pool_.take();
   t->id = kInternalTransfer | next_internal_++;
   t->probe_nic = static_cast<int>(nic);
-  t->peers.push_back(d.probe_owner);
+  t->peers.push_back(owner);
   t->ops.push_back(scratch_op(*t, nic, t->peers[0], scratch(nic)));
-  d.probing = true;
   start_transfer(std::move(t));
-}
-
-void Worker::probe_done(Transfer& t) {
-  DomainState& d = domains_[static_cast<uint32_t>(t.probe_nic)];
-  d.probing = false;
-  if (!t.error.is_ok() || !d.down) {
-    d.next_probe = now_ + config_.nic_probe_interval;
-    return;
-  }
-  d.down = false;
-  d.rate.reset();  // measured afresh: until then it counts as fast as the fastest
-  nic_rate_[static_cast<uint32_t>(t.probe_nic)].store(0);
-  nic_up_[static_cast<uint32_t>(t.probe_nic)].store(true);
-  detail::log().warn(
-      "group {}: NIC '{}' is back up after {} ms ({} work requests moved off it)", group_,
-      d.domain->info().name,
-      std::chrono::duration_cast<std::chrono::milliseconds>(now_ - d.down_since).count(),
-      d.failed_over);
-  d.failed_over = 0;
 }
 
 }  // namespace fabric::engine

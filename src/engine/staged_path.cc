@@ -167,7 +167,7 @@ void Worker::send_commit(Transfer& t, const Commit& c, const Address& owner) {
   unacked_.emplace(cs.seq, &cs);
   if (t.acks++ == 0) awaiting_acks_.push_back(&t);
   t.ack_deadline = now_ + config_.peer_timeout;
-  resend_commit(cs, message_nic());
+  resend_commit(cs, health_->message_nic());
 }
 
 void Worker::resend_commit(CommitSend& cs, uint32_t to) {
@@ -259,7 +259,7 @@ void Worker::watch_acks() {
   // complete, so a copy goes over the next NIC that is up (the same one when it is the only
   // one). The owner counts it once.
   const auto resend_after =
-      failover_active() ? config_.nic_timeout : std::chrono::milliseconds(config_.peer_timeout / 4);
+      health_->active() ? config_.nic_timeout : std::chrono::milliseconds(config_.peer_timeout / 4);
   {
     size_t resent = 0;
     for (TransferId id : waiting) {
@@ -268,7 +268,7 @@ void Worker::watch_acks() {
       Transfer& t = *found;
       for (CommitSend& cs : t.commits) {
         if (cs.acked || cs.live > 0 || now_ - cs.sent <= resend_after) continue;
-        resend_commit(cs, other_up_nic(cs.domain));
+        resend_commit(cs, health_->other_up(cs.domain));
         ++resent;
       }
     }

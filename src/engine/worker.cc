@@ -52,10 +52,6 @@ Result<std::unique_ptr<Worker>> Worker::create(
   w->services_ = std::move(services);
   w->staged_ = std::make_unique<StagedPath>(group, w->services_.regions, w.get());
   w->completions_.resize(std::max<uint32_t>(config.cq_batch, 1));
-  w->nic_up_ = std::make_unique<std::atomic<bool>[]>(domains.size());
-  for (size_t i = 0; i < domains.size(); ++i) w->nic_up_[i].store(true);
-  w->nic_rate_ = std::make_unique<std::atomic<uint64_t>[]>(domains.size());
-  for (size_t i = 0; i < domains.size(); ++i) w->nic_rate_[i].store(0);
   w->event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (w->event_fd_ < 0) {
     return Status(ErrorCode::kInternal, fmt::format("eventfd failed: {}", std::strerror(errno)));
@@ -73,6 +69,9 @@ Result<std::unique_ptr<Worker>> Worker::create(
     w->domains_.push_back(std::move(d));
   }
   w->counters_ = std::make_unique<WorkerCounters>(w->domains_.size());
+  std::vector<std::string> names;
+  for (auto& d : w->domains_) names.push_back(d.domain->info().name);
+  w->health_ = std::make_unique<NicHealth>(group, std::move(names), config);
   std::vector<transport::Domain*> nics;
   for (auto& d : w->domains_) nics.push_back(d.domain.get());
   auto messages =

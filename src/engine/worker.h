@@ -23,8 +23,8 @@
 #include "engine/live_transfers.h"
 #include "engine/messages.h"
 #include "engine/messenger.h"
+#include "engine/nic_health.h"
 #include "engine/op_builder.h"
-#include "engine/rate_meter.h"
 #include "engine/regions.h"
 #include "engine/staged_path.h"
 #include "engine/transfer_pool.h"
@@ -38,10 +38,12 @@ namespace fabric::engine {
 
 // The worker's files (docs/engine.md, "Files"): worker.cc (creation, the loop, stopping, idling),
 // worker_datapath.cc, worker_messages.cc (routing what the Messenger receives, internal
-// messages), failover.cc, staged_path.cc (the writer's side), isolation.cc, write_fence.cc,
-// ipc_worker.cc. Its components, which own their state and call nothing above them: Messenger
-// (messenger.h), StagedPath (staged_path.h: the owner's side of Commits), WriteFence
-// (write_fence.h), TransferPool (transfer_pool.h), LiveTransfers (live_transfers.h).
+// messages), failover.cc (the peer watchdog, and moving the work of a NIC that NicHealth finds
+// down), staged_path.cc (the writer's side), isolation.cc, write_fence.cc, ipc_worker.cc. Its
+// components, which own their state and call nothing above them: Messenger (messenger.h),
+// StagedPath (staged_path.h: the owner's side of Commits), NicHealth (nic_health.h: which NICs
+// are up, probes, measured rates), WriteFence (write_fence.h), TransferPool (transfer_pool.h),
+// LiveTransfers (live_transfers.h).
 
 inline Status cancelled(std::string_view why) {
   return Status(ErrorCode::kCancelled, std::string(why));
@@ -179,13 +181,13 @@ class Worker {
   // threads plan new transfers over the NICs that are up.
   std::vector<bool> up_nics() const;
   // The same into `out` (its capacity kept: no allocation once it has the group's size).
-  void up_nics(std::vector<bool>& out) const;
+  void up_nics(std::vector<bool>& out) const { health_->up_nics(out); }
   // This worker's counts, for TransferEngine::stats().
   void fill_stats(GroupStats& g) const { counters_->fill(g); }
   // Weighted sharding: each NIC's measured write rate in bytes per second (0: not measured
   // yet), the weights of plan_single_up / split_even_up. Thread-safe.
   std::vector<uint64_t> nic_rates() const;
-  void nic_rates(std::vector<uint64_t>& out) const;
+  void nic_rates(std::vector<uint64_t>& out) const { health_->rates(out); }
 
   // Hands an accepted transfer to the worker. Thread-safe, non-blocking.
   void submit(TransferPtr transfer);
@@ -234,15 +236,6 @@ class Worker {
     std::unordered_map<transport::PeerHandle, PeerQueue> queues;
     std::deque<transport::PeerHandle> ready;  // peers with queued ops, in round-robin order
     size_t inflight = 0;                      // ops posted, towards any peer
-    // Failover (docs/failover.md): marked down by watch_nics, back up by a probe that completes.
-    bool down = false;
-    std::chrono::steady_clock::time_point down_since;
-    std::chrono::steady_clock::time_point next_probe;
-    Bytes probe_peer;          // the peer NIC it lost (the peer's NIC of the same rail)
-    Address probe_owner;       // that peer engine
-    bool probing = false;      // a probe is in flight
-    uint64_t failed_over = 0;  // work requests moved off it, for the log
-    RateMeter rate;            // weighted sharding: its write rate, published in nic_rate_
   };
   // What a copier's fence tokens point to: Gates (the staged path's host-bound copies) or
   // IpcBatches (the CUDA IPC path's owner copies). The device-bound copies of staged Commits
@@ -284,8 +277,6 @@ class Worker {
   bool poll(uint32_t domain_index);
   void measure(uint32_t domain_index, const Op& op);  // a write completed: feed the RateMeter
   void complete_op(Op& op, const Status& status);
-  // The next NIC that is up other than `nic` (rotating), or `nic` when there is none.
-  uint32_t other_up_nic(uint32_t nic);
   // Completions are reported upward as events, not calls: an op or an Ack that leaves its
   // transfer with nothing outstanding puts the transfer's id on ready_ (settle, make_ready), and
   // the loop advances the transfers there once per pass (drain_ready). So nothing deep in
@@ -302,8 +293,6 @@ class Worker {
   void finish(Transfer& t);
   // A receive completed: the Messenger reads it, this routes what it says, the buffer goes back.
   void on_recv(const transport::Completion& c, uint32_t domain);
-  // The first NIC that is up (messages go there), or 0 when none is.
-  uint32_t message_nic() const;
   // Staged path.
   Result<cuda::Copier*> copier_for(const cuda::PointerInfo& device, Tokens tokens);
   void stage_sources(Transfer& t);
@@ -329,26 +318,24 @@ class Worker {
   void watch_peers();
   void declare_dead(DomainState& d, PeerQueue& q);
   void declare_dead(DomainState& d, PeerQueue& q, const Status& error);
-  // Failover.
+  // Failover: NicHealth decides (nic_health.h), these move the work.
+  // Describes every NIC's queues to NicHealth (looks_), and acts on its verdict for each NIC.
   void watch_nics();
-  // `why`: what showed the NIC down (default: the watchdog's stall against another NIC's progress).
+  void look_at_queues();
+  // Marks `nic` down in health_ (`why`: what showed it; default: the watchdog's stall against
+  // another NIC's progress) and moves its work to the surviving NICs.
   void mark_down(uint32_t nic, const PeerQueue& stalled, std::string_view why = {});
-  // Whether a post that failed with `error` on NIC `nic` shows the NIC, not the peer, at fault:
-  // the provider called the peer unreachable from this NIC while another NIC of the group is up
-  // (no route, a connection refused at once), and the op could go over another NIC.
-  bool unreachable_here(uint32_t nic, const Op& op, const Status& error) const;
   // Moves a NIC's queued work to the surviving NICs; with posted_too, also its posted work
   // (data-only writes re-posted, the rest failed) and drops the connection.
   void fail_over(uint32_t nic, PeerQueue& q, bool posted_too);
   bool movable(const Op& op) const;
-  bool failover_active() const;
   // Posts a copy of a posted op on NIC `to` in its place (the original is abandoned).
   void repost_copy(Op& op, uint32_t to);
   // Moves the messages of a stalled queue on a NIC that is not marked down to another NIC.
   void reroute_messages(uint32_t nic, PeerQueue& q);
   void retarget(Op& op, uint32_t to);
-  void probe(uint32_t nic);
-  void probe_done(Transfer& t);
+  // Starts a probe of `nic` (down) towards `owner`; it ends in NicHealth::probe_done.
+  void probe(uint32_t nic, const Address& owner);
   // Isolation (isolation.cc).
   bool isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error);
   void make_ready(DomainState& d, PeerQueue& q);  // listed in d.ready, for post_some
@@ -416,9 +403,11 @@ class Worker {
   std::unordered_map<IpcBatch*, std::unique_ptr<IpcBatch>> ipc_batches_;  // open or copying
   std::vector<IpcBatch*> ipc_open_;  // filled in this pass, launched at its end
   std::chrono::steady_clock::time_point next_ipc_sweep_;
-  std::unique_ptr<std::atomic<bool>[]> nic_up_;        // published to submitting threads
-  std::unique_ptr<std::atomic<uint64_t>[]> nic_rate_;  // RateMeter estimates, likewise
-  uint32_t failover_salt_ = 0;
+  // Failover and weighted sharding: which NICs are up, their rates (made in create()).
+  std::unique_ptr<NicHealth> health_;
+  // watch_nics: each NIC's queues as NicHealth sees them, and the queues they describe.
+  std::vector<std::vector<NicHealth::QueueLook>> looks_;
+  std::vector<std::vector<PeerQueue*>> look_queues_;
   std::vector<Transfer*> awaiting_acks_;  // transfers with Commits not yet acknowledged
   std::vector<cuda::Copier::Done> copies_done_;
   uint64_t next_internal_ = 0;

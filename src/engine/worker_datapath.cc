@@ -36,10 +36,8 @@ void Worker::start_transfer(TransferPtr owned) {
 void Worker::enqueue(Op& op) {
   // Planned before its NIC was marked down (or a deferred immediate on a lost rail): it goes
   // over a surviving NIC instead. Probes are the one kind of work a NIC that is down takes.
-  if (domains_[op.domain].down && op.transfer->probe_nic < 0 && movable(op)) {
-    std::vector<bool> up(domains_.size());
-    for (size_t i = 0; i < domains_.size(); ++i) up[i] = !domains_[i].down;
-    retarget(op, failover_nic(op.domain, up, failover_salt_++));
+  if (health_->down(op.domain) && op.transfer->probe_nic < 0 && movable(op)) {
+    retarget(op, health_->survivor(op.domain));
   }
   DomainState& d = domains_[op.domain];
   auto peer = d.domain->resolve_peer(*op.peer);
@@ -95,8 +93,8 @@ bool Worker::post_some(DomainState& d) {
   bool any = false;
   uint32_t budget = config_.post_budget;
   const size_t peers = d.ready.size();
-  // A post this NIC refused as unreachable while another NIC is up (unreachable_here): the op
-  // stays queued and the NIC goes down after the loop, its work moving to the others.
+  // A post this NIC refused as unreachable while another NIC is up (NicHealth::unreachable_here):
+  // the op stays queued and the NIC goes down after the loop, its work moving to the others.
   bool nic_unreachable = false;
   transport::PeerHandle unreachable_peer = 0;
   for (size_t i = 0; i < peers && budget > 0 && !nic_unreachable; ++i) {
@@ -122,7 +120,10 @@ bool Worker::post_some(DomainState& d) {
       }
       auto r = post(d, op, peer);
       if (r.kind == transport::PostResult::Kind::kAgain) break;  // this peer waits; others go on
-      if (r.kind == transport::PostResult::Kind::kFailed && unreachable_here(index, op, r.error)) {
+      if (r.kind == transport::PostResult::Kind::kFailed &&
+          health_->unreachable_here(
+              index, r.error,
+              op.transfer->probe_nic < 0 && op.transfer->check_nic < 0 && movable(op))) {
         nic_unreachable = true;
         unreachable_peer = peer;
         detail::log().warn("group {}: NIC '{}' cannot reach a peer ({}) while another NIC is up",
@@ -135,7 +136,7 @@ bool Worker::post_some(DomainState& d) {
       if (r.kind == transport::PostResult::Kind::kPosted) {
         q.link(op);
         ++posted_;
-        if (op.kind == Op::Kind::kWrite && op.length > 0) d.rate.posted(now_);
+        if (op.kind == Op::Kind::kWrite && op.length > 0) health_->posted(index, now_);
         --budget;
       } else {
         complete_op(op, r.error);
@@ -154,17 +155,6 @@ bool Worker::post_some(DomainState& d) {
     any = true;
   }
   return any;
-}
-
-bool Worker::unreachable_here(uint32_t nic, const Op& op, const Status& error) const {
-  if (error.code() != ErrorCode::kPeerUnreachable || !failover_active() || domains_[nic].down ||
-      op.transfer->probe_nic >= 0 || op.transfer->check_nic >= 0 || !movable(op)) {
-    return false;
-  }
-  for (uint32_t j = 0; j < domains_.size(); ++j) {
-    if (j != nic && !domains_[j].down) return true;
-  }
-  return false;
 }
 
 bool Worker::poll(uint32_t index) {
@@ -246,8 +236,8 @@ void Worker::complete_op(Op& op, const Status& status) {
         settle(t);
         return;
       }
-      const uint32_t to = other_up_nic(op.domain);
-      if (failover_active() && to != op.domain && !stopping_ && t.error.is_ok() &&
+      const uint32_t to = health_->other_up(op.domain);
+      if (health_->active() && to != op.domain && !stopping_ && t.error.is_ok() &&
           now_ < t.ack_deadline) {
         detail::log().warn(
             "group {}: a commit message failed on NIC '{}' ({}); sending it again "
@@ -321,7 +311,9 @@ void Worker::finish(Transfer& t) {
     std::erase(awaiting_acks_, &t);
     forget_commits(t);
   }
-  if (t.probe_nic >= 0) probe_done(t);
+  if (t.probe_nic >= 0) {
+    health_->probe_done(static_cast<uint32_t>(t.probe_nic), t.error.is_ok(), now_);
+  }
   if (t.check_nic >= 0) check_done(t);
   // A write-fence note (urgent) that failed is sent again by its own timer (write_fence.cc).
   if ((t.id & kInternalTransfer) != 0 && t.probe_nic < 0 && t.check_nic < 0 && !t.error.is_ok() &&

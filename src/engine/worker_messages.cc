@@ -9,13 +9,6 @@
 
 namespace fabric::engine {
 
-uint32_t Worker::message_nic() const {
-  for (uint32_t i = 0; i < domains_.size(); ++i) {
-    if (!domains_[i].down) return i;
-  }
-  return 0;
-}
-
 void Worker::on_recv(const transport::Completion& c, uint32_t domain) {
   const Received r = messages_->on_recv(c, domain, stopping_);
   switch (r.kind) {

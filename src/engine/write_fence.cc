@@ -280,13 +280,13 @@ void Worker::fence_writers(std::function<void(const Status&)> done) {
     return;
   }
   std::vector<WriteFence::Note> notes;
-  fence_->fence(std::move(done), message_nic(), std::chrono::steady_clock::now(), notes);
+  fence_->fence(std::move(done), health_->message_nic(), std::chrono::steady_clock::now(), notes);
   run_fence_events(notes);
 }
 
 void Worker::watch_fences() {
   std::vector<WriteFence::Note> notes;
-  fence_->tick(message_nic(), now_, notes);
+  fence_->tick(health_->message_nic(), now_, notes);
   run_fence_events(notes);
 }
 
