@@ -25,8 +25,12 @@ Result<cuda::Copier*> StagedPath::copier_for(const cuda::PointerInfo& device) {
 void StagedPath::on_commit(const MessageHeader& header, std::span<const std::byte> body,
                            uint32_t domain) {
   auto commit = Commit::decode(body);
-  auto reply = commit ? Address::decode(commit->reply_to) : Result<Address>(Status::ok());
-  if (!commit || !reply || reply->empty()) {
+  // (A Result never holds an ok Status: the reply address is decoded only from a Commit.)
+  const bool malformed = !commit || [&] {
+    auto reply = Address::decode(commit->reply_to);
+    return !reply || reply->empty();
+  }();
+  if (malformed) {
     detail::log().warn("group {}: dropped a malformed commit message", group_);
     return;
   }
