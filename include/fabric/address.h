@@ -145,7 +145,7 @@ class RemoteMemory {
 
   bool empty() const { return data_ == nullptr; }
   const Address& owner() const { return data().owner; }
-  uint64_t base() const { return data().base; }  // the owner's address of byte 0 (informational)
+  uint64_t base() const { return data().base; }  // the owner's virtual address (informational)
   uint64_t length() const { return data().length; }
   const std::vector<Rail>& rails() const { return data().rails; }
   // Non-zero when the region is GPU memory that the owner's NICs cannot reach: the rails then
