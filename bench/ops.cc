@@ -320,9 +320,11 @@ Session::Window Session::run_window(uint64_t count, uint64_t window, const Submi
   for (uint64_t i = 0; i < count; ++i) {
     if (i >= window && !done.wait_prefix(i - window + 1, deadline)) break;
     if (done.failed() > 0) break;
+    // The callbacks are made before the clock starts: post us is the time inside submit().
+    Callbacks callbacks = done.callbacks(i);
     const auto t0 = Clock::now();
     submitted_at[i] = t0;
-    Result<TransferId> id = submit(i, done.callbacks(i));
+    Result<TransferId> id = submit(i, std::move(callbacks));
     w.submit_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
     if (!id) {
       w.error = id.status();
@@ -425,15 +427,17 @@ Result<PassResult> Session::single(const Row& row, const Budget& b, uint32_t ite
   auto cpu0 = cpu_of(1);
   if (!cpu0) return cpu0.status();
   // Write i lands in its own slot i, so that every write of the pass can be verified.
+  // One request, its offsets set per write: copying the descriptor (a reference count) is
+  // the caller's cost, not submit()'s, as paged and scatter rows build theirs before the pass.
+  SingleWrite sw;
+  sw.src = src_.handle;
+  sw.dst = peer.memory();
+  sw.length = size;
+  sw.imm = imm;
   Window w = run_window(plan.transfers, plan.window,
                         [&](uint64_t i, Callbacks cb) {
-                          SingleWrite sw;
-                          sw.src = src_.handle;
                           sw.src_offset = src_offset(iteration, i, size);
-                          sw.dst = peer.memory();
                           sw.dst_offset = i * size;
-                          sw.length = size;
-                          sw.imm = imm;
                           return engine_.submit(sw, std::move(cb));
                         },
                         {{0, imm, plan.transfers}});
@@ -585,13 +589,11 @@ Result<PassResult> Session::imm(const Row& row, const Budget& b, uint32_t iterat
   const uint32_t imm = fresh_imm();
   auto cpu0 = cpu_of(1);
   if (!cpu0) return cpu0.status();
+  ImmWrite iw;  // one request for the pass, as in single()
+  iw.peer = peer.address();
+  iw.imm = imm;
   Window w = run_window(plan.transfers, plan.window,
-                        [&](uint64_t, Callbacks cb) {
-                          ImmWrite iw;
-                          iw.peer = peer.address();
-                          iw.imm = imm;
-                          return engine_.submit(iw, std::move(cb));
-                        },
+                        [&](uint64_t, Callbacks cb) { return engine_.submit(iw, std::move(cb)); },
                         {{0, imm, plan.transfers}});
   auto cpu1 = cpu_of(1);
   if (!w.error) return w.error;
@@ -687,9 +689,10 @@ Result<PassResult> Session::barrier(const Row& row, const Budget& b, uint32_t it
     Barrier bar;
     bar.group = *group;
     bar.imm = kPing;
+    Callbacks callbacks = done.callbacks(k);  // made before the clock starts, as above
     const auto t0 = Clock::now();
     if (k == kWarmupRounds) start = t0;
-    auto id = engine_.submit(bar, done.callbacks(k));
+    auto id = engine_.submit(bar, std::move(callbacks));
     const auto t1 = Clock::now();
     if (!id) return id.status();
     if (!engine_.wait_imm(kPong, base + n * (k + 1), kRoundTimeout)) {

@@ -79,6 +79,7 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
     (*w)->set_address(e->addresses_.back());
     e->infos_.push_back(std::move(info));
     e->any_caller_driven_ |= (*w)->caller_driven();
+    e->shard_params_.push_back(e->make_shard_params(**w));
     e->workers_.push_back(std::move(*w));
   }
   for (auto& w : e->workers_) w->start();
@@ -170,17 +171,17 @@ Result<std::shared_ptr<LocalRegion>> EngineImpl::find_region(MemoryHandle handle
   return region;
 }
 
-engine::TransferPtr EngineImpl::new_transfer(uint32_t group, Callbacks cb) {
+engine::TransferPtr EngineImpl::new_transfer(uint32_t group, Callbacks&& cb) {
   engine::TransferPtr t = workers_[group]->take_transfer();
   t->id = next_transfer_.fetch_add(1);
   t->callbacks = std::move(cb);
   return t;
 }
 
-engine::ShardParams EngineImpl::shard_params(uint32_t group) const {
+engine::ShardParams EngineImpl::make_shard_params(const engine::Worker& w) const {
   uint64_t max_wr = UINT64_MAX;
-  for (uint32_t i = 0; i < workers_[group]->num_domains(); ++i) {
-    max_wr = std::min(max_wr, workers_[group]->domain(i).info().max_write_bytes);
+  for (uint32_t i = 0; i < w.num_domains(); ++i) {
+    max_wr = std::min(max_wr, w.domain(i).info().max_write_bytes);
   }
   return {config_.shard_min_bytes, config_.shard_alignment, std::min(max_wr, config_.max_wr_bytes)};
 }

@@ -101,11 +101,11 @@ class EngineImpl {
   Result<PeerGroup> add_peer_group(std::vector<Address> peers);
   Status remove_peer_group(PeerGroup group);
 
-  Result<TransferId> submit(const SingleWrite& w, Callbacks cb);
-  Result<TransferId> submit(const PagedWrite& w, Callbacks cb);
-  Result<TransferId> submit(const Scatter& s, Callbacks cb);
-  Result<TransferId> submit(const Barrier& b, Callbacks cb);
-  Result<TransferId> submit(const ImmWrite& w, Callbacks cb);
+  Result<TransferId> submit(const SingleWrite& w, Callbacks&& cb);
+  Result<TransferId> submit(const PagedWrite& w, Callbacks&& cb);
+  Result<TransferId> submit(const Scatter& s, Callbacks&& cb);
+  Result<TransferId> submit(const Barrier& b, Callbacks&& cb);
+  Result<TransferId> submit(const ImmWrite& w, Callbacks&& cb);
   Result<TransferId> submit_send(const Address& peer, std::span<const std::byte> message,
                                  Callbacks cb, uint32_t group);
   Status set_receive_handler(std::function<void(std::span<const std::byte>)> on_message,
@@ -157,17 +157,26 @@ class EngineImpl {
   Status check_remote(const RemoteMemory& dst, uint32_t group, std::string_view what) const;
   Result<std::shared_ptr<LocalRegion>> find_region(MemoryHandle handle) const;
   // A transfer of `group`'s pool (engine/transfer_pool.h): no heap once the pool is warm.
-  engine::TransferPtr new_transfer(uint32_t group, Callbacks cb);
+  engine::TransferPtr new_transfer(uint32_t group, Callbacks&& cb);
   uint32_t next_rotation(uint32_t group) { return rotations_[group].fetch_add(1); }
-  engine::ShardParams shard_params(uint32_t group) const;
+  // The sharding parameters of a group's NICs (fixed once they are open).
+  const engine::ShardParams& shard_params(uint32_t group) const { return shard_params_[group]; }
+  engine::ShardParams make_shard_params(const engine::Worker& w) const;
   // The shard weights of a group's NICs (their measured rates), empty when
   // Config::weighted_sharding is off.
   // The NICs of `group` that are up, and their measured rates (none without weighted sharding,
   // or with one NIC), in buffers of the calling thread: a submission allocates nothing for them.
   // Each call refills its buffer: use the result before the next call of the same function.
+  // The buffer is refilled only when the NICs' state has changed since this thread last filled
+  // it, for any group of any engine (NicHealth::stamp: unique across them all).
   const std::vector<bool>& up(uint32_t group) const {
     thread_local std::vector<bool> buf;
-    workers_[group]->up_nics(buf);
+    thread_local uint64_t filled_at = 0;
+    const uint64_t stamp = workers_[group]->up_stamp();
+    if (stamp != filled_at) {
+      workers_[group]->up_nics(buf);
+      filled_at = stamp;
+    }
     return buf;
   }
   std::span<const uint64_t> weights(uint32_t group) const {
@@ -235,6 +244,7 @@ class EngineImpl {
   std::vector<GroupInfo> infos_;
   std::vector<bool> direct_;  // per group: its NICs register CUDA memory themselves
   std::vector<Address> addresses_;
+  std::vector<engine::ShardParams> shard_params_;  // per group
   std::unique_ptr<std::atomic<uint32_t>[]> rotations_;
 
   // Calls that need the engine open hold close_mu_ shared (enter()); close() exclusively.

@@ -10,6 +10,14 @@
 
 namespace fabric::engine {
 
+namespace {
+// NicHealth::stamp's source: never 0 (a thread's copy that was never filled) nor reused.
+uint64_t next_stamp() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
 NicHealth::NicHealth(uint32_t group, std::vector<std::string> names, const Config& config)
     : group_(group),
       nic_timeout_(config.nic_timeout),
@@ -18,6 +26,7 @@ NicHealth::NicHealth(uint32_t group, std::vector<std::string> names, const Confi
               names.size() >= 2),
       nics_(names.size()),
       up_(std::make_unique<std::atomic<bool>[]>(names.size())),
+      stamp_(next_stamp()),
       rate_(std::make_unique<std::atomic<uint64_t>[]>(names.size())) {
   for (size_t i = 0; i < names.size(); ++i) {
     nics_[i].name = std::move(names[i]);
@@ -38,7 +47,7 @@ void NicHealth::rates(std::vector<uint64_t>& out) const {
 
 void NicHealth::set_up(uint32_t nic, bool up) {
   nics_[nic].down = !up;
-  up_[nic].store(up);
+  if (up_[nic].exchange(up) != up) stamp_.store(next_stamp(), std::memory_order_release);
 }
 
 uint32_t NicHealth::survivor(uint32_t nic) {

@@ -64,6 +64,11 @@ class NicHealth {
   // --- published (thread-safe)
   // Which NICs are up (not marked down), into `out` (its capacity kept).
   void up_nics(std::vector<bool>& out) const;
+  // A value that changes whenever up_nics() would give another answer, unique to this NicHealth
+  // and this state among all NicHealths of the process (a process-wide count): a submitting
+  // thread that filled its copy of up_nics() at stamp() s need not read it again while stamp()
+  // is s. Read before up_nics().
+  uint64_t stamp() const { return stamp_.load(std::memory_order_acquire); }
   // Each NIC's measured write rate in bytes per second (0: not measured yet).
   void rates(std::vector<uint64_t>& out) const;
 
@@ -122,6 +127,7 @@ class NicHealth {
   const bool active_;
   std::vector<Nic> nics_;
   std::unique_ptr<std::atomic<bool>[]> up_;        // published to submitting threads
+  std::atomic<uint64_t> stamp_;                    // stamp(): renewed after up_ changes
   std::unique_ptr<std::atomic<uint64_t>[]> rate_;  // RateMeter estimates, likewise
   uint32_t salt_ = 0;
   std::vector<bool> scratch_up_;  // survivor / other_up: kept to avoid allocating

@@ -76,7 +76,7 @@ Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const
 
 // --- submissions ----------------------------------------------------------------------------
 
-Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
+Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks&& cb) {
   auto lock = enter();
   if (!lock) return closed();
   auto src = find_region(w.src);
@@ -114,7 +114,7 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks cb) {
   return hand_over(group, std::move(t));
 }
 
-Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
+Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks&& cb) {
   auto lock = enter();
   if (!lock) return closed();
   auto src = find_region(w.src);
@@ -211,7 +211,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks cb) {
   return hand_over(group, std::move(t));
 }
 
-Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
+Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
   auto lock = enter();
   if (!lock) return closed();
   auto src = find_region(sc.src);
@@ -296,7 +296,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks cb) {
   return hand_over(group, std::move(t));
 }
 
-Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
+Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks&& cb) {
   auto lock = enter();
   if (!lock) return closed();
   if (Status s = check_group(b.local_group); !s) return s;
@@ -324,7 +324,7 @@ Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks cb) {
   return hand_over(b.local_group, std::move(t));
 }
 
-Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks cb) {
+Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks&& cb) {
   auto lock = enter();
   if (!lock) return closed();
   if (Status s = check_group(w.local_group); !s) return s;

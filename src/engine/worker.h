@@ -182,6 +182,8 @@ class Worker {
   std::vector<bool> up_nics() const;
   // The same into `out` (its capacity kept: no allocation once it has the group's size).
   void up_nics(std::vector<bool>& out) const { health_->up_nics(out); }
+  // Changes whenever up_nics() would give another answer (NicHealth::stamp).
+  uint64_t up_stamp() const { return health_->stamp(); }
   // This worker's counts, for TransferEngine::stats().
   void fill_stats(GroupStats& g) const { counters_->fill(g); }
   // Weighted sharding: each NIC's measured write rate in bytes per second (0: not measured

@@ -183,5 +183,29 @@ TEST(NicHealth, RatesArePublishedAndForgottenWhenANicComesBack) {
   EXPECT_EQ(rates[1], 0u);
 }
 
+TEST(NicHealth, TheStampChangesExactlyWhenTheUpNicsDo) {
+  // Submitting threads keep their copy of up_nics() while stamp() stays the same.
+  NicHealth h = health(2);
+  NicHealth other = health(2);
+  const uint64_t first = h.stamp();
+  EXPECT_NE(first, 0u);  // 0: a thread's copy that was never filled
+  EXPECT_NE(first, other.stamp());
+  const auto t0 = Clock::now();
+  h.mark_down(1, t0, owner(1));
+  const uint64_t down = h.stamp();
+  EXPECT_NE(down, first);
+  EXPECT_EQ(up(h), (std::vector<bool>{true, false}));
+  h.mark_down(1, t0 + 1ms, owner(1));  // down already: the same answer, the same stamp
+  EXPECT_EQ(h.stamp(), down);
+  ASSERT_TRUE(h.probe_due(1, t0 + 60ms, false).has_value());
+  h.probe_done(1, false, t0 + 70ms);  // still down: the same answer, the same stamp
+  EXPECT_EQ(h.stamp(), down);
+  ASSERT_TRUE(h.probe_due(1, t0 + 130ms, false).has_value());
+  h.probe_done(1, true, t0 + 140ms);  // back up: a new stamp, not the first one again
+  EXPECT_EQ(up(h), (std::vector<bool>{true, true}));
+  EXPECT_NE(h.stamp(), down);
+  EXPECT_NE(h.stamp(), first);
+}
+
 }  // namespace
 }  // namespace fabric::engine
