@@ -148,6 +148,7 @@ bool Worker::post_some(DomainState& d) {
       d.ready.push_back(peer);
     }
   }
+  if (any) d.domain->flush();  // what the backend held back goes out together (domain.h)
   if (nic_unreachable) {
     auto it = d.queues.find(unreachable_peer);
     if (it != d.queues.end())

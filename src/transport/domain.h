@@ -122,6 +122,11 @@ class Domain {
   virtual PostResult post_write(const WriteRequest& req) = 0;
   virtual PostResult post_send(const SendRequest& req) = 0;
   virtual PostResult post_recv(const RecvRequest& req) = 0;
+  // Hands the provider what post_write and post_send accepted but held back to post together
+  // (verbs: one chained post, one doorbell, per queue pair). The worker calls it when a posting
+  // pass over the domain ends; poll() and ready_to_wait() flush too, so nothing accepted waits
+  // longer than a pass. Posting that fails here completes the work requests with the error.
+  virtual void flush() {}
 
   // Reads up to out.size() completions; returns how many. Drives the provider's progress.
   virtual size_t poll(std::span<Completion> out) = 0;

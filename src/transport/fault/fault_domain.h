@@ -29,6 +29,7 @@ class FaultDomain final : public Domain {
   void reset_peer(PeerHandle peer) override { inner_->reset_peer(peer); }
   PostResult post_write(const WriteRequest& req) override;
   PostResult post_send(const SendRequest& req) override { return inner_->post_send(req); }
+  void flush() override { inner_->flush(); }
   PostResult post_recv(const RecvRequest& req) override { return inner_->post_recv(req); }
   size_t poll(std::span<Completion> out) override;
   int wait_fd() const override { return inner_->wait_fd(); }

@@ -25,6 +25,8 @@ constexpr uint8_t kAckTimeout = 14;
 constexpr uint8_t kRetryCount = 7;
 constexpr uint8_t kRnrRetryForever = 7;
 constexpr uint8_t kMinRnrTimer = 1;
+// The payload a write or send carries inside its work request when the device allows it.
+constexpr uint32_t kInlineBytes = 256;
 
 }  // namespace
 
@@ -40,10 +42,16 @@ Status VerbsDomain::create_qps(Peer& p) {
     qa.sq_sig_all = 1;
     qa.cap.max_send_wr = qp_send_depth_;
     qa.cap.max_send_sge = 1;
+    qa.cap.max_inline_data = kInlineBytes;
     auto q = std::make_unique<QueuePair>();
     q->role = role;
     q->peer = p.handle;
     q->qp = ibv_create_qp(dev_->pd, &qa);
+    if (q->qp == nullptr) {  // a device that cannot inline that much: without inline data
+      qa.cap.max_inline_data = 0;
+      q->qp = ibv_create_qp(dev_->pd, &qa);
+    }
+    q->max_inline = qa.cap.max_inline_data;  // what the device granted (at least what was asked)
     if (q->qp == nullptr) {
       return Status(ErrorCode::kFabric, fmt::format("ibv_create_qp (RC) on '{}' failed: {}",
                                                     info_.name, strerror(errno)));
@@ -127,6 +135,7 @@ Status VerbsDomain::connect_qps(Peer& p, const Hello& h) {
 }
 
 void VerbsDomain::retire_qps(Peer& p, ErrorCode code, const std::string& why) {
+  flush();  // chained work goes to the queue pairs first, to be flushed with the rest
   for (auto* q : {&p.msg, &p.wr}) {
     if (!*q) continue;
     ibv_qp_attr at{};

@@ -38,21 +38,52 @@ ErrorCode classify(ibv_wc_status s) {
 
 }  // namespace
 
-PostResult VerbsDomain::post_on(QueuePair& qp, ibv_send_wr& wr, const char* what) {
+PostResult VerbsDomain::post_on(QueuePair& qp, const ibv_send_wr& wr, const ibv_sge* sge) {
+  // Room is counted when a request is accepted, so a chain never overflows the queues.
   if (qp.outstanding >= qp_send_depth_ || cq_outstanding_ >= cq_depth_) {
     return PostResult::again();
   }
-  ibv_send_wr* bad = nullptr;
-  const int rc = ibv_post_send(qp.qp, &wr, &bad);
-  if (rc == 0) {
-    ++qp.outstanding;
-    ++cq_outstanding_;
-    return PostResult::posted();
+  Chain& c = qp.chain;
+  const uint32_t i = c.length++;
+  c.wrs[i] = wr;
+  if (sge != nullptr) {
+    c.sges[i] = *sge;
+    c.wrs[i].sg_list = &c.sges[i];
   }
-  if (rc == ENOMEM || rc == EAGAIN) return PostResult::again();
-  return PostResult::failed(
-      Status(ErrorCode::kFabric,
-             fmt::format("ibv_post_send ({}) on '{}' failed: {}", what, info_.name, strerror(rc))));
+  c.wrs[i].next = nullptr;
+  if (i > 0) c.wrs[i - 1].next = &c.wrs[i];
+  ++qp.outstanding;
+  ++cq_outstanding_;
+  if (i == 0) chained_.push_back(&qp);
+  if (c.length == kChainLength) flush(qp);  // flush() skips an empty chain later
+  return PostResult::posted();
+}
+
+void VerbsDomain::flush(QueuePair& qp) {
+  Chain& c = qp.chain;
+  if (c.length == 0) return;
+  ibv_send_wr* bad = nullptr;
+  const int rc = ibv_post_send(qp.qp, c.wrs.data(), &bad);
+  if (rc != 0) {
+    // The requests from `bad` on were not posted (all of them when the provider says nothing):
+    // they complete now, with the provider's error.
+    const uint32_t first = bad == nullptr ? 0 : static_cast<uint32_t>(bad - c.wrs.data());
+    for (uint32_t i = first; i < c.length; ++i) {
+      --qp.outstanding;
+      --cq_outstanding_;
+      failed_.push_back(Completion{
+          Completion::Kind::kLocal, c.wrs[i].wr_id, 0, 0, ErrorCode::kFabric,
+          fmt::format("ibv_post_send ({} of a chain of {} on the {} queue pair) on '{}' failed: {}",
+                      c.wrs[i].opcode == IBV_WR_SEND ? "a send" : "a write", c.length,
+                      qp.role_name(), info_.name, strerror(rc))});
+    }
+  }
+  c.length = 0;
+}
+
+void VerbsDomain::flush() {
+  for (QueuePair* qp : chained_) flush(*qp);
+  chained_.clear();
 }
 
 PostResult VerbsDomain::post_write(const WriteRequest& req) {
@@ -73,13 +104,14 @@ PostResult VerbsDomain::post_write(const WriteRequest& req) {
               lkey_of(req.local_desc)};
   ibv_send_wr wr{};
   wr.wr_id = req.wr_id;
-  wr.sg_list = req.length > 0 ? &sge : nullptr;
   wr.num_sge = req.length > 0 ? 1 : 0;
   wr.opcode = req.has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
   wr.imm_data = htonl(req.imm);
   wr.wr.rdma.remote_addr = req.remote_addr;
   wr.wr.rdma.rkey = static_cast<uint32_t>(req.remote_key);
-  return post_on(*p->wr, wr, req.has_imm ? "write with immediate" : "write");
+  // Small payloads go inside the work request: the NIC need not read them from memory.
+  if (req.length > 0 && req.length <= p->wr->max_inline) wr.send_flags = IBV_SEND_INLINE;
+  return post_on(*p->wr, wr, req.length > 0 ? &sge : nullptr);
 }
 
 PostResult VerbsDomain::post_send(const SendRequest& req) {
@@ -93,10 +125,10 @@ PostResult VerbsDomain::post_send(const SendRequest& req) {
               lkey_of(req.local_desc)};
   ibv_send_wr wr{};
   wr.wr_id = req.wr_id;
-  wr.sg_list = req.length > 0 ? &sge : nullptr;
   wr.num_sge = req.length > 0 ? 1 : 0;
   wr.opcode = IBV_WR_SEND;
-  return post_on(*p->msg, wr, "send");
+  if (req.length > 0 && req.length <= p->msg->max_inline) wr.send_flags = IBV_SEND_INLINE;
+  return post_on(*p->msg, wr, req.length > 0 ? &sge : nullptr);
 }
 
 PostResult VerbsDomain::post_recv(const RecvRequest& req) {
@@ -215,8 +247,13 @@ bool VerbsDomain::translate(const ibv_wc& wc, Completion& c) {
 }
 
 size_t VerbsDomain::poll(std::span<Completion> out) {
+  flush();
   progress();
   size_t j = 0;
+  while (j < out.size() && !failed_.empty()) {
+    out[j++] = std::move(failed_.back());
+    failed_.pop_back();
+  }
   while (j < out.size() && !stash_.empty()) {
     ibv_wc wc = stash_.back();
     stash_.pop_back();
@@ -246,7 +283,11 @@ size_t VerbsDomain::poll(std::span<Completion> out) {
 }
 
 bool VerbsDomain::ready_to_wait() {
-  if (connecting_ > 0 || !delayed_.empty() || !retired_.empty() || !stash_.empty()) return false;
+  flush();
+  if (connecting_ > 0 || !delayed_.empty() || !retired_.empty() || !stash_.empty() ||
+      !failed_.empty()) {
+    return false;
+  }
   // Acknowledge what woke us, ask for the next event on both queues, then look once more:
   // a completion that arrived before the request raises no event.
   ibv_cq* ev_cq = nullptr;

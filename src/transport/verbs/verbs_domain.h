@@ -65,6 +65,7 @@ class VerbsDomain final : public Domain {
   PostResult post_write(const WriteRequest& req) override;
   PostResult post_send(const SendRequest& req) override;
   PostResult post_recv(const RecvRequest& req) override;
+  void flush() override;
   size_t poll(std::span<Completion> out) override;
   int wait_fd() const override;
   bool ready_to_wait() override;
@@ -97,7 +98,10 @@ class VerbsDomain final : public Domain {
   void reap_retired();
 
   // --- hot path (verbs_datapath.cc) ---
-  PostResult post_on(verbs_detail::QueuePair& qp, ibv_send_wr& wr, const char* what);
+  // Accepts `wr` (its one scatter entry `sge`, if any) into qp's chain; a full chain is posted.
+  PostResult post_on(verbs_detail::QueuePair& qp, const ibv_send_wr& wr, const ibv_sge* sge);
+  // Posts qp's chain; work requests the provider refuses complete with its error (failed_).
+  void flush(verbs_detail::QueuePair& qp);
   bool translate(const ibv_wc& wc, Completion& out);
   void repost_imm_receives();
 
@@ -165,6 +169,8 @@ class VerbsDomain final : public Domain {
 
   std::vector<ibv_wc> wc_;
   std::vector<ibv_wc> stash_;  // completions read by ready_to_wait, handed out by poll first
+  std::vector<verbs_detail::QueuePair*> chained_;  // queue pairs with a chain to post
+  std::vector<Completion> failed_;                 // work requests a chained post refused, for poll
 };
 
 }  // namespace fabric::transport

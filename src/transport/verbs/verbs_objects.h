@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <infiniband/verbs.h>
 
+#include <array>
 #include <bit>
 #include <chrono>
 #include <cstdint>
@@ -33,13 +34,24 @@ struct Device {
   }
 };
 
+// Send work requests accepted by post_write / post_send and not yet handed to the provider:
+// posted together, as one chain (one doorbell), by VerbsDomain::flush.
+inline constexpr uint32_t kChainLength = 32;
+struct Chain {
+  std::array<ibv_send_wr, kChainLength> wrs;
+  std::array<ibv_sge, kChainLength> sges;
+  uint32_t length = 0;
+};
+
 // One queue pair and the send work it has posted.
 struct QueuePair {
   enum class Role : uint8_t { kMessages, kWrites, kHandshake };
   ibv_qp* qp = nullptr;
   Role role = Role::kMessages;
   PeerHandle peer = 0;
-  uint32_t outstanding = 0;  // send work requests posted and not completed yet
+  uint32_t outstanding = 0;  // send work requests accepted (chained or posted), not completed
+  uint32_t max_inline = 0;   // the largest payload it posts inline (IBV_SEND_INLINE)
+  Chain chain;
   ErrorCode error = ErrorCode::kOk;
   std::string error_text;  // why it entered the error state (set when retired)
   QueuePair() = default;
