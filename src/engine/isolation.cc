@@ -1,4 +1,4 @@
-// Worker: isolation of one bad work request (docs/hardening.md, "One bad write").
+// PostingQueues: isolation of one bad work request (docs/hardening.md, "One bad write").
 //
 // A provider may answer one bad write (a stale remote key: the region was unregistered) by
 // dropping the whole connection, so that every other work request in flight towards the same
@@ -21,8 +21,7 @@
 #include <algorithm>
 
 #include "common/log.h"
-#include "engine/plan.h"
-#include "engine/worker.h"
+#include "engine/posting_queues.h"
 
 namespace fabric::engine {
 
@@ -47,22 +46,17 @@ Status closed_unresolved(const Op& op, const Status& error) {
 
 }  // namespace
 
-void Worker::answered(PeerQueue& q) {
-  q.failing_since = now_;
+void PostingQueues::answered(PeerQueue& q, Clock::time_point now) {
+  q.failing_since = now;
   q.backoff = kFirstBackoff;
 }
 
-void Worker::make_ready(DomainState& d, PeerQueue& q) {
-  if (q.ready) return;
-  q.ready = true;
-  d.ready.push_back(q.peer);
-}
-
-bool Worker::isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error) {
+bool PostingQueues::isolate(uint32_t nic, PeerQueue& q, Op& op, const Status& error,
+                            Clock::time_point now) {
   const Transfer& t = *op.transfer;
   if (stopping_ && error.code() == ErrorCode::kPeerUnreachable && t.probe_nic < 0 &&
       t.check_nic < 0 && !op.urgent) {
-    complete_op(op, closed_unresolved(op, error));
+    complete(op, closed_unresolved(op, error));
     return true;
   }
   // A write-fence note (urgent) is not retried here: its sender sends it again until answered.
@@ -71,16 +65,16 @@ bool Worker::isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error) 
     return false;
   }
   if (!q.isolating()) {
-    q.failing_since = now_;
+    q.failing_since = now;
     q.backoff = kFirstBackoff;
-    q.not_before = now_ + q.backoff;
+    q.not_before = now + q.backoff;
     detail::log().warn(
         "group {}: a {} of {} bytes towards a peer on NIC '{}' failed ({}); posting the failed "
         "work requests towards that peer again one at a time, to find the one at fault",
-        group_, op.kind == Op::Kind::kSend ? "message" : "write", op.length, d.domain->info().name,
-        error.message());
+        group_, op.kind == Op::Kind::kSend ? "message" : "write", op.length,
+        nics_[nic].domain->info().name, error.message());
     // The peer may have dropped the connection because it took this engine for dead (a write
-    // fence it did not see answered): announce afresh before writing again (write_fence.cc).
+    // fence it did not see answered): announce afresh before writing again.
     if (fence_) fence_->forget_owner(q.owner);
   }
   if (op.kind == Op::Kind::kWrite && op.has_imm) {
@@ -93,70 +87,62 @@ bool Worker::isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error) 
   q.suspects.push_back(&op);
   ++queued_;
   q.broken = true;
-  make_ready(d, q);
+  make_ready(nics_[nic], q);
   return true;
 }
 
-void Worker::post_isolated(DomainState& d, PeerQueue& q) {
-  if (q.check_posted || q.inflight_count > 0 || now_ < q.not_before) return;
+void PostingQueues::post_isolated(uint32_t nic, PeerQueue& q, Clock::time_point now) {
+  if (q.check_posted || q.inflight_count > 0 || now < q.not_before) return;
   if (q.broken) {  // nothing is posted towards the peer now: connect afresh
-    d.domain->reset_peer(q.peer);
+    nics_[nic].domain->reset_peer(q.peer);
     q.broken = false;
   }
   if (fence_) {  // a write-fence note first: the suspects may wait for its answer
-    post_urgent(d, q);
+    post_urgent(nic, q);
     if (q.inflight_count > 0) return;
   }
   if (q.check != nullptr) {
-    auto r = post(d, *q.check, q.peer);
+    auto r = post(nic, *q.check, q.peer);
     if (r.kind == transport::PostResult::Kind::kAgain) return;
-    if (r.kind == transport::PostResult::Kind::kPosted) {
-      q.check_posted = true;
-      q.link(*q.check);
-      ++posted_;
-    } else {
-      Op& check = *q.check;
-      complete_op(check, r.error);  // check_done runs: q may be gone from here on
-    }
+    if (r.kind == transport::PostResult::Kind::kPosted) q.check_posted = true;
+    posted_or_failed(q, *q.check, r);  // a failed check ends in check_done
     return;
   }
   if (q.suspects.empty()) return;
   Op& op = *q.suspects.front();
-  const uint32_t nic = static_cast<uint32_t>(&d - domains_.data());
-  if (fence_ && q.announced_epoch != fence_->epoch() && held_for_hello(nic, q, op)) return;
-  auto r = post(d, op, q.peer);
+  if (fence_ && q.announced_epoch != fence_->epoch() && held_for_hello(nic, q, op, now)) return;
+  auto r = post(nic, op, q.peer);
   if (r.kind == transport::PostResult::Kind::kAgain) return;
   q.suspects.pop_front();
   --queued_;
   if (r.kind == transport::PostResult::Kind::kPosted) {
     op.lone = true;
     ++op.lone_tries;
-    q.link(op);
-    ++posted_;
-  } else {
-    complete_op(op, r.error);
   }
+  posted_or_failed(q, op, r);
 }
 
-void Worker::lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& status) {
+void PostingQueues::lone_done(uint32_t nic, PeerQueue& q, Op& op, const Status& status,
+                              Clock::time_point now) {
   op.lone = false;
+  const std::string& name = nics_[nic].domain->info().name;
   if (status.is_ok()) {
-    answered(q);
+    answered(q, now);
     if (!op.had_imm) {
-      complete_op(op, status);
+      complete(op, status);
       return;
     }
-    complete_op(op, Status(ErrorCode::kPeerUnreachable,
-                           fmt::format("the connection to the peer on NIC '{}' dropped with this "
-                                       "write carrying immediate {} in flight (another write's "
-                                       "failure dropped it); its data was written again, but the "
-                                       "immediate may or may not have been counted, so it is not "
-                                       "sent again (Config::reliable_imm avoids this)",
-                                       d.domain->info().name, op.imm)));
+    complete(op, Status(ErrorCode::kPeerUnreachable,
+                        fmt::format("the connection to the peer on NIC '{}' dropped with this "
+                                    "write carrying immediate {} in flight (another write's "
+                                    "failure dropped it); its data was written again, but the "
+                                    "immediate may or may not have been counted, so it is not "
+                                    "sent again (Config::reliable_imm avoids this)",
+                                    name, op.imm)));
     return;
   }
   if (stopping_ && status.code() == ErrorCode::kPeerUnreachable) {
-    complete_op(op, closed_unresolved(op, status));
+    complete(op, closed_unresolved(op, status));
     return;
   }
   if (status.code() == ErrorCode::kRemoteAccess || !suspect_code(status.code()) || stopping_) {
@@ -165,91 +151,85 @@ void Worker::lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& statu
     // connection is made afresh, instead of failing on the dropped one.
     if (status.code() == ErrorCode::kRemoteAccess && !stopping_) {
       q.broken = true;
-      q.not_before = now_ + kFirstBackoff;
-      make_ready(d, q);
+      q.not_before = now + kFirstBackoff;
+      make_ready(nics_[nic], q);
     }
-    complete_op(op, status);
+    complete(op, status);
     return;
   }
   // Failed alone, not as a refused key: bad key or unreachable peer? A check tells.
   messages_->release_send_slot(op);
   q.suspects.push_front(&op);
   ++queued_;
-  check_peer(d, q);
+  check_peer(nic, q, now);
 }
 
-void Worker::check_peer(DomainState& d, PeerQueue& q) {
-  const uint32_t nic = static_cast<uint32_t>(&d - domains_.data());
+void PostingQueues::check_peer(uint32_t nic, PeerQueue& q, Clock::time_point now) {
   q.broken = true;
-  q.not_before = now_ + q.backoff;
+  q.not_before = now + q.backoff;
   q.backoff = std::min(q.backoff * 2, kMaxBackoff);
-  make_ready(d, q);
-  const Op& suspect = *q.suspects.front();
+  make_ready(nics_[nic], q);
+  Op& suspect = *q.suspects.front();
   if (suspect.owner == nullptr) {
     fail_suspects(q, Status(ErrorCode::kPeerUnreachable,
                             "the connection to the peer dropped and the peer cannot be checked"));
     return;
   }
-  TransferPtr t = pool_.take();
-  t->id = kInternalTransfer | next_internal_++;
-  t->check_nic = static_cast<int>(nic);
-  t->check_peer = q.peer;
-  t->peers.push_back(*suspect.owner);
-  const Address& owner = t->peers[0];
-  uint32_t rail = remote_rail(nic, owner.num_nics());
-  for (uint32_t i = 0; i < owner.num_nics(); ++i) {
-    if (owner.nics()[i].name == *suspect.peer) rail = i;
-  }
-  const NicAddress& peer = owner.nics()[rail];
-  Op& op = t->ops.emplace_back(scratch_op(*t, nic, owner, peer, scratch(nic)));
-  t->pending = 1;
-  q.check = &op;
-  q.check_posted = false;
-  live_.adopt(std::move(t));
+  events_.push_back({Event::Kind::kCheck, &suspect, Status::ok(), nic, q.peer});
 }
 
-void Worker::check_done(Transfer& t) {
-  DomainState& d = domains_[static_cast<uint32_t>(t.check_nic)];
-  auto it = d.queues.find(t.check_peer);
-  if (it == d.queues.end()) return;  // the peer was declared dead meanwhile
+bool PostingQueues::wants_check(uint32_t nic, transport::PeerHandle peer) const {
+  const PeerQueue* q = find(nic, peer);
+  return q != nullptr && !q->suspects.empty() && q->check == nullptr;
+}
+
+void PostingQueues::set_check(uint32_t nic, transport::PeerHandle peer, Op& check) {
+  PeerQueue& q = nics_[nic].queues.at(peer);
+  q.check = &check;
+  q.check_posted = false;
+}
+
+void PostingQueues::check_done(uint32_t nic, transport::PeerHandle peer, const Status& error,
+                               Clock::time_point now) {
+  auto it = nics_[nic].queues.find(peer);
+  if (it == nics_[nic].queues.end()) return;  // the peer was declared dead meanwhile
   PeerQueue& q = it->second;
   q.check = nullptr;
   q.check_posted = false;
   if (q.suspects.empty()) return;
-  if (!t.error.is_ok()) {
-    if (now_ - q.failing_since < config_.peer_timeout && !stopping_) {
-      check_peer(d, q);  // again, a little later
+  const std::string& name = nics_[nic].domain->info().name;
+  if (!error.is_ok()) {
+    if (now - q.failing_since < peer_timeout_ && !stopping_) {
+      check_peer(nic, q, now);  // again, a little later
       return;
     }
     fail_suspects(q, Status(ErrorCode::kPeerUnreachable,
                             fmt::format("the connection to the peer on NIC '{}' dropped, and "
                                         "writes to the peer kept failing for {} ms, checks "
                                         "included: {}",
-                                        d.domain->info().name, config_.peer_timeout.count(),
-                                        t.error.message())));
+                                        name, peer_timeout_.count(), error.message())));
     return;
   }
-  answered(q);
-  make_ready(d, q);
+  answered(q, now);
+  make_ready(nics_[nic], q);
   Op& op = *q.suspects.front();
   if (op.lone_tries < kLoneTries) return;  // posted alone once more
   q.suspects.pop_front();
   --queued_;
-  complete_op(op, Status(ErrorCode::kRemoteAccess,
-                         fmt::format("the peer on NIC '{}' refused this write {} times when it "
-                                     "was posted alone, while it accepted a check write (was "
-                                     "the target region unregistered?)",
-                                     d.domain->info().name, op.lone_tries)));
+  complete(op, Status(ErrorCode::kRemoteAccess,
+                      fmt::format("the peer on NIC '{}' refused this write {} times when it "
+                                  "was posted alone, while it accepted a check write (was "
+                                  "the target region unregistered?)",
+                                  name, op.lone_tries)));
 }
 
-void Worker::fail_suspects(PeerQueue& q, const Status& error) {
+void PostingQueues::fail_suspects(PeerQueue& q, const Status& error) {
   // The work queued behind the suspects goes the same way: the peer is unreachable.
-  std::vector<Op*> ops(q.suspects.begin(), q.suspects.end());
-  ops.insert(ops.end(), q.ops.begin(), q.ops.end());
-  queued_ -= ops.size();
+  queued_ -= q.suspects.size() + q.ops.size();
+  for (Op* op : q.suspects) complete(*op, error);
+  for (Op* op : q.ops) complete(*op, error);
   q.suspects.clear();
   q.ops.clear();
-  for (Op* op : ops) complete_op(*op, error);
 }
 
 }  // namespace fabric::engine

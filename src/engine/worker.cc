@@ -79,6 +79,12 @@ Result<std::unique_ptr<Worker>> Worker::create(
                         {config.max_message_bytes, config.send_buffers, config.control_buffers});
   if (!messages) return messages.status();
   w->messages_ = std::move(*messages);
+  std::vector<transport::Domain*> queue_nics;
+  for (auto& d : w->domains_) queue_nics.push_back(d.domain.get());
+  w->queues_ = std::make_unique<PostingQueues>(
+      group, config,
+      PostingQueues::Below{std::move(queue_nics), w->messages_.get(), w->health_.get(),
+                           w->counters_.get()});
   return w;
 }
 
@@ -295,15 +301,15 @@ bool Worker::pass(bool& finished) {
   if (!stopping_ && stop_requested_.load()) begin_stop();
   // Post before polling: a fresh submission reaches the wire without waiting for a pass of
   // polls (each of which runs the provider's progress), and polls then see it sooner.
-  for (auto& d : domains_) active |= post_some(d);
+  active |= post_all();
   for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
   if (!ipc_open_.empty()) flush_ipc_batches();  // the Commits those polls read
   if (!copiers_.empty() || staged_->has_copiers()) active |= poll_copies();
-  for (auto& d : domains_) active |= post_some(d);
+  active |= post_all();
   watch_peers();
   active |= drain_ready();
   if (!jobs_.empty()) run_jobs();
-  finished = stopping_ && (posted_ == abandoned_ || now_ >= stop_deadline_);
+  finished = stopping_ && (queues_->posted() == queues_->abandoned() || now_ >= stop_deadline_);
   return active;
 }
 
@@ -335,20 +341,9 @@ bool Worker::drain_inbox() {
 void Worker::begin_stop() {
   stopping_ = true;
   stop_deadline_ = std::chrono::steady_clock::now() + config_.close_timeout;
+  queues_->stop();
   std::vector<Op*> unposted;
-  for (auto& d : domains_) {
-    for (auto& [peer, q] : d.queues) {
-      unposted.insert(unposted.end(), q.ops.begin(), q.ops.end());
-      unposted.insert(unposted.end(), q.suspects.begin(), q.suspects.end());
-      if (q.check != nullptr && !q.check_posted) unposted.push_back(q.check);
-      q.check = nullptr;
-      q.ops.clear();
-      q.suspects.clear();
-      q.ready = false;
-    }
-    d.ready.clear();
-  }
-  queued_ = 0;
+  queues_->take_all_queued(unposted);
   for (Op* op : unposted) complete_op(*op, cancelled("engine closed before it was posted"));
   if (fence_) say_goodbye();  // behind what is posted: owners stop fencing this engine
 }
@@ -360,9 +355,9 @@ void Worker::finish_stop() {
   ipc_batches_.clear();
   staged_->drain();
   awaiting_acks_.clear();
-  if (posted_ > abandoned_) {
+  if (const size_t left = queues_->posted() - queues_->abandoned(); left > 0) {
     detail::log().warn("group {}: closing with {} work requests still in flight after {} ms",
-                       group_, posted_ - abandoned_, config_.close_timeout.count());
+                       group_, left, config_.close_timeout.count());
   }
   std::vector<Transfer*> left;
   live_.for_each([&left](Transfer& t) {
@@ -385,12 +380,12 @@ void Worker::idle(bool active) {
   for (const CopierEntry& c : copiers_) copying |= c.copier->outstanding() > 0;
   copying |= staged_->copying();
   // Queued work waits for room in a provider queue that only polling makes: keep polling.
-  if (active || queued_ > 0 || stopping_ || copying) {
+  if (active || queues_->queued() > 0 || stopping_ || copying) {
     last_active_ = now;
     return;
   }
   if (config_.idle_sleep.count() == 0) return;  // pure busy-poll
-  const bool inflight = posted_ > abandoned_;
+  const bool inflight = queues_->posted() > queues_->abandoned();
   if (inflight) {
     if (config_.inflight_spin.count() < 0 || now - last_active_ < config_.inflight_spin) return;
   } else if (now - last_active_ < config_.spin_time) {

@@ -25,10 +25,12 @@
 #include "engine/messenger.h"
 #include "engine/nic_health.h"
 #include "engine/op_builder.h"
+#include "engine/posting_queues.h"
 #include "engine/regions.h"
 #include "engine/staged_path.h"
 #include "engine/transfer_pool.h"
 #include "engine/transfer_state.h"
+#include "engine/worker_counters.h"
 #include "engine/write_fence.h"
 #include "fabric/config.h"
 #include "fabric/stats.h"
@@ -39,96 +41,16 @@ namespace fabric::engine {
 // The worker's files (docs/engine.md, "Files"): worker.cc (creation, the loop, stopping, idling),
 // worker_datapath.cc, worker_messages.cc (routing what the Messenger receives, internal
 // messages), failover.cc (the peer watchdog, and moving the work of a NIC that NicHealth finds
-// down), staged_path.cc (the writer's side), isolation.cc, write_fence.cc, ipc_worker.cc. Its
-// components, which own their state and call nothing above them: Messenger (messenger.h),
-// StagedPath (staged_path.h: the owner's side of Commits), NicHealth (nic_health.h: which NICs
-// are up, probes, measured rates), WriteFence (write_fence.h), TransferPool (transfer_pool.h),
-// LiveTransfers (live_transfers.h).
+// down), staged_path.cc (the writer's side), write_fence.cc, ipc_worker.cc. Its components,
+// which own their state and call nothing above them: PostingQueues (posting_queues.h, and
+// isolation.cc: the per (NIC, peer) queues, round-robin posting, the in-flight lists,
+// isolation), Messenger (messenger.h), StagedPath (staged_path.h: the owner's side of Commits),
+// NicHealth (nic_health.h: which NICs are up, probes, measured rates), WriteFence
+// (write_fence.h), TransferPool (transfer_pool.h), LiveTransfers (live_transfers.h).
 
 inline Status cancelled(std::string_view why) {
   return Status(ErrorCode::kCancelled, std::string(why));
 }
-
-// What a worker counts for TransferEngine::stats() (fabric/stats.h). The worker thread is the
-// only writer of all but `wakeups` (a plain relaxed store of load + 1, no read-modify-write);
-// stats() reads with relaxed loads. Each NIC's counters and the submitters' wake-up count have
-// cache lines of their own.
-struct WorkerCounters {
-  using Counter = std::atomic<uint64_t>;
-  struct alignas(64) Nic {
-    Counter posted{0}, completed{0}, failed{0}, retries{0};
-  };
-  explicit WorkerCounters(size_t nics) : nics(nics), nic(new Nic[nics]) {}
-  static void bump(Counter& c) {
-    c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-  }
-  // Adds this worker's counts to `g`.
-  void fill(GroupStats& g) const;
-
-  size_t nics;
-  std::unique_ptr<Nic[]> nic;
-  alignas(64) Counter internal_posted{0};
-  // The engine's transfers and messages that ended, as their callbacks are queued.
-  Counter transfers_completed{0}, transfers_failed{0}, messages_completed{0}, messages_failed{0};
-  Counter passes{0};
-  Counter sleeps{0};
-  std::array<Counter, std::tuple_size_v<decltype(GroupStats::errors_by_code)>> errors{};
-  std::array<Counter, LatencyHistogram::kBuckets> latency{};
-  alignas(64) Counter wakeups{0};  // bumped by submitters (fetch_add)
-  Counter ring_full{0};            // by submitters that took the overflow list (fetch_add)
-};
-
-// The work requests of one domain towards one peer NIC: those waiting to be posted (FIFO), and
-// those posted and not yet completed (an intrusive list, for the dead-peer watchdog).
-struct PeerQueue {
-  transport::PeerHandle peer = 0;
-  std::deque<Op*> ops;
-  bool ready = false;  // listed in DomainState::ready
-  Op* inflight = nullptr;
-  size_t inflight_count = 0;
-  std::chrono::steady_clock::time_point last_progress;
-  // The peer engine's first NIC name: tells which queues of different NICs lead to one peer.
-  Bytes owner;
-  // The count of ops posted on this queue's NIC, towards any peer (DomainState::inflight).
-  size_t* nic_inflight = nullptr;
-  // Isolation (docs/hardening.md, "One bad write"): work requests that failed in a way another
-  // one could have caused (the provider dropped the connection), posted again one at a time.
-  // While any is left, or the peer is being checked, nothing else is posted towards the peer.
-  std::deque<Op*> suspects;
-  Op* check = nullptr;  // the check (a zero-byte write to the peer's scratch buffer), if any
-  bool check_posted = false;
-  bool broken = false;  // the last failure may have broken the connection: reset it first
-  // The write fence: the WriteFence::epoch() at which the peer was found to have
-  // acknowledged this engine's Hello (write_fence.cc); another value: look again.
-  uint64_t announced_epoch = 0;
-  // Failing since (no lone post or check has completed since), and when to post next: the
-  // provider needs a moment to notice a dropped connection and connect afresh.
-  std::chrono::steady_clock::time_point failing_since;
-  std::chrono::steady_clock::time_point not_before;
-  std::chrono::microseconds backoff{0};
-
-  // Also while a reset is due: nothing more is posted on a connection a refusal broke.
-  bool isolating() const { return !suspects.empty() || check != nullptr || broken; }
-
-  void link(Op& op) {
-    op.queue = this;
-    op.prev = nullptr;
-    op.next = inflight;
-    if (inflight) inflight->prev = &op;
-    inflight = &op;
-    ++inflight_count;
-    if (nic_inflight != nullptr) ++*nic_inflight;
-  }
-  void unlink(Op& op) {
-    if (op.prev) op.prev->next = op.next;
-    if (op.next) op.next->prev = op.prev;
-    if (inflight == &op) inflight = op.next;
-    op.prev = op.next = nullptr;
-    op.queue = nullptr;
-    --inflight_count;
-    if (nic_inflight != nullptr) --*nic_inflight;
-  }
-};
 
 // What the worker needs from its engine.
 struct WorkerServices {
@@ -230,14 +152,10 @@ class Worker {
   }
 
  private:
-  using PeerQueue = engine::PeerQueue;
   struct DomainState {
     std::unique_ptr<transport::Domain> domain;
     AlignedBuffer scratch_buf;
     std::unique_ptr<transport::MemoryRegistration> scratch;
-    std::unordered_map<transport::PeerHandle, PeerQueue> queues;
-    std::deque<transport::PeerHandle> ready;  // peers with queued ops, in round-robin order
-    size_t inflight = 0;                      // ops posted, towards any peer
   };
   // What a copier's fence tokens point to: Gates (the staged path's host-bound copies) or
   // IpcBatches (the CUDA IPC path's owner copies). The device-bound copies of staged Commits
@@ -267,11 +185,18 @@ class Worker {
   bool pass(bool& finished);
   bool drain_inbox();
   void start_transfer(TransferPtr t);
+  // Posts on every NIC (PostingQueues::post_some), then does what the queues asked for.
+  bool post_all();
+  // Queues `op` on the PostingQueues (over a surviving NIC if its own is down).
   void enqueue(Op& op);
-  bool post_some(DomainState& d);
-  // Posts `op` and counts the outcome for stats().
-  transport::PostResult post(DomainState& d, Op& op, transport::PeerHandle peer);
-  transport::PostResult post_to_provider(DomainState& d, Op& op, transport::PeerHandle peer);
+  // Does what the PostingQueues asked for since the last call (posting_queues.h, Event), in
+  // order, after sending the write-fence notes they returned.
+  void run_queue_events();
+  // A posted op given up on (its queue was taken out) stays the provider's until it completes.
+  void abandon(Op& op) {
+    queues_->abandon(op);
+    ++op.transfer->abandoned;
+  }
   // A transfer of the engine's ends: how, its error code and completion time for stats().
   void count_end(const Transfer& t);
   // Counts `t` as ended with `error` (a transfer or a message; no completion time).
@@ -318,36 +243,28 @@ class Worker {
   void forget_commits(Transfer& t);
   void watch_acks();
   void watch_peers();
-  void declare_dead(DomainState& d, PeerQueue& q);
-  void declare_dead(DomainState& d, PeerQueue& q, const Status& error);
+  void declare_dead(uint32_t nic, transport::PeerHandle peer);
   // Failover: NicHealth decides (nic_health.h), these move the work.
   // Describes every NIC's queues to NicHealth (looks_), and acts on its verdict for each NIC.
   void watch_nics();
   void look_at_queues();
   // Marks `nic` down in health_ (`why`: what showed it; default: the watchdog's stall against
   // another NIC's progress) and moves its work to the surviving NICs.
-  void mark_down(uint32_t nic, const PeerQueue& stalled, std::string_view why = {});
-  // Moves a NIC's queued work to the surviving NICs; with posted_too, also its posted work
-  // (data-only writes re-posted, the rest failed) and drops the connection.
-  void fail_over(uint32_t nic, PeerQueue& q, bool posted_too);
-  bool movable(const Op& op) const;
+  void mark_down(uint32_t nic, transport::PeerHandle stalled, std::string_view why = {});
+  // Moves a NIC's queued work towards `peer` to the surviving NICs; with posted_too, also its
+  // posted work (data-only writes re-posted, the rest failed) and drops the connection.
+  void fail_over(uint32_t nic, transport::PeerHandle peer, bool posted_too);
   // Posts a copy of a posted op on NIC `to` in its place (the original is abandoned).
   void repost_copy(Op& op, uint32_t to);
   // Moves the messages of a stalled queue on a NIC that is not marked down to another NIC.
-  void reroute_messages(uint32_t nic, PeerQueue& q);
+  void reroute_messages(uint32_t nic, transport::PeerHandle peer);
   void retarget(Op& op, uint32_t to);
   // Starts a probe of `nic` (down) towards `owner`; it ends in NicHealth::probe_done.
   void probe(uint32_t nic, const Address& owner);
-  // Isolation (isolation.cc).
-  bool isolate(DomainState& d, PeerQueue& q, Op& op, const Status& error);
-  void make_ready(DomainState& d, PeerQueue& q);  // listed in d.ready, for post_some
-  void post_isolated(DomainState& d, PeerQueue& q);
-  void lone_done(DomainState& d, PeerQueue& q, Op& op, const Status& status);
-  void check_peer(DomainState& d, PeerQueue& q);  // posts a check after the queue's backoff
-  void answered(PeerQueue& q);                    // the peer completed a lone post or a check
+  // Isolation (the PostingQueues' isolation.cc): the check of a suspect's peer that the queues
+  // asked for (a zero-byte write to its scratch buffer), and its end, told to the queues.
+  void start_check(uint32_t nic, transport::PeerHandle peer, const Op& suspect);
   void check_done(Transfer& t);
-  // Fails the suspects of a queue and the work queued behind them with `error`.
-  void fail_suspects(PeerQueue& q, const Status& error);
   // The CUDA IPC path (ipc_worker.cc, docs/cuda-ipc.md).
   void send_ipc_commits(Transfer& t, bool final);
   static bool ipc_left(const Transfer& t);
@@ -361,8 +278,6 @@ class Worker {
   void open_fence();
   // Sends `notes` (urgent) and runs the rounds that ended.
   void run_fence_events(std::vector<WriteFence::Note>& notes);
-  // True when `op` must wait for its owner to acknowledge this engine's Hello (sent here).
-  bool held_for_hello(uint32_t domain, PeerQueue& q, const Op& op);
   void handle_fence_note(const MessageHeader& header, std::span<const std::byte> body,
                          uint32_t domain);
   // Called with the registrations of a region closed: runs `done` once every writer known to
@@ -373,8 +288,6 @@ class Worker {
   // A peer declared dead (by its first NIC name): no fence waits for it, and a write towards
   // it announces this engine afresh.
   void peer_gone_from_fence(const Bytes& first_nic);
-  // Isolation: posts the urgent message (a write-fence note) at the front of q, if any.
-  void post_urgent(DomainState& d, PeerQueue& q);
   // The engine stops: tells every owner it announced itself to, from each NIC, behind the writes
   // posted there, that it will write no more.
   void say_goodbye();
@@ -407,9 +320,13 @@ class Worker {
   std::chrono::steady_clock::time_point next_ipc_sweep_;
   // Failover and weighted sharding: which NICs are up, their rates (made in create()).
   std::unique_ptr<NicHealth> health_;
-  // watch_nics: each NIC's queues as NicHealth sees them, and the queues they describe.
+  // Every NIC's queues towards every peer, posting round-robin, isolation (made in create()).
+  std::unique_ptr<PostingQueues> queues_;
+  std::vector<PostingQueues::Event> queue_events_;  // run_queue_events: keeps its capacity
+  bool running_queue_events_ = false;
+  // watch_nics: each NIC's queues as NicHealth sees them, and the peers they lead to.
   std::vector<std::vector<NicHealth::QueueLook>> looks_;
-  std::vector<std::vector<PeerQueue*>> look_queues_;
+  std::vector<std::vector<transport::PeerHandle>> look_peers_;
   std::vector<Transfer*> awaiting_acks_;  // transfers with Commits not yet acknowledged
   std::vector<cuda::Copier::Done> copies_done_;
   uint64_t next_internal_ = 0;
@@ -427,11 +344,8 @@ class Worker {
   // transfer gone since: drain_ready skips those); ready_batch_ keeps its capacity.
   std::vector<TransferId> ready_;
   std::vector<TransferId> ready_batch_;
-  size_t posted_ = 0;     // work requests in the provider's hands
-  size_t abandoned_ = 0;  // of those, given up on (dead peers)
   std::chrono::steady_clock::time_point next_watch_;
   std::chrono::steady_clock::time_point now_;  // read once per loop pass
-  size_t queued_ = 0;                          // work requests in peer queues
   bool stopping_ = false;
   std::chrono::steady_clock::time_point stop_deadline_;
   std::chrono::steady_clock::time_point last_active_;

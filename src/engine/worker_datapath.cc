@@ -1,6 +1,7 @@
-// Worker: the data path of a transfer: started, its ops queued per (NIC, peer) and posted
-// round-robin under a budget, completions polled, and the transfer advanced and finished once
-// nothing is outstanding (events drained once per pass: docs/engine.md).
+// Worker: the data path of a transfer: started, its ops handed to the PostingQueues (queued per
+// (NIC, peer), posted round-robin under a budget: posting_queues.h) and what they ask for done,
+// completions polled, and the transfer advanced and finished once nothing is outstanding
+// (events drained once per pass: docs/engine.md).
 
 #include <fmt/format.h>
 
@@ -39,123 +40,40 @@ void Worker::enqueue(Op& op) {
   if (health_->down(op.domain) && op.transfer->probe_nic < 0 && movable(op)) {
     retarget(op, health_->survivor(op.domain));
   }
-  DomainState& d = domains_[op.domain];
-  auto peer = d.domain->resolve_peer(*op.peer);
-  if (!peer) {
-    complete_op(op, peer.status());
-    return;
-  }
-  PeerQueue& q = d.queues[*peer];
-  q.peer = *peer;
-  q.nic_inflight = &d.inflight;
-  if (q.owner.empty() && op.owner != nullptr) q.owner = op.owner->nics()[0].name;
-  if (q.ops.empty() && q.inflight_count == 0) q.last_progress = now_;
-  if (op.urgent) {
-    q.ops.push_front(&op);
-  } else {
-    q.ops.push_back(&op);
-  }
-  ++queued_;
-  if (!q.ready) {
-    q.ready = true;
-    d.ready.push_back(*peer);
-  }
+  if (Status s = queues_->enqueue(op, now_); !s) complete_op(op, s);
 }
 
-transport::PostResult Worker::post(DomainState& d, Op& op, transport::PeerHandle peer) {
-  transport::PostResult r = post_to_provider(d, op, peer);
-  WorkerCounters::Nic& c = counters_->nic[&d - domains_.data()];
-  if (r.kind == transport::PostResult::Kind::kPosted) {
-    WorkerCounters::bump(c.posted);
-    if ((op.transfer->id & kInternalTransfer) != 0)
-      WorkerCounters::bump(counters_->internal_posted);
-  } else if (r.kind == transport::PostResult::Kind::kAgain) {
-    WorkerCounters::bump(c.retries);
-  }
-  return r;
-}
-
-transport::PostResult Worker::post_to_provider(DomainState& d, Op& op, transport::PeerHandle peer) {
-  if (op.kind == Op::Kind::kWrite) {
-    return d.domain->post_write({reinterpret_cast<uint64_t>(&op), op.local, op.length,
-                                 op.local_desc, peer, op.remote_addr, op.remote_key, op.has_imm,
-                                 op.imm});
-  }
-  // A send takes a registered buffer for as long as it is posted. Buffers held by sends
-  // abandoned on a dead NIC may not come back soon: then the pool may grow (bounded).
-  if (!messages_->fill_send(op, abandoned_ > 0)) return transport::PostResult::again();
-  return d.domain->post_send(
-      {reinterpret_cast<uint64_t>(&op), op.local, op.length, op.local_desc, peer});
-}
-
-bool Worker::post_some(DomainState& d) {
-  const uint32_t index = static_cast<uint32_t>(&d - domains_.data());
+bool Worker::post_all() {
   bool any = false;
-  uint32_t budget = config_.post_budget;
-  const size_t peers = d.ready.size();
-  // A post this NIC refused as unreachable while another NIC is up (NicHealth::unreachable_here):
-  // the op stays queued and the NIC goes down after the loop, its work moving to the others.
-  bool nic_unreachable = false;
-  transport::PeerHandle unreachable_peer = 0;
-  for (size_t i = 0; i < peers && budget > 0 && !nic_unreachable; ++i) {
-    const transport::PeerHandle peer = d.ready.front();
-    d.ready.pop_front();
-    PeerQueue& q = d.queues[peer];
-    if (q.isolating()) {  // isolation.cc: one work request at a time until it is over
-      post_isolated(d, q);
-      auto it = d.queues.find(peer);  // a failed check may have ended the queue's isolation
-      if (it != d.queues.end() && (it->second.isolating() || !it->second.ops.empty())) {
-        d.ready.push_back(peer);
-      } else if (it != d.queues.end()) {
-        it->second.ready = false;
-      }
-      any = true;
-      continue;
-    }
-    while (!q.ops.empty() && budget > 0) {
-      Op& op = *q.ops.front();
-      // The write fence: the peer has not acknowledged this engine yet (write_fence.cc).
-      if (fence_ && q.announced_epoch != fence_->epoch() && held_for_hello(index, q, op)) {
-        break;
-      }
-      auto r = post(d, op, peer);
-      if (r.kind == transport::PostResult::Kind::kAgain) break;  // this peer waits; others go on
-      if (r.kind == transport::PostResult::Kind::kFailed &&
-          health_->unreachable_here(
-              index, r.error,
-              op.transfer->probe_nic < 0 && op.transfer->check_nic < 0 && movable(op))) {
-        nic_unreachable = true;
-        unreachable_peer = peer;
-        detail::log().warn("group {}: NIC '{}' cannot reach a peer ({}) while another NIC is up",
-                           group_, d.domain->info().name, r.error.message());
-        break;
-      }
-      q.ops.pop_front();
-      --queued_;
-      any = true;
-      if (r.kind == transport::PostResult::Kind::kPosted) {
-        q.link(op);
-        ++posted_;
-        if (op.kind == Op::Kind::kWrite && op.length > 0) health_->posted(index, now_);
-        --budget;
-      } else {
-        complete_op(op, r.error);
-      }
-    }
-    if (q.ops.empty()) {
-      q.ready = false;
-    } else {
-      d.ready.push_back(peer);
-    }
-  }
-  if (any) d.domain->flush();  // what the backend held back goes out together (domain.h)
-  if (nic_unreachable) {
-    auto it = d.queues.find(unreachable_peer);
-    if (it != d.queues.end())
-      mark_down(index, it->second, "a post failed: the peer is unreachable");
-    any = true;
+  for (uint32_t i = 0; i < domains_.size(); ++i) {
+    any |= queues_->post_some(i, now_);
+    run_queue_events();
   }
   return any;
+}
+
+void Worker::run_queue_events() {
+  if (running_queue_events_) return;  // the outer call takes what this one would
+  running_queue_events_ = true;
+  for (;;) {
+    if (!queues_->notes().empty()) run_fence_events(queues_->notes());
+    if (!queues_->take_events(queue_events_)) break;
+    for (PostingQueues::Event& e : queue_events_) {
+      switch (e.kind) {
+        case PostingQueues::Event::Kind::kComplete:
+          complete_op(*e.op, e.status);
+          break;
+        case PostingQueues::Event::Kind::kCheck:
+          start_check(e.nic, e.peer, *e.op);
+          break;
+        case PostingQueues::Event::Kind::kUnreachable:
+          mark_down(e.nic, e.peer, e.status.message());
+          break;
+      }
+    }
+    queue_events_.clear();  // keeps its capacity
+  }
+  running_queue_events_ = false;
 }
 
 bool Worker::poll(uint32_t index) {
@@ -167,37 +85,29 @@ bool Worker::poll(uint32_t index) {
     switch (c.kind) {
       case transport::Completion::Kind::kLocal: {
         Op& op = *reinterpret_cast<Op*>(c.wr_id);
-        --posted_;
         if (op.abandoned) {  // given up on or replaced; the provider has let go of it now
-          --abandoned_;
+          queues_->let_go();
           messages_->release_send_slot(op);
           Transfer& t = *op.transfer;
           if (--t.abandoned == 0 && t.finished) live_.retire(t.id);
           break;
         }
-        // Evidence that the peer is alive, for the watchdogs (peer_timeout, nic_timeout). Not a
-        // write-fence note's: on tcp a send completes once the socket has taken it, and the
-        // fence re-sends its Hello every few ms until answered, so a dead link would look alive
-        // for ever while the writes it holds back wait (a fresh-clone run: all links down, no
-        // callback for 11 s, a Hello completing on the dead NIC 16 times a second).
-        if (!op.urgent) op.queue->last_progress = now_;
         WorkerCounters::bump(c.error == ErrorCode::kOk ? counters_->nic[index].completed
                                                        : counters_->nic[index].failed);
         if (c.error == ErrorCode::kOk && op.kind == Op::Kind::kWrite && op.length > 0) {
           measure(index, op);
         }
-        PeerQueue& q = *op.queue;
-        q.unlink(op);
         Status status;
         if (c.error != ErrorCode::kOk) {
           status = Status(c.error, fmt::format("{} of {} bytes on NIC '{}' failed: {}",
                                                op.kind == Op::Kind::kSend ? "send" : "write",
                                                op.length, d.domain->info().name, c.error_message));
         }
-        if (op.lone) {
-          lone_done(d, q, op, status);
-        } else if (status.is_ok() || !isolate(d, q, op, status)) {
+        // The queues keep a suspect (isolation) or say what to do with it.
+        if (queues_->completed(op, status, now_)) {
           complete_op(op, status);
+        } else {
+          run_queue_events();
         }
         break;
       }
@@ -257,6 +167,29 @@ void Worker::complete_op(Op& op, const Status& status) {
   if (!status.is_ok() && t.error.is_ok()) t.error = status;
   if (status.is_ok() && op.dst_index != Op::kNoDst) record_staged(op);
   settle(t);
+}
+
+void Worker::start_check(uint32_t nic, transport::PeerHandle peer, const Op& suspect) {
+  if (!queues_->wants_check(nic, peer)) return;  // taken out since it was asked for
+  TransferPtr t = pool_.take();
+  t->id = kInternalTransfer | next_internal_++;
+  t->check_nic = static_cast<int>(nic);
+  t->check_peer = peer;
+  t->peers.push_back(*suspect.owner);
+  const Address& owner = t->peers[0];
+  uint32_t rail = remote_rail(nic, owner.num_nics());
+  for (uint32_t i = 0; i < owner.num_nics(); ++i) {
+    if (owner.nics()[i].name == *suspect.peer) rail = i;
+  }
+  Op& op = t->ops.emplace_back(scratch_op(*t, nic, owner, owner.nics()[rail], scratch(nic)));
+  t->pending = 1;
+  queues_->set_check(nic, peer, op);  // posted after the queue's backoff
+  live_.adopt(std::move(t));
+}
+
+void Worker::check_done(Transfer& t) {
+  queues_->check_done(static_cast<uint32_t>(t.check_nic), t.check_peer, t.error, now_);
+  run_queue_events();
 }
 
 void Worker::advance(Transfer& t) {

@@ -227,6 +227,7 @@ std::chrono::milliseconds fence_resend(const Config& config) {
 void Worker::open_fence() {
   fence_ = std::make_unique<WriteFence>(self_, static_cast<uint32_t>(domains_.size()),
                                         fence_timeout(config_), fence_resend(config_));
+  queues_->set_fence(fence_.get());
 }
 
 void Worker::run_fence_events(std::vector<WriteFence::Note>& notes) {
@@ -241,20 +242,6 @@ void Worker::run_fence_events(std::vector<WriteFence::Note>& notes) {
     }
     if (done) done(status);
   }
-}
-
-bool Worker::held_for_hello(uint32_t domain, PeerQueue& q, const Op& op) {
-  // Only writes of bytes into a registered region: zero-byte writes and writes into a peer's
-  // scratch buffer (never unregistered) land nothing a fence would protect.
-  if (op.kind != Op::Kind::kWrite || op.length == 0 || op.dst_mem == nullptr ||
-      op.owner == nullptr || !domains_[domain].domain->info().key_checked_once) {
-    return false;
-  }
-  std::vector<WriteFence::Note> notes;
-  const bool go = fence_->may_write(*op.owner, domain, now_, notes);
-  if (go) q.announced_epoch = fence_->epoch();
-  run_fence_events(notes);
-  return !go;
 }
 
 void Worker::handle_fence_note(const MessageHeader& header, std::span<const std::byte> body,
@@ -308,21 +295,6 @@ void Worker::end_fences() {
   fence_->end();
   std::vector<WriteFence::Note> none;
   run_fence_events(none);
-}
-
-void Worker::post_urgent(DomainState& d, PeerQueue& q) {
-  if (q.ops.empty() || !q.ops.front()->urgent) return;
-  Op& op = *q.ops.front();
-  auto r = post(d, op, q.peer);
-  if (r.kind == transport::PostResult::Kind::kAgain) return;
-  q.ops.pop_front();
-  --queued_;
-  if (r.kind == transport::PostResult::Kind::kPosted) {
-    q.link(op);
-    ++posted_;
-  } else {
-    complete_op(op, r.error);
-  }
 }
 
 }  // namespace fabric::engine
