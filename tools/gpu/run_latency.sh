@@ -6,14 +6,16 @@
 # .gpu/versions/NAME/fabric-bench (copied there by hand; NAME says which commit): every version
 # runs, alternately, two rounds each, so that all share the machine's state; this tree's build
 # is "after". JSON and markdown land in $OUT (default /tmp/latency-out); every run is under
-# `timeout`.
+# `timeout`. BENCH_MODE picks fabric-bench's --mode (default worker), BENCH_OPS the ops of the
+# alternated rows (default single,paged,imm), SCATTER_PEERS the scatter rows (default 16 63;
+# empty: none).
 set -u
 source tools/gpu/bench_env.sh /tmp/latency-out
 versions=()
 for d in .gpu/versions/*/; do [ -x "$d/fabric-bench" ] && versions+=("$(basename "$d")"); done
 versions+=(after)
 bin_of() { if [ "$1" = after ]; then echo fabric-bench; else echo ".gpu/versions/$1/fabric-bench"; fi; }
-rows=(--op single,paged,imm --sizes 4KiB,64KiB,256KiB,1MiB --page-sizes 4KiB --pages 100
+rows=(--mode "${BENCH_MODE:-worker}" --op "${BENCH_OPS:-single,paged,imm}" --sizes 4KiB,64KiB,256KiB,1MiB --page-sizes 4KiB --pages 100
   --iters 5 --pass-mib 32 --baseline raw)
 for p in ${BENCH_PROVIDERS:-shm tcp}; do
   for round in 1 2; do
@@ -24,10 +26,10 @@ for p in ${BENCH_PROVIDERS:-shm tcp}; do
         --markdown "$out/${p}_${v}_$round.md" 2>&1 | grep -v '^\[' | tail -30
     done
   done
-  for n in ${SCATTER_PEERS:-16 63}; do
+  for n in ${SCATTER_PEERS-16 63}; do
     for v in "${versions[@]}"; do
       echo "== $v: scatter 64 KiB to $n peers, $p =="
-      timeout 150 "$(bin_of "$v")" --provider "$p" --op scatter --sizes 64KiB --peers "$n" \
+      timeout 150 "$(bin_of "$v")" --provider "$p" --mode "${BENCH_MODE:-worker}" --op scatter --sizes 64KiB --peers "$n" \
         --iters 5 --pass-mib 32 --baseline raw --json "$out/${p}_${v}_scatter${n}.json" 2>&1 |
         grep -v '^\[' | tail -12
     done
