@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -92,6 +93,9 @@ class Copier {
   // Waits for every enqueued copy and forgets the outstanding fences (engine close).
   virtual void drain() = 0;
 };
+
+// Makes the copier of a device: Copier::create, or a test double in the engine's unit tests.
+using CopierFactory = std::function<Result<std::unique_ptr<Copier>>(const PointerInfo&)>;
 
 // The CUDA implementation (cuda_memory.cc, or a stub without CUDA).
 Result<PointerInfo> classify_cuda(const void* ptr, uint64_t length);

@@ -22,7 +22,7 @@ void Worker::watch_peers() {
   if (now < next_watch_) return;
   next_watch_ = now + std::chrono::milliseconds(10);
   sweep_ipc();
-  if (!awaiting_acks_.empty()) watch_acks();
+  watch_acks();  // Commits awaiting their Acks, if any
   if (fence_ && fence_->has_rounds()) watch_fences();
   watch_nics();
   std::vector<std::pair<uint32_t, transport::PeerHandle>> dead;

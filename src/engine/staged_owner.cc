@@ -12,16 +12,6 @@
 
 namespace fabric::engine {
 
-Result<cuda::Copier*> StagedPath::copier_for(const cuda::PointerInfo& device) {
-  for (CopierEntry& c : copiers_) {
-    if (c.device.kind == device.kind && c.device.device == device.device) return c.copier.get();
-  }
-  auto copier = cuda::Copier::create(device);
-  if (!copier) return copier.status();
-  copiers_.push_back({device, std::move(*copier)});
-  return copiers_.back().copier.get();
-}
-
 void StagedPath::on_commit(const MessageHeader& header, std::span<const std::byte> body,
                            uint32_t domain) {
   auto commit = Commit::decode(body);
@@ -49,7 +39,7 @@ void StagedPath::on_commit(const MessageHeader& header, std::span<const std::byt
     records_.erase(order_.front());
     order_.pop_front();
   }
-  if (job.commit.ipc) {  // the CUDA IPC path (ipc_worker.cc)
+  if (job.commit.ipc) {  // the CUDA IPC path (ipc_copies.h)
     Event& e = events_.emplace_back();
     e.kind = Event::Kind::kStartIpc;
     e.job = &job;
@@ -88,7 +78,7 @@ void StagedPath::on_commit(const MessageHeader& header, std::span<const std::byt
     commit_done(job);
     return;
   }
-  auto copier = copier_for(region.memory);
+  auto copier = copiers_.get(region.memory);
   Status s = copier ? Status::ok() : copier.status();
   for (const Range& r : job.commit.ranges) {
     if (!s.is_ok()) break;
@@ -150,30 +140,22 @@ void StagedPath::send_ack(Address to, uint32_t domain, Ack ack) {
 }
 
 bool StagedPath::poll() {
-  bool any = false;
-  for (CopierEntry& c : copiers_) {
-    if (c.copier->outstanding() == 0) continue;
-    done_.clear();
-    if (c.copier->poll(done_) == 0) continue;
-    any = true;
-    for (const cuda::Copier::Done& d : done_) {
-      auto* job = reinterpret_cast<CommitJob*>(d.token);
-      if (!d.status.is_ok()) job->status = d.status;
-      commit_done(*job);
-    }
+  done_.clear();
+  if (copiers_.poll(done_) == 0) return false;
+  for (const cuda::Copier::Done& d : done_) {
+    auto* job = reinterpret_cast<CommitJob*>(d.token);
+    if (!d.status.is_ok()) job->status = d.status;
+    commit_done(*job);
   }
-  return any;
+  return true;
 }
 
 bool StagedPath::copying() const {
-  for (const CopierEntry& c : copiers_) {
-    if (c.copier->outstanding() > 0) return true;
-  }
-  return false;
+  return copiers_.copying();
 }
 
 void StagedPath::drain() {
-  for (CopierEntry& c : copiers_) c.copier->drain();
+  copiers_.drain();
   jobs_.clear();
 }
 

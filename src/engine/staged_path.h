@@ -7,7 +7,8 @@
 // nothing above it: what the worker is to do comes back as Events, in order (start a CUDA IPC
 // Commit's copies, count a Commit's immediates, send an Ack), which the worker drains after
 // each call (Worker::run_staged_events). The writer's side of the staged path (gates, sending
-// Commits, Acks awaited) is still the worker's (staged_path.cc).
+// Commits, Acks awaited) is the StagedWriter (staged_writer.h), the CUDA IPC path's copies are
+// IpcCopies' (ipc_copies.h).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "cuda/device_memory.h"
+#include "engine/copier_set.h"
 #include "engine/ipc_imports.h"
 #include "engine/messages.h"
 #include "engine/regions.h"
@@ -31,7 +33,7 @@ namespace fabric::engine {
 class Worker;
 
 // A Commit being carried out: copied into device memory (the staged path) or GPU to GPU (the
-// CUDA IPC path, ipc_worker.cc); its address is the copier's token.
+// CUDA IPC path, ipc_copies.h); its address is the copier's token.
 struct CommitJob {
   Commit commit;
   uint64_t sender = 0;
@@ -101,20 +103,15 @@ class StagedPath {
     uint64_t transfer = 0;  // the writer's, for the Ack
     Bytes reply;            // the writer's Address, encoded
   };
-  struct CopierEntry {
-    cuda::PointerInfo device;
-    std::unique_ptr<cuda::Copier> copier;
-  };
   static constexpr size_t kMaxCommitRecords = size_t{1} << 14;
 
-  Result<cuda::Copier*> copier_for(const cuda::PointerInfo& device);
   void send_ack(Address to, uint32_t domain, Ack ack);
 
   const uint32_t group_;
   const RegionTable* const regions_;
   const Worker* const self_;
   // The copiers before the jobs whose copies they run: destroyed after them.
-  std::vector<CopierEntry> copiers_;
+  CopierSet copiers_;
   std::unordered_map<CommitJob*, std::unique_ptr<CommitJob>> jobs_;
   std::unordered_map<CommitKey, CommitRecord, CommitKeyHash> records_;
   std::deque<CommitKey> order_;

@@ -50,7 +50,12 @@ Result<std::unique_ptr<Worker>> Worker::create(
     std::vector<std::unique_ptr<transport::Domain>> domains, WorkerServices services) {
   std::unique_ptr<Worker> w(new Worker(group, config, cpu));
   w->services_ = std::move(services);
+  w->writer_ = std::make_unique<StagedWriter>(
+      StagedWriter::Options{config.staging_chunk_bytes,
+                            config.max_message_bytes + kMessageHeaderBytes, config.peer_timeout});
   w->staged_ = std::make_unique<StagedPath>(group, w->services_.regions, w.get());
+  w->ipc_ = std::make_unique<IpcCopies>(w->services_.regions, w.get(),
+                                        IpcCopies::Options{config.cuda_ipc_streams});
   w->completions_.resize(std::max<uint32_t>(config.cq_batch, 1));
   w->event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (w->event_fd_ < 0) {
@@ -95,7 +100,8 @@ Worker::~Worker() {
   messages_.reset();
   staged_.reset();  // its jobs hold regions, which release on the domains
   live_.clear();
-  copiers_.clear();
+  writer_.reset();  // the copiers (drained by stop())
+  ipc_.reset();
   for (auto& d : domains_) d.scratch.reset();
   if (event_fd_ >= 0) ::close(event_fd_);
 }
@@ -303,8 +309,10 @@ bool Worker::pass(bool& finished) {
   // polls (each of which runs the provider's progress), and polls then see it sooner.
   active |= post_all();
   for (uint32_t i = 0; i < domains_.size(); ++i) active |= poll(i);
-  if (!ipc_open_.empty()) flush_ipc_batches();  // the Commits those polls read
-  if (!copiers_.empty() || staged_->has_copiers()) active |= poll_copies();
+  if (ipc_->has_open()) flush_ipc_batches();  // the Commits those polls read
+  if (writer_->has_copiers() || ipc_->has_copiers() || staged_->has_copiers()) {
+    active |= poll_copies();
+  }
   active |= post_all();
   watch_peers();
   active |= drain_ready();
@@ -350,11 +358,10 @@ void Worker::begin_stop() {
 
 void Worker::finish_stop() {
   // Copies still in flight point into transfers and regions: let them end first.
-  for (CopierEntry& c : copiers_) c.copier->drain();
-  ipc_open_.clear();
-  ipc_batches_.clear();
+  writer_->drain();
+  ipc_->drain();
   staged_->drain();
-  awaiting_acks_.clear();
+  writer_->forget_all();
   if (const size_t left = queues_->posted() - queues_->abandoned(); left > 0) {
     detail::log().warn("group {}: closing with {} work requests still in flight after {} ms",
                        group_, left, config_.close_timeout.count());
@@ -376,9 +383,7 @@ void Worker::finish_stop() {
 
 void Worker::idle(bool active) {
   const auto now = now_;
-  bool copying = false;
-  for (const CopierEntry& c : copiers_) copying |= c.copier->outstanding() > 0;
-  copying |= staged_->copying();
+  const bool copying = writer_->copying() || ipc_->copying() || staged_->copying();
   // Queued work waits for room in a provider queue that only polling makes: keep polling.
   if (active || queues_->queued() > 0 || stopping_ || copying) {
     last_active_ = now;

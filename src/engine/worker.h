@@ -19,7 +19,7 @@
 #include "common/bounded_queue.h"
 #include "engine/callback_thread.h"
 #include "engine/imm_counters.h"
-#include "engine/ipc_imports.h"
+#include "engine/ipc_copies.h"
 #include "engine/live_transfers.h"
 #include "engine/messages.h"
 #include "engine/messenger.h"
@@ -28,6 +28,7 @@
 #include "engine/posting_queues.h"
 #include "engine/regions.h"
 #include "engine/staged_path.h"
+#include "engine/staged_writer.h"
 #include "engine/transfer_pool.h"
 #include "engine/transfer_state.h"
 #include "engine/worker_counters.h"
@@ -41,12 +42,14 @@ namespace fabric::engine {
 // The worker's files (docs/engine.md, "Files"): worker.cc (creation, the loop, stopping, idling),
 // worker_datapath.cc, worker_messages.cc (routing what the Messenger receives, internal
 // messages), failover.cc (the peer watchdog, and moving the work of a NIC that NicHealth finds
-// down), staged_path.cc (the writer's side), write_fence.cc, ipc_worker.cc. Its components,
-// which own their state and call nothing above them: PostingQueues (posting_queues.h, and
-// isolation.cc: the per (NIC, peer) queues, round-robin posting, the in-flight lists,
-// isolation), Messenger (messenger.h), StagedPath (staged_path.h: the owner's side of Commits),
-// NicHealth (nic_health.h: which NICs are up, probes, measured rates), WriteFence
-// (write_fence.h), TransferPool (transfer_pool.h), LiveTransfers (live_transfers.h).
+// down), staged_path.cc (doing what the staged path's and CUDA IPC's components return),
+// write_fence.cc. Its components, which own their state and call nothing above them:
+// PostingQueues (posting_queues.h, and isolation.cc: the per (NIC, peer) queues, round-robin
+// posting, the in-flight lists, isolation), Messenger (messenger.h), StagedWriter
+// (staged_writer.h: the writer's side of the staged path: gates, Commits awaiting Acks),
+// StagedPath (staged_path.h: the owner's side of Commits), IpcCopies (ipc_copies.h: the owner's
+// CUDA IPC copies), NicHealth (nic_health.h: which NICs are up, probes, measured rates),
+// WriteFence (write_fence.h), TransferPool (transfer_pool.h), LiveTransfers (live_transfers.h).
 
 inline Status cancelled(std::string_view why) {
   return Status(ErrorCode::kCancelled, std::string(why));
@@ -157,25 +160,6 @@ class Worker {
     AlignedBuffer scratch_buf;
     std::unique_ptr<transport::MemoryRegistration> scratch;
   };
-  // What a copier's fence tokens point to: Gates (the staged path's host-bound copies) or
-  // IpcBatches (the CUDA IPC path's owner copies). The device-bound copies of staged Commits
-  // have copiers of their own, in the StagedPath.
-  enum class Tokens { kGates, kIpcBatches };
-  struct CopierEntry {
-    cuda::PointerInfo device;
-    std::unique_ptr<cuda::Copier> copier;
-    Tokens tokens;
-  };
-  // The CUDA IPC path's owner copies of the Commits read in one pass, for one GPU: launched
-  // together at the end of the pass (one kernel launch and one event for all their small
-  // ranges), acknowledged together once the event has completed.
-  struct IpcBatch {
-    cuda::PointerInfo device;
-    cuda::Copier* copier = nullptr;
-    std::vector<cuda::Copier::DeviceCopy> copies;
-    std::vector<CommitJob*> jobs;
-  };
-
   Worker(uint32_t group, const Config& config, int cpu);
   void run_on_worker(std::function<void()> fn);
   // Wakes a sleeping worker thread: one eventfd write per sleep, whoever clears the flag.
@@ -220,13 +204,13 @@ class Worker {
   void finish(Transfer& t);
   // A receive completed: the Messenger reads it, this routes what it says, the buffer goes back.
   void on_recv(const transport::Completion& c, uint32_t domain);
-  // Staged path.
-  Result<cuda::Copier*> copier_for(const cuda::PointerInfo& device, Tokens tokens);
+  // The staged path (staged_path.cc): doing what writer_, staged_ and ipc_ return.
   void stage_sources(Transfer& t);
+  void release_gates();  // queues (or fails) the ops writer_ released
   bool poll_copies();
-  void gate_done(Gate& gate, const Status& status);
   void record_staged(Op& op);
-  void flush_commits(Transfer& t, uint32_t dst_index, bool with_imm);
+  void flush_commits(Transfer& t, uint32_t dst_index, bool final);
+  void send_commits();  // stamps and sends the Commits writer_ returned
   // Does what the StagedPath asked for since the last call (staged_path.h, Event), in order.
   void run_staged_events();
   void send_ack(const Address& to, uint32_t domain, const Ack& ack);
@@ -235,10 +219,7 @@ class Worker {
   // while_stopping is sent even once the engine stops.
   void send_internal(Address owner, uint32_t domain, Bytes message, bool urgent = false,
                      bool while_stopping = false);
-  // Queues a copy of a Commit on NIC `to` (failover, or its Ack overdue).
-  // Sends Commit `c` of `t` to `owner` over the message NIC and awaits its Ack (staged and
-  // CUDA IPC paths alike).
-  void send_commit(Transfer& t, const Commit& c, const Address& owner);
+  // Queues a copy of a Commit on NIC `to` (its first, failover, or its Ack overdue).
   void resend_commit(CommitSend& cs, uint32_t to);
   void forget_commits(Transfer& t);
   void watch_acks();
@@ -265,13 +246,11 @@ class Worker {
   // asked for (a zero-byte write to its scratch buffer), and its end, told to the queues.
   void start_check(uint32_t nic, transport::PeerHandle peer, const Op& suspect);
   void check_done(Transfer& t);
-  // The CUDA IPC path (ipc_worker.cc, docs/cuda-ipc.md).
+  // The CUDA IPC path (docs/cuda-ipc.md): the writer's Commits, the owner's copies (ipc_).
   void send_ipc_commits(Transfer& t, bool final);
-  static bool ipc_left(const Transfer& t);
-  void start_ipc_copy(CommitJob& job);
+  static bool ipc_left(const Transfer& t) { return StagedWriter::ipc_left(t); }
+  void hand_ipc_done();  // the jobs ipc_ finished, to staged_ (their Acks, immediates)
   void flush_ipc_batches();
-  void ipc_batch_done(IpcBatch* batch, const Status& status);
-  Result<cuda::Copier*> ipc_copier(const cuda::PointerInfo& device);
   void sweep_ipc();
   // The write fence (write_fence.h, docs/hardening.md "Unregister is a barrier"): the calls
   // that feed fence_ and send what it returns (write_fence.cc).
@@ -307,17 +286,15 @@ class Worker {
   std::vector<DomainState> domains_;
   // Two-sided messages: send and receive pools, stamps, dedup (made in create(), on domains_).
   std::unique_ptr<Messenger> messages_;
-  std::vector<CopierEntry> copiers_;
+  // The writer's side of the staged path: gates and their host-bound copiers, Commits awaiting
+  // Acks (made in create()); release_gates and send_commits are under way (nested calls return).
+  std::unique_ptr<StagedWriter> writer_;
+  bool releasing_ = false;
+  bool sending_commits_ = false;
   // The owner's side of Commits: jobs, commit records, device-bound copiers (made in create()).
   std::unique_ptr<StagedPath> staged_;
-  // The CUDA IPC path: peers' exports mapped here (created on first use), the copiers its
-  // copies spread over (also listed in copiers_), and the next sweep of idle mappings.
-  std::unique_ptr<IpcImports> ipc_imports_;
-  std::vector<std::pair<cuda::PointerInfo, cuda::Copier*>> ipc_copiers_;
-  size_t ipc_turn_ = 0;
-  std::unordered_map<IpcBatch*, std::unique_ptr<IpcBatch>> ipc_batches_;  // open or copying
-  std::vector<IpcBatch*> ipc_open_;  // filled in this pass, launched at its end
-  std::chrono::steady_clock::time_point next_ipc_sweep_;
+  // The CUDA IPC path's owner copies: imports, copiers, batches (made in create()).
+  std::unique_ptr<IpcCopies> ipc_;
   // Failover and weighted sharding: which NICs are up, their rates (made in create()).
   std::unique_ptr<NicHealth> health_;
   // Every NIC's queues towards every peer, posting round-robin, isolation (made in create()).
@@ -327,11 +304,8 @@ class Worker {
   // watch_nics: each NIC's queues as NicHealth sees them, and the peers they lead to.
   std::vector<std::vector<NicHealth::QueueLook>> looks_;
   std::vector<std::vector<transport::PeerHandle>> look_peers_;
-  std::vector<Transfer*> awaiting_acks_;  // transfers with Commits not yet acknowledged
-  std::vector<cuda::Copier::Done> copies_done_;
   uint64_t next_internal_ = 0;
   Bytes self_;
-  std::unordered_map<uint64_t, CommitSend*> unacked_;  // by sequence number
 
   // The write fence (write_fence.h), on domains whose provider checks a key once per write
   // (DomainInfo::key_checked_once); null elsewhere.

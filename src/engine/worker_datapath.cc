@@ -30,7 +30,7 @@ void Worker::start_transfer(TransferPtr owned) {
   } else {
     for (Op& op : t.ops) enqueue(op);
   }
-  if (!t.ipc.empty()) send_ipc_commits(t, false);  // the CUDA IPC path (ipc_worker.cc)
+  if (!t.ipc.empty()) send_ipc_commits(t, false);  // the CUDA IPC path (staged_path.cc)
   if (t.ops.empty()) make_ready(t);                // else the last op to complete does
 }
 
@@ -159,9 +159,7 @@ void Worker::complete_op(Op& op, const Status& status) {
         settle(t);
         return;
       }
-      cs.acked = true;  // given up: its Ack will never come
-      unacked_.erase(cs.seq);
-      --t.acks;
+      writer_->give_up(cs);  // its Ack will never come
     }
   }
   if (!status.is_ok() && t.error.is_ok()) t.error = status;
@@ -241,10 +239,7 @@ bool Worker::drain_ready() {
 }
 
 void Worker::finish(Transfer& t) {
-  if (!t.commits.empty()) {
-    std::erase(awaiting_acks_, &t);
-    forget_commits(t);
-  }
+  if (!t.commits.empty()) forget_commits(t);
   if (t.probe_nic >= 0) {
     health_->probe_done(static_cast<uint32_t>(t.probe_nic), t.error.is_ok(), now_);
   }
