@@ -15,21 +15,34 @@ versions=()
 for d in .gpu/versions/*/; do [ -x "$d/fabric-bench" ] && versions+=("$(basename "$d")"); done
 versions+=(after)
 bin_of() { if [ "$1" = after ]; then echo fabric-bench; else echo ".gpu/versions/$1/fabric-bench"; fi; }
-rows=(--mode "${BENCH_MODE:-worker}" --op "${BENCH_OPS:-single,paged,imm}" --sizes 4KiB,64KiB,256KiB,1MiB --page-sizes 4KiB --pages 100
+# A build older than --mode (before issue 16's progress mode) runs in worker mode only: it is
+# given no --mode, and left out of the other modes' rows.
+mode_of() {
+  if "$(bin_of "$1")" --help 2>&1 | grep -q -- '--mode'; then
+    echo "--mode ${BENCH_MODE:-worker}"
+  elif [ "${BENCH_MODE:-worker}" = worker ]; then echo ""; else echo skip; fi
+}
+rows=(--op "${BENCH_OPS:-single,paged,imm}" --sizes 4KiB,64KiB,256KiB,1MiB --page-sizes 4KiB --pages 100
   --iters 5 --pass-mib 32 --baseline raw)
 for p in ${BENCH_PROVIDERS:-shm tcp}; do
   for round in 1 2; do
     for v in "${versions[@]}"; do
       bin=$(bin_of "$v")
-      echo "== $v round $round: $bin --provider $p ${rows[*]} =="
-      timeout 150 "$bin" --provider "$p" "${rows[@]}" --json "$out/${p}_${v}_$round.json" \
+      mode=$(mode_of "$v")
+      [ "$mode" = skip ] && continue
+      echo "== $v round $round: $bin --provider $p $mode ${rows[*]} =="
+      # shellcheck disable=SC2086
+      timeout 150 "$bin" --provider "$p" $mode "${rows[@]}" --json "$out/${p}_${v}_$round.json" \
         --markdown "$out/${p}_${v}_$round.md" 2>&1 | grep -v '^\[' | tail -30
     done
   done
   for n in ${SCATTER_PEERS-16 63}; do
     for v in "${versions[@]}"; do
+      mode=$(mode_of "$v")
+      [ "$mode" = skip ] && continue
       echo "== $v: scatter 64 KiB to $n peers, $p =="
-      timeout 150 "$(bin_of "$v")" --provider "$p" --mode "${BENCH_MODE:-worker}" --op scatter --sizes 64KiB --peers "$n" \
+      # shellcheck disable=SC2086
+      timeout 150 "$(bin_of "$v")" --provider "$p" $mode --op scatter --sizes 64KiB --peers "$n" \
         --iters 5 --pass-mib 32 --baseline raw --json "$out/${p}_${v}_scatter${n}.json" 2>&1 |
         grep -v '^\[' | tail -12
     done
