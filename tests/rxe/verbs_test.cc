@@ -436,9 +436,9 @@ TEST_F(Verbs, AnErrorInAnUnsignalledRunFailsItAndFlushesTheRestOnce) {
 }
 
 // A pair torn down with an unsignalled run posted (the engine forgetting the peer): every
-// request completes exactly once. Towards a live peer, Soft-RoCE has usually sent everything by
-// then (it transmits inside ibv_post_send), so the requests succeed or are flushed; towards a
-// peer that is gone (nothing acknowledges), all of them are flushed.
+// request completes exactly once. Towards a live peer they succeed or are flushed (Soft-RoCE had
+// sent all of them by then in every run here); towards a peer that is gone (nothing
+// acknowledges), all of them are flushed.
 TEST_F(Verbs, APairTornDownMidRunCompletesEveryRequestOnce) {
   constexpr uint32_t kWrites = 45;
   constexpr uint64_t kSlot = 4096;
