@@ -73,6 +73,15 @@ struct VerbsConfig {
   uint32_t drop_handshakes = 0;
   uint32_t delay_handshakes = 0;
   std::chrono::milliseconds handshake_delay{0};
+  // Selective signalling: a send work request asks for a completion (IBV_SEND_SIGNALED) once
+  // in signal_every on its queue pair, and so does the last of every chained post; a
+  // completion finishes the unsignalled requests before it. 1: every request signalled.
+  uint32_t signal_every = 16;
+  // Queue pairs in a thread domain (ibv_alloc_td, in a parent domain) and a single-threaded
+  // completion queue, where the device offers them, so that the provider can leave out its
+  // locks (each domain is driven by one thread at a time). A device without thread domains
+  // (Soft-RoCE) gets the protection domain, with an info log saying why.
+  bool thread_domain = true;
 };
 
 struct Config {

@@ -1,11 +1,20 @@
 // The verbs backend's own behaviour, on a real verbs device (Soft-RoCE in the rxe lab):
 // connection set-up under lost and late handshakes, a peer that never answers, a queue pair
 // error reported on the transfer that caused it, immediates far beyond the receive queue's
-// depth, and rail-aligned sharding over several devices. Skipped where no verbs device exists.
+// depth, rail-aligned sharding over several devices; and, on the backend alone, selective
+// signalling (writes completed by later signalled ones, an error in the middle of an unsignalled
+// run, a pair torn down mid-run) and the thread domain's use or fallback. Skipped where no verbs
+// device exists.
+#include <fmt/format.h>
+
+#include <array>
 #include <fstream>
+#include <iostream>
+#include <map>
 #include <thread>
 
 #include "test_support.h"
+#include "transport/domain.h"
 #include "transport/verbs/verbs_domain.h"
 
 namespace fabric::testing {
@@ -244,6 +253,265 @@ TEST_F(Verbs, ChainedAndInlineWorkRequestsLandEveryPage) {
   }
   // Messages (sends, chained on their own queue pair) and writes back still flow.
   write_and_check(*b, *a, 79, 11);
+}
+
+// --- The backend below the engine: two domains on one device, driven by the test itself, so
+// that the work requests of one pass, their chains and their signalling are the test's. ---
+
+using transport::Completion;
+using transport::PostResult;
+using transport::VerbsDomain;
+
+struct Rig {
+  std::unique_ptr<VerbsDomain> a, b;
+  transport::PeerHandle peer = 0;  // b, as a sees it
+  std::vector<std::byte> src, dst;
+  std::unique_ptr<transport::MemoryRegistration> src_reg, dst_reg;
+  std::map<uint64_t, std::vector<Completion>> done;  // a's local completions by wr_id
+};
+
+std::unique_ptr<VerbsDomain> open_domain(const std::string& device, const VerbsConfig& c) {
+  auto d = VerbsDomain::open(device, c, false);
+  EXPECT_TRUE(d) << d.status().to_string();
+  return d ? std::move(*d) : nullptr;
+}
+
+// Opens a and b on `device` with `c`, and registers a source and a target of `bytes` each.
+void make_rig(Rig& r, const std::string& device, const VerbsConfig& c, size_t bytes) {
+  r.a = open_domain(device, c);
+  r.b = open_domain(device, c);
+  ASSERT_TRUE(r.a && r.b);
+  auto peer = r.a->resolve_peer(r.b->endpoint_name());
+  ASSERT_TRUE(peer) << peer.status().to_string();
+  r.peer = *peer;
+  r.src.resize(bytes);
+  r.dst.assign(bytes, std::byte{0});
+  fill_pattern(r.src.data(), bytes, 77);
+  auto s = r.a->register_memory(r.src.data(), bytes);
+  auto d = r.b->register_memory(r.dst.data(), bytes);
+  ASSERT_TRUE(s && d);
+  r.src_reg = std::move(*s);
+  r.dst_reg = std::move(*d);
+}
+
+// One poll of each domain; a's local completions are recorded.
+void pump(Rig& r) {
+  std::array<Completion, 32> cs;
+  const size_t n = r.a->poll(cs);
+  for (size_t i = 0; i < n; ++i) {
+    if (cs[i].kind == Completion::Kind::kLocal) r.done[cs[i].wr_id].push_back(cs[i]);
+  }
+  if (r.b) (void)r.b->poll(cs);
+}
+
+transport::WriteRequest write_req(Rig& r, uint64_t wr_id, uint64_t offset, uint64_t length) {
+  return {wr_id,
+          r.src.data() + offset,
+          length,
+          r.src_reg->local_desc(),
+          r.peer,
+          r.dst_reg->remote_addr() + offset,
+          r.dst_reg->remote_key(),
+          false,
+          0};
+}
+
+// Posts `w`; while the queues are full or the peer is connecting, flushes and polls first.
+PostResult post(Rig& r, const transport::WriteRequest& w) {
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  for (;;) {
+    PostResult res = r.a->post_write(w);
+    if (res.kind != PostResult::Kind::kAgain) return res;
+    if (std::chrono::steady_clock::now() > deadline) return PostResult::failed(Status::ok());
+    r.a->flush();
+    pump(r);
+  }
+}
+
+// Polls until `count` wr_ids have completed (or 30 s).
+void wait_done(Rig& r, size_t count) {
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (r.done.size() < count && std::chrono::steady_clock::now() < deadline) pump(r);
+  // A little longer: a second completion for any of them would show now.
+  for (int i = 0; i < 200; ++i) pump(r);
+}
+
+// Connects a to b with one write and waits for it (wr_id 1).
+void connect(Rig& r) {
+  ASSERT_EQ(post(r, write_req(r, 1, 0, 8)).kind, PostResult::Kind::kPosted);
+  r.a->flush();
+  wait_done(r, 1);
+  ASSERT_EQ(r.done[1].size(), 1u);
+  ASSERT_EQ(r.done[1][0].error, ErrorCode::kOk) << r.done[1][0].error_message;
+  r.done.clear();
+}
+
+// Many writes, chained and selectively signalled: each completes once, successfully, and
+// lands; a count that is no multiple of signal_every (nor of the chain length), so that the
+// last requests complete only because the chain's last one is signalled. Few completions are
+// read with signal_every > 1: the unsignalled requests were completed by the signalled ones.
+TEST_F(Verbs, SelectivelySignalledWritesCompleteOnceAndLand) {
+  constexpr uint32_t kWrites = 1000;
+  constexpr uint64_t kSlot = 512;  // odd requests write 64 B (inline), even ones 512 B
+  for (const uint32_t every : {1u, 16u, 1000u}) {
+    SCOPED_TRACE(fmt::format("signal_every {}", every));
+    VerbsConfig c;
+    c.signal_every = every;
+    Rig r;
+    make_rig(r, devices_[0], c, kWrites * kSlot);
+    if (HasFatalFailure()) return;
+    connect(r);
+    if (HasFatalFailure()) return;
+    const uint64_t cqes_before = r.a->send_completions_read();
+    for (uint32_t i = 0; i < kWrites; ++i) {
+      auto w = write_req(r, 100 + i, i * kSlot, i % 2 ? 64 : kSlot);
+      ASSERT_EQ(post(r, w).kind, PostResult::Kind::kPosted) << i;
+    }
+    r.a->flush();  // the worker's end of a posting pass
+    wait_done(r, kWrites);
+    ASSERT_EQ(r.done.size(), size_t{kWrites});
+    for (uint32_t i = 0; i < kWrites; ++i) {
+      const auto& got = r.done[100 + i];
+      ASSERT_EQ(got.size(), 1u) << "write " << i;
+      ASSERT_EQ(got[0].error, ErrorCode::kOk) << "write " << i << ": " << got[0].error_message;
+      ASSERT_EQ(0,
+                std::memcmp(r.src.data() + i * kSlot, r.dst.data() + i * kSlot, i % 2 ? 64 : kSlot))
+          << "write " << i;
+    }
+    const uint64_t cqes = r.a->send_completions_read() - cqes_before;
+    if (every == 1) {
+      EXPECT_EQ(cqes, kWrites);
+    } else {
+      EXPECT_LT(cqes, kWrites / 8) << "completions read for " << kWrites << " writes";
+    }
+    EXPECT_EQ(r.a->fast_paths().signal_every, every);
+  }
+}
+
+// A write that fails (its target lies outside the registration: remote access error) in the
+// middle of an unsignalled run, all on one queue pair in one pass: the ones before it succeed
+// and landed, it fails with kRemoteAccess, the ones after it are flushed; each exactly once.
+// Then the peer reconnects and a write goes through.
+TEST_F(Verbs, AnErrorInAnUnsignalledRunFailsItAndFlushesTheRestOnce) {
+  constexpr uint32_t kWrites = 40, kBad = 20;
+  constexpr uint64_t kSlot = 256;
+  VerbsConfig c;
+  c.signal_every = 16;  // signalled: the 16th, the 32nd (also a chain's end), the 40th (the end)
+  Rig r;
+  make_rig(r, devices_[0], c, kWrites * kSlot);
+  if (HasFatalFailure()) return;
+  connect(r);
+  if (HasFatalFailure()) return;
+  for (uint32_t i = 0; i < kWrites; ++i) {
+    auto w = write_req(r, 100 + i, i * kSlot, kSlot);
+    if (i == kBad) w.remote_addr = r.dst_reg->remote_addr() + r.dst.size();  // past its end
+    ASSERT_EQ(r.a->post_write(w).kind, PostResult::Kind::kPosted) << i;
+  }
+  r.a->flush();
+  wait_done(r, kWrites);
+  ASSERT_EQ(r.done.size(), size_t{kWrites});
+  for (uint32_t i = 0; i < kWrites; ++i) {
+    const auto& got = r.done[100 + i];
+    ASSERT_EQ(got.size(), 1u) << "write " << i << " completed " << got.size() << " times";
+    if (i < kBad) {
+      EXPECT_EQ(got[0].error, ErrorCode::kOk) << "write " << i << ": " << got[0].error_message;
+      EXPECT_EQ(0, std::memcmp(r.src.data() + i * kSlot, r.dst.data() + i * kSlot, kSlot))
+          << "write " << i;
+    } else if (i == kBad) {
+      EXPECT_EQ(got[0].error, ErrorCode::kRemoteAccess) << got[0].error_message;
+      EXPECT_NE(got[0].error_message.find("remote access error"), std::string::npos)
+          << got[0].error_message;
+    } else {
+      EXPECT_EQ(got[0].error, ErrorCode::kFabric) << "write " << i;
+      EXPECT_NE(got[0].error_message.find("flushed"), std::string::npos) << got[0].error_message;
+    }
+  }
+  // The pair was retired; the next write connects afresh.
+  r.done.clear();
+  ASSERT_EQ(post(r, write_req(r, 500, 0, kSlot)).kind, PostResult::Kind::kPosted);
+  r.a->flush();
+  wait_done(r, 1);
+  ASSERT_EQ(r.done[500].size(), 1u);
+  EXPECT_EQ(r.done[500][0].error, ErrorCode::kOk) << r.done[500][0].error_message;
+}
+
+// A pair torn down with an unsignalled run posted (the engine forgetting the peer): every
+// request completes exactly once. Towards a live peer they succeed or are flushed (Soft-RoCE had
+// sent all of them by then in every run here); towards a peer that is gone (nothing
+// acknowledges), all of them are flushed.
+TEST_F(Verbs, APairTornDownMidRunCompletesEveryRequestOnce) {
+  constexpr uint32_t kWrites = 45;
+  constexpr uint64_t kSlot = 4096;
+  for (const bool peer_gone : {false, true}) {
+    SCOPED_TRACE(peer_gone ? "peer gone" : "peer alive");
+    VerbsConfig c;
+    c.signal_every = 16;
+    Rig r;
+    make_rig(r, devices_[0], c, kWrites * kSlot);
+    if (HasFatalFailure()) return;
+    connect(r);
+    if (HasFatalFailure()) return;
+    if (peer_gone) r.b.reset();  // its queue pairs are destroyed: nothing answers
+    const uint64_t cqes_before = r.a->send_completions_read();
+    for (uint32_t i = 0; i < kWrites; ++i) {
+      ASSERT_EQ(r.a->post_write(write_req(r, 100 + i, i * kSlot, kSlot)).kind,
+                PostResult::Kind::kPosted);
+    }
+    // The first 32 went out as a chain; the last 13 are still chained: forgetting the peer
+    // posts them, then moves the pair to the error state.
+    r.a->forget_peer(r.peer);
+    wait_done(r, kWrites);
+    ASSERT_EQ(r.done.size(), size_t{kWrites});
+    int ok = 0;
+    for (uint32_t i = 0; i < kWrites; ++i) {
+      const auto& got = r.done[100 + i];
+      ASSERT_EQ(got.size(), 1u) << "write " << i << " completed " << got.size() << " times";
+      if (got[0].error == ErrorCode::kOk) {
+        EXPECT_FALSE(peer_gone) << "write " << i << " succeeded towards a peer that is gone";
+        ++ok;
+      } else {
+        EXPECT_EQ(got[0].error, ErrorCode::kFabric)
+            << "write " << i << ": " << got[0].error_message;
+        EXPECT_NE(got[0].error_message.find("the engine declared the peer unreachable"),
+                  std::string::npos)
+            << got[0].error_message;
+      }
+    }
+    std::cout << "[ INFO     ] " << (peer_gone ? "peer gone: " : "peer alive: ") << ok << " of "
+              << kWrites << " finished before the error state, " << kWrites - ok << " flushed; "
+              << r.a->send_completions_read() - cqes_before << " send completions read\n";
+  }
+}
+
+// The thread domain is in use where the device offers one, and otherwise its absence is
+// reported with the reason (Soft-RoCE has no ibv_alloc_td); off, nothing is asked for.
+TEST_F(Verbs, ThreadDomainUseOrFallbackIsReported) {
+  VerbsConfig c;
+  auto on = open_domain(devices_[0], c);
+  ASSERT_TRUE(on);
+  const transport::VerbsFastPaths& f = on->fast_paths();
+  std::cout << "[ INFO     ] " << devices_[0] << ": thread domain "
+            << (f.thread_domain ? "yes" : "no") << ", single-threaded CQ "
+            << (f.single_threaded_cq ? "yes" : "no") << (f.note.empty() ? "" : "; " + f.note)
+            << "\n";
+  if (f.thread_domain) {
+    EXPECT_EQ(f.note.find("thread domain"), std::string::npos) << f.note;
+  } else {
+    EXPECT_NE(f.note.find("no thread domain (ibv_alloc_td"), std::string::npos) << f.note;
+  }
+  if (devices_[0].rfind("rxe", 0) == 0) {
+    EXPECT_FALSE(f.thread_domain) << "Soft-RoCE has no thread domains (rdma-core's rxe)";
+  }
+  c.thread_domain = false;
+  auto off = open_domain(devices_[0], c);
+  ASSERT_TRUE(off);
+  EXPECT_FALSE(off->fast_paths().thread_domain);
+  EXPECT_FALSE(off->fast_paths().single_threaded_cq);
+  EXPECT_EQ(off->fast_paths().note, "");
+  c.signal_every = 0;
+  auto bad = VerbsDomain::open(devices_[0], c, false);
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.status().code(), ErrorCode::kInvalidArgument) << bad.status().to_string();
 }
 
 }  // namespace

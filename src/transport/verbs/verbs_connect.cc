@@ -39,17 +39,18 @@ Status VerbsDomain::create_qps(Peer& p) {
     qa.recv_cq = cq_.get();
     qa.srq = srq;
     qa.qp_type = IBV_QPT_RC;
-    qa.sq_sig_all = 1;
-    qa.cap.max_send_wr = qp_send_depth_;
+    qa.sq_sig_all = 0;  // selective signalling: SignalWindow says which requests are signalled
+    // One more than the window's room: the marker that drains it after a refused post.
+    qa.cap.max_send_wr = qp_send_depth_ + 1;
     qa.cap.max_send_sge = 1;
     qa.cap.max_inline_data = kInlineBytes;
     auto q = std::make_unique<QueuePair>();
     q->role = role;
     q->peer = p.handle;
-    q->qp = ibv_create_qp(dev_->pd, &qa);
+    q->qp = ibv_create_qp(dev_->qp_pd(), &qa);
     if (q->qp == nullptr) {  // a device that cannot inline that much: without inline data
       qa.cap.max_inline_data = 0;
-      q->qp = ibv_create_qp(dev_->pd, &qa);
+      q->qp = ibv_create_qp(dev_->qp_pd(), &qa);
     }
     q->max_inline = qa.cap.max_inline_data;  // what the device granted (at least what was asked)
     if (q->qp == nullptr) {
@@ -66,14 +67,31 @@ Status VerbsDomain::create_qps(Peer& p) {
       return Status(ErrorCode::kFabric, fmt::format("ibv_modify_qp (RC to INIT) on '{}' failed: {}",
                                                     info_.name, strerror(errno)));
     }
+    if (free_slots_.empty()) {
+      if (qp_slots_.size() >= kMaxQpSlots) {
+        return Status(ErrorCode::kFabric,
+                      fmt::format("'{}': {} queue pairs at once", info_.name, qp_slots_.size()));
+      }
+      free_slots_.push_back(static_cast<uint32_t>(qp_slots_.size()));
+      qp_slots_.push_back(nullptr);
+    }
+    q->slot = free_slots_.back();
+    free_slots_.pop_back();
+    qp_slots_[q->slot] = q.get();
+    q->window = SignalWindow(qp_send_depth_);
     by_qpn_[q->qp->qp_num] = q.get();
     return q;
+  };
+  auto forget = [&](QueuePair& q) {
+    by_qpn_.erase(q.qp->qp_num);
+    qp_slots_[q.slot] = nullptr;
+    free_slots_.push_back(q.slot);
   };
   auto msg = make(QueuePair::Role::kMessages, msg_srq_.get());
   if (!msg) return msg.status();
   auto wr = make(QueuePair::Role::kWrites, imm_srq_.get());
   if (!wr) {
-    by_qpn_.erase((*msg)->qp->qp_num);
+    forget(**msg);
     return wr.status();
   }
   p.msg = std::move(*msg);
@@ -145,15 +163,64 @@ void VerbsDomain::retire_qps(Peer& p, ErrorCode code, const std::string& why) {
     }
     (*q)->error = code;
     (*q)->error_text = why;
+    // Requests finishing without a completion of their own from now on may have been flushed.
+    (*q)->window.mark_broken();
+    // Its newest posted request is signalled (flush() seals every chain), so its completion,
+    // flushed or not, finishes the window; unless a post was refused part way: then a marker.
+    if (!(*q)->window.empty() && !(*q)->window.newest_signalled()) post_marker(**q);
     retired_.push_back(std::move(*q));
   }
   if (p.state == Peer::State::kConnected) p.state = Peer::State::kIdle;
 }
 
+void VerbsDomain::post_marker(QueuePair& q) {
+  // A zero-length write in the error state: never sent, completed as flushed.
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_RDMA_WRITE;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.wr_id = send_wr_id(q.slot, q.window.push_marker(kMarkerWrId));
+  ++cq_outstanding_;
+  ibv_send_wr* bad = nullptr;
+  const int rc =
+      cq_outstanding_ > cq_depth_ + kMarkerReserve ? ENOSPC : ibv_post_send(q.qp, &wr, &bad);
+  if (rc != 0) {
+    // Nothing will finish what is posted: it fails now. (Completions the device may still
+    // generate for it find their sequence numbers retired and are ignored.)
+    q.window.pop_newest();
+    --cq_outstanding_;
+    const std::string text = fmt::format(
+        "flushed: the {} queue pair {} of '{}' entered the error state ({}), and posting the "
+        "marker that drains it failed: {}",
+        q.role_name(), q.qp->qp_num, info_.name, q.error_text, strerror(rc));
+    cq_outstanding_ -= q.window.fail_all([&](uint64_t wr_id, SignalWindow::Outcome) {
+      if (wr_id != kMarkerWrId) {
+        ready_.push_back(
+            Completion{Completion::Kind::kLocal, wr_id, 0, 0, ErrorCode::kFabric, text});
+      }
+    });
+  }
+}
+
+void VerbsDomain::retire_failed_posts() {
+  while (!post_failed_.empty()) {
+    QueuePair* q = post_failed_.back();
+    post_failed_.pop_back();
+    q->post_failed = false;
+    Peer* p = peer_of(q->peer);
+    // Not current any more: retire_qps already drained it when it moved it.
+    if (p == nullptr || (p->msg.get() != q && p->wr.get() != q)) continue;
+    retire_qps(*p, ErrorCode::kFabric,
+               fmt::format("its {} queue pair refused a chained post", q->role_name()));
+  }
+}
+
 void VerbsDomain::reap_retired() {
   for (size_t i = 0; i < retired_.size();) {
-    if (retired_[i]->outstanding == 0) {
-      by_qpn_.erase(retired_[i]->qp->qp_num);
+    QueuePair& q = *retired_[i];
+    if (q.window.empty() && q.chain.length == 0 && !q.post_failed) {
+      by_qpn_.erase(q.qp->qp_num);
+      qp_slots_[q.slot] = nullptr;
+      free_slots_.push_back(q.slot);
       retired_[i] = std::move(retired_.back());
       retired_.pop_back();
     } else {

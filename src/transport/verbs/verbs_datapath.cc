@@ -4,6 +4,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -36,13 +37,22 @@ ErrorCode classify(ibv_wc_status s) {
   }
 }
 
+Completion completion(Completion::Kind kind, uint64_t wr_id, uint32_t imm = 0,
+                      uint64_t length = 0) {
+  Completion c{};
+  c.kind = kind;
+  c.wr_id = wr_id;
+  c.imm = imm;
+  c.length = length;
+  return c;
+}
+
 }  // namespace
 
 PostResult VerbsDomain::post_on(QueuePair& qp, const ibv_send_wr& wr, const ibv_sge* sge) {
-  // Room is counted when a request is accepted, so a chain never overflows the queues.
-  if (qp.outstanding >= qp_send_depth_ || cq_outstanding_ >= cq_depth_) {
-    return PostResult::again();
-  }
+  // Room is counted when a request is accepted, so a chain never overflows the queues; it is
+  // given back when the request is retired from the window (SignalWindow).
+  if (qp.window.full() || cq_outstanding_ >= cq_depth_) return PostResult::again();
   Chain& c = qp.chain;
   const uint32_t i = c.length++;
   c.wrs[i] = wr;
@@ -50,9 +60,12 @@ PostResult VerbsDomain::post_on(QueuePair& qp, const ibv_send_wr& wr, const ibv_
     c.sges[i] = *sge;
     c.wrs[i].sg_list = &c.sges[i];
   }
+  bool signalled = false;
+  const uint32_t seq = qp.window.push(wr.wr_id, config_.signal_every, signalled);
+  c.wrs[i].wr_id = send_wr_id(qp.slot, seq);
+  if (signalled) c.wrs[i].send_flags |= IBV_SEND_SIGNALED;
   c.wrs[i].next = nullptr;
   if (i > 0) c.wrs[i - 1].next = &c.wrs[i];
-  ++qp.outstanding;
   ++cq_outstanding_;
   if (i == 0) chained_.push_back(&qp);
   if (c.length == kChainLength) flush(qp);  // flush() skips an empty chain later
@@ -62,20 +75,32 @@ PostResult VerbsDomain::post_on(QueuePair& qp, const ibv_send_wr& wr, const ibv_
 void VerbsDomain::flush(QueuePair& qp) {
   Chain& c = qp.chain;
   if (c.length == 0) return;
+  // The chain's last request asks for a completion, so that every request posted has a
+  // signalled one at or behind it: its completion finishes them all.
+  if (qp.window.seal()) c.wrs[c.length - 1].send_flags |= IBV_SEND_SIGNALED;
   ibv_send_wr* bad = nullptr;
   const int rc = ibv_post_send(qp.qp, c.wrs.data(), &bad);
   if (rc != 0) {
     // The requests from `bad` on were not posted (all of them when the provider says nothing):
-    // they complete now, with the provider's error.
+    // they complete now, with the provider's error. They are the newest in the window.
     const uint32_t first = bad == nullptr ? 0 : static_cast<uint32_t>(bad - c.wrs.data());
-    for (uint32_t i = first; i < c.length; ++i) {
-      --qp.outstanding;
+    const size_t at = ready_.size();
+    for (uint32_t i = c.length; i-- > first;) {
+      const uint64_t wr_id = qp.window.pop_newest();
       --cq_outstanding_;
-      failed_.push_back(Completion{
-          Completion::Kind::kLocal, c.wrs[i].wr_id, 0, 0, ErrorCode::kFabric,
+      ready_.push_back(Completion{
+          Completion::Kind::kLocal, wr_id, 0, 0, ErrorCode::kFabric,
           fmt::format("ibv_post_send ({} of a chain of {} on the {} queue pair) on '{}' failed: {}",
                       c.wrs[i].opcode == IBV_WR_SEND ? "a send" : "a write", c.length,
                       qp.role_name(), info_.name, strerror(rc))});
+    }
+    std::reverse(ready_.begin() + static_cast<std::ptrdiff_t>(at), ready_.end());
+    // What was posted may end with an unsignalled request, and a queue pair that refuses work
+    // is not to be trusted with more: its peer's pair is retired (at the next poll), which
+    // drains it (post_marker).
+    if (!qp.post_failed) {
+      qp.post_failed = true;
+      post_failed_.push_back(&qp);
     }
   }
   c.length = 0;
@@ -179,87 +204,138 @@ void VerbsDomain::repost_imm_receives() {
   }
 }
 
-bool VerbsDomain::translate(const ibv_wc& wc, Completion& c) {
-  c.error = ErrorCode::kOk;
-  c.error_message.clear();
-  c.imm = 0;
-  c.length = 0;
-  --cq_outstanding_;
+void VerbsDomain::translate(const ibv_wc& wc) {
+  const uint64_t tag = wc.wr_id & kTagMask;
+  if (tag == kSendTag) {
+    on_send_completion(wc);
+    return;
+  }
+  if (tag == kImmRecvTag) {
+    --cq_outstanding_;
+    ++imm_consumed_;
+    if (wc.status == IBV_WC_SUCCESS) {
+      if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+        ready_.push_back(completion(Completion::Kind::kImm, 0, ntohl(wc.imm_data)));
+      }
+      return;
+    }
+  } else if (tag == kMsgRecvTag) {
+    --cq_outstanding_;
+    --msg_srq_posted_;
+    if (wc.status == IBV_WC_SUCCESS) {
+      ready_.push_back(completion(Completion::Kind::kRecv, wc.wr_id & ~kTagMask, 0, wc.byte_len));
+      return;
+    }
+  } else {
+    detail::log().warn("verbs '{}': a completion with an unknown work request id {:#x}", info_.name,
+                       wc.wr_id);
+    return;
+  }
+  // A receive that failed: the queue pair it arrived on (found by number: errors only) is in
+  // the error state now; the peer's pair is retired, so that its other work flushes and its
+  // next post connects afresh.
   auto it = by_qpn_.find(wc.qp_num);
   QueuePair* qp = it == by_qpn_.end() ? nullptr : it->second;
   Peer* peer = qp != nullptr ? peer_of(qp->peer) : nullptr;
-  // Whether qp is what the peer uses now (not a queue pair already retired).
   const bool current = peer != nullptr && (peer->msg.get() == qp || peer->wr.get() == qp);
-  auto describe = [&](const char* what) {
-    std::string text = fmt::format("{} ({}, vendor error {:#x}) on the {} queue pair {} of '{}'",
-                                   ibv_wc_status_str(wc.status), what, wc.vendor_err,
-                                   qp ? qp->role_name() : "unknown", wc.qp_num, info_.name);
-    if (wc.status == IBV_WC_WR_FLUSH_ERR && qp != nullptr && !qp->error_text.empty()) {
+  std::string text = fmt::format(
+      "{} ({}, vendor error {:#x}) on the {} queue pair {} of '{}'", ibv_wc_status_str(wc.status),
+      tag == kImmRecvTag ? "a write from the peer" : "a message from the peer", wc.vendor_err,
+      qp ? qp->role_name() : "unknown", wc.qp_num, info_.name);
+  if (wc.status == IBV_WC_WR_FLUSH_ERR && qp != nullptr && !qp->error_text.empty()) {
+    text += fmt::format(": the queue pair had entered the error state ({})", qp->error_text);
+  }
+  if (current && wc.status != IBV_WC_WR_FLUSH_ERR) retire_qps(*peer, classify(wc.status), text);
+  Completion c =
+      completion(tag == kImmRecvTag ? Completion::Kind::kRemoteError : Completion::Kind::kRecv,
+                 tag == kImmRecvTag ? 0 : wc.wr_id & ~kTagMask);
+  c.error = classify(wc.status);
+  c.error_message = std::move(text);
+  ready_.push_back(std::move(c));
+}
+
+void VerbsDomain::on_send_completion(const ibv_wc& wc) {
+  // The queue pair by the slot in the wr_id: an index, no lookup. A slot freed and reused since
+  // (a completion for a queue pair already destroyed) shows in the queue pair number or in a
+  // sequence number outside the window; such a completion is ignored.
+  ++send_cqes_;
+  const uint32_t slot = slot_of(wc.wr_id);
+  QueuePair* qp = slot < qp_slots_.size() ? qp_slots_[slot] : nullptr;
+  if (qp == nullptr || qp->qp->qp_num != wc.qp_num) {
+    detail::log().debug("verbs '{}': a send completion for queue pair {} (slot {}), gone",
+                        info_.name, wc.qp_num, slot);
+    return;
+  }
+  const bool ok = wc.status == IBV_WC_SUCCESS;
+  const bool flush = wc.status == IBV_WC_WR_FLUSH_ERR;
+  std::string text;
+  if (!ok) {
+    text = fmt::format("{} ({}, vendor error {:#x}) on the {} queue pair {} of '{}'",
+                       ibv_wc_status_str(wc.status),
+                       qp->role == QueuePair::Role::kMessages ? "send" : "write", wc.vendor_err,
+                       qp->role_name(), wc.qp_num, info_.name);
+    if (flush && !qp->error_text.empty()) {
       text += fmt::format(": the queue pair had entered the error state ({})", qp->error_text);
     }
-    return text;
-  };
-  // A queue pair whose work failed (not flushed) is in the error state now: retire the peer's
-  // pair, so that its other work flushes and its next post connects afresh.
-  auto broke = [&](const std::string& text) {
-    if (current && wc.status != IBV_WC_WR_FLUSH_ERR) retire_qps(*peer, classify(wc.status), text);
-  };
+  }
+  std::string flushed;  // for requests retired as flushed without a completion of their own
+  const uint32_t n = qp->window.complete(
+      seq_of(wc.wr_id), ok, flush, [&](uint64_t wr_id, SignalWindow::Outcome o) {
+        if (wr_id == kMarkerWrId) return;
+        Completion c = completion(Completion::Kind::kLocal, wr_id);
+        if (o == SignalWindow::Outcome::kFailed) {
+          c.error = classify(wc.status);
+          c.error_message = text;
+        } else if (o == SignalWindow::Outcome::kFlushed) {
+          if (flushed.empty()) {
+            flushed =
+                fmt::format("flushed: the {} queue pair {} of '{}' entered the error state ({})",
+                            qp->role_name(), wc.qp_num, info_.name,
+                            !qp->error_text.empty() ? qp->error_text : text);
+          }
+          c.error = ErrorCode::kFabric;
+          c.error_message = flushed;
+        }
+        ready_.push_back(std::move(c));
+      });
+  cq_outstanding_ -= n;
+  if (n == 0) {
+    detail::log().debug(
+        "verbs '{}': a completion ({}) for a request of queue pair {} already "
+        "retired, ignored",
+        info_.name, ibv_wc_status_str(wc.status), wc.qp_num);
+  }
+  if (!ok) {
+    // The queue pair is in the error state: retire the peer's pair (if it is still the one in
+    // use), so that its other work flushes and its next post connects afresh.
+    Peer* peer = peer_of(qp->peer);
+    if (peer != nullptr && (peer->msg.get() == qp || peer->wr.get() == qp)) {
+      retire_qps(*peer, classify(wc.status), text);
+    }
+  }
+}
 
-  const uint64_t tag = wc.wr_id & kTagMask;
-  if (tag == kImmRecvTag) {
-    ++imm_consumed_;
-    if (wc.status == IBV_WC_SUCCESS) {
-      if (wc.opcode != IBV_WC_RECV_RDMA_WITH_IMM) return false;
-      c.kind = Completion::Kind::kImm;
-      c.wr_id = 0;
-      c.imm = ntohl(wc.imm_data);
-      return true;
-    }
-    c.kind = Completion::Kind::kRemoteError;
-    c.wr_id = 0;
-    c.error = classify(wc.status);
-    c.error_message = describe("a write from the peer");
-    broke(c.error_message);
-    return true;
+void VerbsDomain::hand_out(std::span<Completion> out, size_t& j) {
+  while (j < out.size() && ready_head_ < ready_.size()) out[j++] = std::move(ready_[ready_head_++]);
+  if (ready_head_ == ready_.size()) {
+    ready_.clear();  // keeps its capacity
+    ready_head_ = 0;
   }
-  if (tag == kMsgRecvTag) {
-    --msg_srq_posted_;
-    c.kind = Completion::Kind::kRecv;
-    c.wr_id = wc.wr_id & ~kTagMask;
-    c.length = wc.byte_len;
-    if (wc.status != IBV_WC_SUCCESS) {
-      c.error = classify(wc.status);
-      c.error_message = describe("a message from the peer");
-      broke(c.error_message);
-    }
-    return true;
-  }
-  // A send or write of ours.
-  if (qp != nullptr) --qp->outstanding;
-  c.kind = Completion::Kind::kLocal;
-  c.wr_id = wc.wr_id;
-  if (wc.status != IBV_WC_SUCCESS) {
-    c.error = classify(wc.status);  // flushed work: kFabric, its message says why
-    c.error_message = describe(qp && qp->role == QueuePair::Role::kMessages ? "send" : "write");
-    broke(c.error_message);
-  }
-  return true;
 }
 
 size_t VerbsDomain::poll(std::span<Completion> out) {
   flush();
+  if (!post_failed_.empty()) retire_failed_posts();
   progress();
   size_t j = 0;
-  while (j < out.size() && !failed_.empty()) {
-    out[j++] = std::move(failed_.back());
-    failed_.pop_back();
+  hand_out(out, j);
+  // The completion queue is read only while ready_ is empty, so that it stays short.
+  if (j < out.size() && !stash_.empty()) {
+    for (const ibv_wc& wc : stash_) translate(wc);
+    stash_.clear();
+    hand_out(out, j);
   }
-  while (j < out.size() && !stash_.empty()) {
-    ibv_wc wc = stash_.back();
-    stash_.pop_back();
-    if (translate(wc, out[j])) ++j;
-  }
-  while (j < out.size()) {
+  while (j < out.size() && ready_.empty()) {
     const int want = static_cast<int>(std::min(out.size() - j, wc_.size()));
     const int n = ibv_poll_cq(cq_.get(), want, wc_.data());
     if (n < 0) {
@@ -271,9 +347,8 @@ size_t VerbsDomain::poll(std::span<Completion> out) {
                             fmt::format("ibv_poll_cq on '{}' failed ({})", info_.name, n)};
       break;
     }
-    for (int i = 0; i < n; ++i) {
-      if (translate(wc_[static_cast<size_t>(i)], out[j])) ++j;
-    }
+    for (int i = 0; i < n; ++i) translate(wc_[static_cast<size_t>(i)]);
+    hand_out(out, j);
     if (n < want) break;
   }
   if (imm_consumed_ > 0) repost_imm_receives();
@@ -285,7 +360,7 @@ size_t VerbsDomain::poll(std::span<Completion> out) {
 bool VerbsDomain::ready_to_wait() {
   flush();
   if (connecting_ > 0 || !delayed_.empty() || !retired_.empty() || !stash_.empty() ||
-      !failed_.empty()) {
+      !ready_.empty() || !post_failed_.empty()) {
     return false;
   }
   // Acknowledge what woke us, ask for the next event on both queues, then look once more:
@@ -299,7 +374,8 @@ bool VerbsDomain::ready_to_wait() {
   if (progress_handshakes()) return false;
   const int n = ibv_poll_cq(cq_.get(), static_cast<int>(wc_.size()), wc_.data());
   if (n > 0) {
-    // Handed out by the next poll (in reverse order: the contract is unordered anyway).
+    // Handed out by the next poll, in the order read (a signalled send's completion finishes
+    // the requests before it, so completions of one queue pair keep their order).
     stash_.assign(wc_.begin(), wc_.begin() + n);
     return false;
   }

@@ -161,11 +161,48 @@ Result<std::unique_ptr<VerbsDomain>> VerbsDomain::open(const std::string& nic,
     return Status(ErrorCode::kInvalidArgument,
                   "config.verbs.connect_attempts and config.verbs.connect_retry must be positive");
   }
+  if (config.signal_every == 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "config.verbs.signal_every must be at least 1 (1: every work request signalled)");
+  }
   std::unique_ptr<VerbsDomain> d(new VerbsDomain());
   d->config_ = config;
   if (Status s = d->open_port(nic, gpu_direct); !s) return s;
+  d->open_thread_domain();
   if (Status s = d->create_queues(); !s) return s;
   return d;
+}
+
+void VerbsDomain::open_thread_domain() {
+  fast_paths_.signal_every = config_.signal_every;
+  if (!config_.thread_domain) return;
+  // The domain is driven by one thread at a time (domain.h): its queue pairs and completion
+  // queue need none of the provider's locks. Devices without thread domains (Soft-RoCE, for
+  // one) refuse with EOPNOTSUPP: then the protection domain, as without the option.
+  ibv_td_init_attr ta{};
+  ibv_td* td = ibv_alloc_td(dev_->ctx, &ta);
+  if (td == nullptr) {
+    fast_paths_.note = fmt::format("no thread domain (ibv_alloc_td: {})", strerror(errno));
+    detail::log().info("verbs '{}': {}: queue pairs in the protection domain", info_.name,
+                       fast_paths_.note);
+    return;
+  }
+  ibv_parent_domain_init_attr pa{};
+  pa.pd = dev_->pd;
+  pa.td = td;
+  ibv_pd* parent = ibv_alloc_parent_domain(dev_->ctx, &pa);
+  if (parent == nullptr) {
+    fast_paths_.note =
+        fmt::format("no thread domain (ibv_alloc_parent_domain: {})", strerror(errno));
+    detail::log().info("verbs '{}': {}: queue pairs in the protection domain", info_.name,
+                       fast_paths_.note);
+    ibv_dealloc_td(td);
+    return;
+  }
+  dev_->td = td;
+  dev_->parent = parent;
+  fast_paths_.thread_domain = true;
+  detail::log().debug("verbs '{}': queue pairs in a thread domain", info_.name);
 }
 
 Status VerbsDomain::open_port(const std::string& nic, bool gpu_direct) {
@@ -243,7 +280,8 @@ Status VerbsDomain::open_port(const std::string& nic, bool gpu_direct) {
       info_ = DomainInfo{"verbs", fmt::format("{}:{}", name, p), pa.max_msg_sz,
                          /*delivery_complete=*/true, gpu_direct_};
       cq_depth_ = std::min<uint32_t>(kCqDepth, static_cast<uint32_t>(da.max_cqe));
-      qp_send_depth_ = std::min<uint32_t>(kQpSendDepth, static_cast<uint32_t>(da.max_qp_wr));
+      // One send work request of each queue pair's is kept for the marker that drains it.
+      qp_send_depth_ = std::min<uint32_t>(kQpSendDepth, static_cast<uint32_t>(da.max_qp_wr) - 1);
       msg_srq_depth_ = std::min<uint32_t>(kMsgSrqDepth, static_cast<uint32_t>(da.max_srq_wr));
       imm_srq_depth_ = std::min<uint32_t>(kImmSrqDepth, static_cast<uint32_t>(da.max_srq_wr));
       detail::log().debug("verbs: opened {} port {} GID {} ({}{}), active MTU {}", name, p, gid,
@@ -277,9 +315,44 @@ Status VerbsDomain::create_queues() {
     int flags = fcntl(fd, F_GETFL);
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) return fail("fcntl(O_NONBLOCK)");
   }
-  cq_.reset(ibv_create_cq(ctx, static_cast<int>(cq_depth_), nullptr, channel_.get(), 0));
+  if (config_.thread_domain) {
+    // Polled by one thread at a time: created single-threaded (the provider may leave out its
+    // lock), in the parent domain where there is one; a provider refusing either gets the
+    // plain completion queue.
+    ibv_cq_init_attr_ex ca{};
+    ca.cqe = cq_depth_;
+    ca.channel = channel_.get();
+    ca.wc_flags = IBV_WC_STANDARD_FLAGS;
+    ca.comp_mask = IBV_CQ_INIT_ATTR_MASK_FLAGS;
+    ca.flags = IBV_CREATE_CQ_ATTR_SINGLE_THREADED;
+    if (dev_->parent != nullptr) {
+      ca.comp_mask |= IBV_CQ_INIT_ATTR_MASK_PD;
+      ca.parent_domain = dev_->parent;
+    }
+    ibv_cq_ex* cq = ibv_create_cq_ex(ctx, &ca);
+    if (cq == nullptr && dev_->parent != nullptr) {
+      ca.comp_mask = IBV_CQ_INIT_ATTR_MASK_FLAGS;
+      ca.parent_domain = nullptr;
+      cq = ibv_create_cq_ex(ctx, &ca);
+    }
+    if (cq != nullptr) {
+      cq_.reset(ibv_cq_ex_to_cq(cq));
+      fast_paths_.single_threaded_cq = true;
+    } else {
+      const std::string why = fmt::format(
+          "no single-threaded completion queue (ibv_create_cq_ex: {})", strerror(errno));
+      fast_paths_.note += fmt::format("{}{}", fast_paths_.note.empty() ? "" : "; ", why);
+      detail::log().info("verbs '{}': {}", info_.name, why);
+    }
+  }
+  if (!cq_) cq_.reset(ibv_create_cq(ctx, static_cast<int>(cq_depth_), nullptr, channel_.get(), 0));
   if (!cq_) return fail("ibv_create_cq");
-  cq_depth_ = static_cast<uint32_t>(cq_->cqe);
+  // A few entries are kept for the markers that drain queue pairs after a refused post.
+  if (cq_->cqe <= static_cast<int>(kMarkerReserve)) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("'{}': its completion queue holds {} entries", info_.name, cq_->cqe));
+  }
+  cq_depth_ = static_cast<uint32_t>(cq_->cqe) - kMarkerReserve;
   ud_cq_.reset(ibv_create_cq(ctx, kUdRecvSlots + kUdSendSlots, nullptr, channel_.get(), 0));
   if (!ud_cq_) return fail("ibv_create_cq (handshake)");
 
@@ -355,6 +428,7 @@ Status VerbsDomain::create_queues() {
   name_.resize(sizeof(n));
   std::memcpy(name_.data(), &n, sizeof(n));
   wc_.resize(64);
+  ready_.reserve(2 * qp_send_depth_);  // a signalled completion may finish a whole window
   repost_imm_receives();
   if (imm_consumed_ != 0) return fail("ibv_post_srq_recv (immediates)");
   return Status::ok();

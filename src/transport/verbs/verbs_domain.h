@@ -40,6 +40,14 @@ struct VerbsPortListing {
 // Every port of every verbs device; empty when there is none (or libibverbs finds no driver).
 std::vector<VerbsPortListing> list_verbs_ports();
 
+// The fast paths an opened verbs domain runs with (VerbsDomain::fast_paths(); docs/verbs.md).
+struct VerbsFastPaths {
+  uint32_t signal_every = 1;        // a send work request in that many asks for a completion
+  bool thread_domain = false;       // RC queue pairs in a parent domain with a thread domain
+  bool single_threaded_cq = false;  // the completion queue made IBV_CREATE_CQ_ATTR_SINGLE_THREADED
+  std::string note;                 // why one asked for is off ("" when none is)
+};
+
 namespace verbs_detail {
 struct Device;  // context and protection domain, shared with registrations
 struct Peer;
@@ -57,6 +65,10 @@ class VerbsDomain final : public Domain {
 
   const DomainInfo& info() const override { return info_; }
   const Bytes& endpoint_name() const override { return name_; }
+  const VerbsFastPaths& fast_paths() const { return fast_paths_; }
+  // Send completions read from the completion queue so far (signalled requests, and whatever
+  // the device reports after an error): for tests of selective signalling.
+  uint64_t send_completions_read() const { return send_cqes_; }
 
   Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override;
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
@@ -76,6 +88,8 @@ class VerbsDomain final : public Domain {
 
   // --- control path (verbs_domain.cc) ---
   Status open_port(const std::string& nic, bool gpu_direct);
+  // The thread domain and its parent domain, where the device offers them (fast_paths_).
+  void open_thread_domain();
   Status create_queues();
   verbs_detail::Peer* peer_of(PeerHandle h);
   verbs_detail::Peer& peer_by_instance(uint64_t instance, const ibv_gid& gid, uint32_t ud_qpn,
@@ -85,6 +99,11 @@ class VerbsDomain final : public Domain {
   // Moves a peer's queue pairs to the error state (their posted work flushes) and keeps them
   // until every flushed completion was read; the peer connects afresh on its next use.
   void retire_qps(verbs_detail::Peer& p, ErrorCode code, const std::string& why);
+  // Posts a signalled marker on a queue pair in the error state whose newest posted request is
+  // not signalled (a chained post was refused part way), so that a completion finishes it.
+  void post_marker(verbs_detail::QueuePair& qp);
+  // Retires the pairs of the peers whose chained post was refused (post_failed_).
+  void retire_failed_posts();
   // A post towards a peer that is not connected: starts or continues connecting. kAgain while
   // connecting; kFailed when the peer never answered.
   PostResult not_connected(verbs_detail::Peer& p);
@@ -100,9 +119,15 @@ class VerbsDomain final : public Domain {
   // --- hot path (verbs_datapath.cc) ---
   // Accepts `wr` (its one scatter entry `sge`, if any) into qp's chain; a full chain is posted.
   PostResult post_on(verbs_detail::QueuePair& qp, const ibv_send_wr& wr, const ibv_sge* sge);
-  // Posts qp's chain; work requests the provider refuses complete with its error (failed_).
+  // Posts qp's chain, its last request signalled; work requests the provider refuses complete
+  // with its error (ready_).
   void flush(verbs_detail::QueuePair& qp);
-  bool translate(const ibv_wc& wc, Completion& out);
+  // Turns a work completion into Completions in ready_: none, one, or (a signalled send) one
+  // for every request of its queue pair that it finishes.
+  void translate(const ibv_wc& wc);
+  void on_send_completion(const ibv_wc& wc);
+  // Hands out ready_ into out[j...]; clears ready_ once all of it went.
+  void hand_out(std::span<Completion> out, size_t& j);
   void repost_imm_receives();
 
   std::shared_ptr<verbs_detail::Device> dev_;
@@ -145,12 +170,19 @@ class VerbsDomain final : public Domain {
   bool software_device_ = false;  // rxe, siw: the "NIC" runs on the host's CPUs
 
   std::unordered_map<uint64_t, PeerHandle> by_instance_;
-  std::unordered_map<uint32_t, verbs_detail::QueuePair*> by_qpn_;
+  std::unordered_map<uint32_t, verbs_detail::QueuePair*> by_qpn_;  // errors and async events
+  // RC queue pairs by the slot their send wr_ids carry (no lookup by number per completion).
+  std::vector<verbs_detail::QueuePair*> qp_slots_;
+  std::vector<uint32_t> free_slots_;
   PeerHandle next_handle_ = 1;
+  VerbsFastPaths fast_paths_;
+  uint64_t send_cqes_ = 0;
 
-  // Capacity: the CQ holds every completion that can be outstanding at once.
+  // Capacity: the CQ holds every completion that can be outstanding at once. A send work
+  // request holds its entry until retired from its window, signalled or not: a device may
+  // report each flushed request, signalled or not, after an error.
   uint32_t cq_depth_ = 0;
-  uint32_t cq_outstanding_ = 0;  // sends posted + receives posted on both SRQs
+  uint32_t cq_outstanding_ = 0;  // sends in windows + receives posted on both SRQs
   uint32_t qp_send_depth_ = 0;
   uint32_t msg_srq_depth_ = 0;
   uint32_t msg_srq_posted_ = 0;
@@ -169,8 +201,12 @@ class VerbsDomain final : public Domain {
 
   std::vector<ibv_wc> wc_;
   std::vector<ibv_wc> stash_;  // completions read by ready_to_wait, handed out by poll first
-  std::vector<verbs_detail::QueuePair*> chained_;  // queue pairs with a chain to post
-  std::vector<Completion> failed_;                 // work requests a chained post refused, for poll
+  std::vector<verbs_detail::QueuePair*> chained_;      // queue pairs with a chain to post
+  std::vector<verbs_detail::QueuePair*> post_failed_;  // whose chained post was refused
+  // Completions made and not yet handed out by poll (from ready_head_ on): the requests a
+  // signalled completion finished, the ones a chained post refused.
+  std::vector<Completion> ready_;
+  size_t ready_head_ = 0;
 };
 
 }  // namespace fabric::transport

@@ -13,6 +13,7 @@
 
 #include "fabric/status.h"
 #include "transport/domain.h"
+#include "transport/verbs/signal_window.h"
 #include "transport/verbs/verbs_domain.h"
 
 namespace fabric::transport::verbs_detail {
@@ -25,13 +26,21 @@ static_assert(std::endian::native == std::endian::little,
 struct Device {
   ibv_context* ctx = nullptr;
   ibv_pd* pd = nullptr;
+  // Where the device offers them (VerbsConfig::thread_domain): a thread domain and the parent
+  // domain (of pd and td) that the RC queue pairs are created in.
+  ibv_td* td = nullptr;
+  ibv_pd* parent = nullptr;
   Device() = default;
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;
   ~Device() {
+    if (parent != nullptr) ibv_dealloc_pd(parent);  // after every QP and CQ of it
+    if (td != nullptr) ibv_dealloc_td(td);
     if (pd != nullptr) ibv_dealloc_pd(pd);  // after every MR and QP of it
     if (ctx != nullptr) ibv_close_device(ctx);
   }
+  // What RC queue pairs are created in.
+  ibv_pd* qp_pd() const { return parent != nullptr ? parent : pd; }
 };
 
 // Send work requests accepted by post_write / post_send and not yet handed to the provider:
@@ -49,8 +58,12 @@ struct QueuePair {
   ibv_qp* qp = nullptr;
   Role role = Role::kMessages;
   PeerHandle peer = 0;
-  uint32_t outstanding = 0;  // send work requests accepted (chained or posted), not completed
-  uint32_t max_inline = 0;   // the largest payload it posts inline (IBV_SEND_INLINE)
+  uint32_t slot = 0;        // its index in VerbsDomain::qp_slots_ (carried in its wr_ids)
+  uint32_t max_inline = 0;  // the largest payload it posts inline (IBV_SEND_INLINE)
+  // Send work requests accepted (chained or posted) and not yet retired, in posting order:
+  // their room in the send queue and the completion queue is held until then.
+  SignalWindow window;
+  bool post_failed = false;  // a chained post was refused: to be retired (VerbsDomain::poll)
   Chain chain;
   ErrorCode error = ErrorCode::kOk;
   std::string error_text;  // why it entered the error state (set when retired)
@@ -128,10 +141,27 @@ inline constexpr uint32_t kHelloMagic = 0x48425646;  // "FVBH"
 inline constexpr uint32_t kQkey = 0x11d0fab1;
 inline constexpr uint32_t kGrhBytes = 40;  // a UD receive starts with the global route header
 
-// Work-request ids: the engine's are pointers (below 2^56); receives carry a tag on top.
+// Work-request ids: the engine's are pointers (below 2^56); receives carry a tag on top. A send
+// work request carries, instead of the engine's id (which its queue pair's SignalWindow keeps),
+// the send tag, its queue pair's slot (24 bits) and its sequence number in that window.
 inline constexpr uint64_t kTagMask = 0xffull << 56;
 inline constexpr uint64_t kMsgRecvTag = 0x01ull << 56;
 inline constexpr uint64_t kImmRecvTag = 0x02ull << 56;
+inline constexpr uint64_t kSendTag = 0x03ull << 56;
+inline constexpr uint32_t kMaxQpSlots = 1u << 24;
+inline uint64_t send_wr_id(uint32_t slot, uint32_t seq) {
+  return kSendTag | (uint64_t{slot} << 32) | seq;
+}
+inline uint32_t slot_of(uint64_t wr_id) {
+  return static_cast<uint32_t>(wr_id >> 32) & (kMaxQpSlots - 1);
+}
+inline uint32_t seq_of(uint64_t wr_id) {
+  return static_cast<uint32_t>(wr_id);
+}
+// The window entry of a drain marker (VerbsDomain::post_marker): never reported. Completion
+// queue entries kept for markers, beyond what posts may take.
+inline constexpr uint64_t kMarkerWrId = ~uint64_t{0};
+inline constexpr uint32_t kMarkerReserve = 64;
 
 // Shared by the control path and the connection handshake.
 inline constexpr uint32_t kUdSlotBytes = 256;  // a GRH and a Hello, rounded up
