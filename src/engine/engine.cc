@@ -17,9 +17,10 @@ namespace {
 
 std::atomic<uint64_t> next_engine_serial{1};
 
-// A submitting thread's recent source regions (EngineImpl::find_region), direct-mapped by the
+// A submitting thread's recent source regions (EngineImpl::lookup_region), direct-mapped by the
 // handle's low bits. A weak reference keeps no region alive (unregister_memory waits for the
-// last strong one), only its control block, until the entry is replaced or the thread ends.
+// last strong one): only its control block, and the memory make_shared put the region in, stay
+// allocated until the entry is replaced or the thread ends.
 struct CachedRegion {
   uint64_t engine = 0;  // EngineImpl::serial_
   uint64_t handle = 0;
@@ -332,7 +333,7 @@ Status EngineImpl::unregister_memory(MemoryHandle handle) {
           fmt::format("memory handle {:#x} is not registered (it was unregistered)", handle.id));
     }
   }
-  // Submitting threads' caches may still reach it (find_region): it is not theirs to take.
+  // Submitting threads' caches may still reach it (lookup_region): it is not theirs to take.
   region->unregistered.store(true, std::memory_order_release);
   // A barrier: the provider registrations are closed on the worker once no accepted transfer
   // holds the region any more (each completes or fails within its own bounds), then the
