@@ -1,5 +1,8 @@
 // TransferEngine and EngineImpl: creation and close, registration, peer groups, immediates and
 // the facade. The submissions' validation and planning are in submit.cc.
+#include <array>
+#include <atomic>
+#include <memory>
 #include <thread>
 
 #include "engine/engine_impl.h"
@@ -9,6 +12,24 @@ namespace fabric {
 using engine_impl::invalid;
 using engine_impl::kSeqMask;
 using engine_impl::kTagShift;
+
+namespace {
+
+std::atomic<uint64_t> next_engine_serial{1};
+
+// A submitting thread's recent source regions (EngineImpl::lookup_region), direct-mapped by the
+// handle's low bits. A weak reference keeps no region alive (unregister_memory waits for the
+// last strong one): only its control block, and the memory make_shared put the region in, stay
+// allocated until the entry is replaced or the thread ends.
+struct CachedRegion {
+  uint64_t engine = 0;  // EngineImpl::serial_
+  uint64_t handle = 0;
+  std::weak_ptr<LocalRegion> region;
+};
+constexpr size_t kCachedRegions = 8;
+thread_local std::array<CachedRegion, kCachedRegions> tls_regions;
+
+}  // namespace
 
 // --- creation and close ---------------------------------------------------------------------
 
@@ -46,6 +67,7 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
   }
   std::unique_ptr<EngineImpl> e(new EngineImpl(config));
   e->tag_ = std::random_device{}() & 0xffffff;
+  e->serial_ = next_engine_serial.fetch_add(1);
   const std::vector<int> allowed = topology::allowed_cpus();
   // Unset spins follow the CPUs this process may use (Config::auto_spin).
   e->callback_spin_ = config.callback_spin.value_or(Config::auto_spin(allowed.size()));
@@ -109,6 +131,9 @@ void EngineImpl::close() {
     if (closed_) return;
     closed_ = true;
   }
+  // Submissions that began before closing_ was set hand their transfers over first (none
+  // blocks: a ring push, or the overflow list's lock).
+  while (submitting_.load() != 0) std::this_thread::yield();
   for (auto& w : workers_) w->stop();
   imms_.clear_expectations();
   if (callbacks_) callbacks_->drain_and_stop();
@@ -157,24 +182,43 @@ Status EngineImpl::check_remote(const RemoteMemory& dst, uint32_t group,
   return check_peer(dst.owner(), group, what);
 }
 
-Result<std::shared_ptr<LocalRegion>> EngineImpl::find_region(MemoryHandle handle) const {
+std::shared_ptr<LocalRegion> EngineImpl::lookup_region(MemoryHandle handle) const {
+  if ((handle.id >> kTagShift) != tag_) return nullptr;
+  CachedRegion& cached = tls_regions[handle.id % kCachedRegions];
+  if (cached.engine == serial_ && cached.handle == handle.id) {
+    // Alive (some transfer may be all that holds it) and still registered: the flag is set
+    // once it left the table, and is read after the reference is taken, so a region found
+    // here is either still in the table or unregister_memory waits for this reference.
+    std::shared_ptr<LocalRegion> region = cached.region.lock();
+    if (region && !region->unregistered.load(std::memory_order_acquire)) return region;
+  }
+  std::shared_ptr<LocalRegion> region = regions_.find(handle.id);
+  if (region) {
+    cached.engine = serial_;
+    cached.handle = handle.id;
+    cached.region = region;
+  }
+  return region;
+}
+
+Status EngineImpl::region_missing(MemoryHandle handle) const {
   if ((handle.id >> kTagShift) != tag_) {
     return Status(ErrorCode::kNotFound,
                   fmt::format("memory handle {:#x} was not made by this engine", handle.id));
   }
-  std::shared_ptr<LocalRegion> region = regions_.find(handle.id);
-  if (!region) {
-    return Status(
-        ErrorCode::kNotFound,
-        fmt::format("memory handle {:#x} is not registered (it was unregistered)", handle.id));
-  }
-  return region;
+  return Status(
+      ErrorCode::kNotFound,
+      fmt::format("memory handle {:#x} is not registered (it was unregistered)", handle.id));
 }
 
 engine::TransferPtr EngineImpl::new_transfer(uint32_t group, Callbacks&& cb) {
   engine::TransferPtr t = workers_[group]->take_transfer();
   t->id = next_transfer_.fetch_add(1);
-  t->callbacks = std::move(cb);
+  // A pooled transfer's callbacks are empty (Transfer::reset): swapping them in skips the
+  // temporary that a std::function's move assignment builds and destroys.
+  t->callbacks.on_done.swap(cb.on_done);
+  t->callbacks.on_error.swap(cb.on_error);
+  t->callbacks.counter = cb.counter;
   return t;
 }
 
@@ -289,6 +333,8 @@ Status EngineImpl::unregister_memory(MemoryHandle handle) {
           fmt::format("memory handle {:#x} is not registered (it was unregistered)", handle.id));
     }
   }
+  // Submitting threads' caches may still reach it (lookup_region): it is not theirs to take.
+  region->unregistered.store(true, std::memory_order_release);
   // A barrier: the provider registrations are closed on the worker once no accepted transfer
   // holds the region any more (each completes or fails within its own bounds), then the
   // writers are fenced where the provider needs it (write_fence.cc), and only then does this

@@ -18,26 +18,59 @@ struct Scratch {
   void* desc = nullptr;
 };
 
-// A write of `length` bytes at `local` (registered with `local_desc` on NIC `domain`) into
-// region `dst`, `offset` bytes from its start, through the rail of dst's owner that faces
-// `domain`. A write of zero bytes goes from `scratch`.
-inline Op write_op(Transfer& t, uint32_t domain, const RemoteMemory& dst, uint64_t offset,
-                   const void* local, void* local_desc, uint64_t length, Scratch scratch) {
+// What a write into `dst` from local NIC `domain` takes from the destination: the rail that faces
+// the NIC (its endpoint name, base address and key). The same for every write of that NIC, so a
+// paged write reads it once per NIC (fill_page), not per page.
+struct RailTarget {
+  const Bytes* peer = nullptr;
+  uint64_t addr = 0;
+  uint64_t key = 0;
+};
+inline RailTarget rail_target(const RemoteMemory& dst, uint32_t domain) {
   // Each accessor of a descriptor is a call (its data is private to address.cc): read once.
   const std::vector<RemoteMemory::Rail>& rails = dst.rails();
-  const Address& owner = dst.owner();
   const uint32_t rail = remote_rail(domain, rails.size());
-  Op op;
+  return {&dst.owner().nics()[rail].name, rails[rail].addr, rails[rail].key};
+}
+
+// The fields of a write that depend on its NIC and its bytes, into an op whose other fields
+// (transfer, owner, dst_mem, length, immediate) are set already: a paged write's pages, copies of
+// one prototype op.
+inline void fill_page(Op& op, uint32_t domain, const RailTarget& rail, uint64_t offset,
+                      const void* local, void* local_desc) {
+  op.domain = domain;
+  op.peer = rail.peer;
+  op.local = local;
+  op.local_desc = local_desc;
+  op.remote_addr = rail.addr + offset;
+  op.remote_key = rail.key;
+}
+
+// A write of `length` bytes at `local` (registered with `local_desc` on NIC `domain`) into
+// region `dst`, `offset` bytes from its start, through the rail of dst's owner that faces
+// `domain`. A write of zero bytes goes from `scratch`. fill_write fills `op` (default-constructed:
+// a fresh element of the transfer's ops) in place, which spares a submission the copy of an Op
+// into the vector.
+inline void fill_write(Op& op, Transfer& t, uint32_t domain, const RemoteMemory& dst,
+                       uint64_t offset, const void* local, void* local_desc, uint64_t length,
+                       Scratch scratch) {
+  const RailTarget rail = rail_target(dst, domain);
   op.transfer = &t;
   op.domain = domain;
-  op.peer = &owner.nics()[rail].name;
-  op.owner = &owner;
+  op.peer = rail.peer;
+  op.owner = &dst.owner();
   op.dst_mem = &dst;
   op.length = length;
   op.local = length == 0 ? scratch.local : local;
   op.local_desc = length == 0 ? scratch.desc : local_desc;
-  op.remote_addr = rails[rail].addr + offset;
-  op.remote_key = rails[rail].key;
+  op.remote_addr = rail.addr + offset;
+  op.remote_key = rail.key;
+}
+
+inline Op write_op(Transfer& t, uint32_t domain, const RemoteMemory& dst, uint64_t offset,
+                   const void* local, void* local_desc, uint64_t length, Scratch scratch) {
+  Op op;
+  fill_write(op, t, domain, dst, offset, local, local_desc, length, scratch);
   return op;
 }
 

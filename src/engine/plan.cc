@@ -214,7 +214,15 @@ void plan_single_up(std::vector<Shard>& out, uint64_t length, const std::vector<
     return;
   }
   // Every NIC up (the common case): the NIC list is the identity, nothing to build or map.
-  if (std::all_of(up.begin(), up.end(), [](bool b) { return b; })) {
+  if ((n == 1 && up[0]) || std::all_of(up.begin(), up.end(), [](bool b) { return b; })) {
+    // One shard that fits one work request (a write below shard_min_bytes, one NIC, or one
+    // shard asked for): what plan_single and append_split would give, in one step.
+    if (n > 0 && (length < params.min_bytes || n == 1 || routing.shards == 1) &&
+        (length <= params.max_wr_bytes || params.max_wr_bytes == 0)) {
+      out.clear();
+      out.push_back({rotation % n, 0, length});
+      return;
+    }
     plan_single(out, length, n, routing, rotation, params, weights);
     return;
   }

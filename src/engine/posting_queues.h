@@ -14,8 +14,8 @@
 // write must wait for its owner's HelloAck) and the WorkerCounters. What it cannot decide
 // itself goes back to the worker as Events (an op to complete with a status, a check to build,
 // a NIC found unreachable) and as write-fence notes to send, in the order they arose; the
-// worker takes them after each call (take_events, notes) and acts on them. It never completes
-// an op or touches a transfer but for the op's own fields.
+// worker takes them (take_events, notes) at the top level of its pass, never inside a call, and
+// acts on them. It never completes an op or touches a transfer but for the op's own fields.
 //
 // Isolation (docs/hardening.md, "One bad write") is its own state machine over a queue
 // (isolation.cc): failed suspects posted again one at a time, checks, backoff, resets.

@@ -20,10 +20,9 @@ void Worker::stage_sources(Transfer& t) {
 }
 
 void Worker::release_gates() {
-  // Indexed, not iterated: queueing an op may complete it, and nothing it does may move the
-  // list under us (a nested call returns; this loop takes what it would have).
-  if (releasing_) return;
-  releasing_ = true;
+  // Nothing below comes back here or adds to the list: enqueue only queues (an op whose peer
+  // does not resolve is completed with that error, which only settles its transfer), and
+  // complete_op with an error only settles. Indexed all the same.
   std::vector<StagedWriter::Release>& released = writer_->released();
   for (size_t r = 0; r < released.size(); ++r) {
     Transfer& t = *released[r].transfer;
@@ -43,7 +42,6 @@ void Worker::release_gates() {
     }
   }
   released.clear();
-  releasing_ = false;
 }
 
 bool Worker::poll_copies() {
@@ -79,8 +77,8 @@ void Worker::send_ipc_commits(Transfer& t, bool final) {
 }
 
 void Worker::send_commits() {
-  if (sending_commits_) return;  // a nested call: this loop sends what it added
-  sending_commits_ = true;
+  // Nothing below comes back here or adds Commits: resend_commit only queues, and a Commit's
+  // send that fails at once is sent again over another NIC (resend_commit) or given up on.
   std::vector<StagedWriter::Outgoing>& out = writer_->outgoing();
   for (size_t i = 0; i < out.size(); ++i) {
     Transfer& t = *out[i].transfer;
@@ -90,7 +88,6 @@ void Worker::send_commits() {
     resend_commit(writer_->track(t, msg, seq, owner, now_), health_->message_nic());
   }
   out.clear();
-  sending_commits_ = false;
 }
 
 void Worker::resend_commit(CommitSend& cs, uint32_t to) {

@@ -30,14 +30,14 @@ void EngineImpl::add_writes(Transfer& t, const LocalRegion& src, uint64_t src_of
     do {
       const uint64_t offset = s.offset + done;
       const uint64_t length = std::min(chunk, s.length - done);
-      Op op = engine::write_op(t, s.domain, dst, dst_offset + offset,
-                               src.host + src_offset + offset, src.regs[s.domain]->local_desc(),
-                               length, workers_[group]->scratch(s.domain));
+      Op& op = t.ops.emplace_back();
+      engine::fill_write(op, t, s.domain, dst, dst_offset + offset, src.host + src_offset + offset,
+                         src.regs[s.domain]->local_desc(), length,
+                         workers_[group]->scratch(s.domain));
       if (staged_dst) {
         op.dst_index = dst_index;
         op.dst_offset = dst_offset + offset;
       }
-      t.ops.push_back(op);
       ++pieces;
       done += length;
     } while (done < s.length);
@@ -77,21 +77,23 @@ Op EngineImpl::zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const
 // --- submissions ----------------------------------------------------------------------------
 
 Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks&& cb) {
-  auto lock = enter();
-  if (!lock) return closed();
-  auto src = find_region(w.src);
-  if (!src) return src.status();
-  const uint32_t group = (*src)->group;
+  const Submitting open(*this);
+  if (!open) return closed();
+  std::shared_ptr<LocalRegion> src = lookup_region(w.src);
+  if (!src) return region_missing(w.src);
+  const uint32_t group = src->group;
   const uint32_t nics = workers_[group]->num_domains();
-  if (Status s = check_remote(w.dst, group, "single write"); !s) return s;
-  if (Status s = engine::check_range("single write source", w.src_offset, w.length, (*src)->length);
-      !s) {
-    return s;
+  if (!remote_ok(w.dst, group)) {
+    if (Status s = check_remote(w.dst, group, "single write"); !s) return s;
   }
-  if (Status s =
-          engine::check_range("single write destination", w.dst_offset, w.length, w.dst.length());
-      !s) {
-    return s;
+  auto in_range = [](uint64_t offset, uint64_t length, uint64_t region) {
+    return offset <= region && length <= region - offset;
+  };
+  if (!in_range(w.src_offset, w.length, src->length)) {
+    return engine::check_range("single write source", w.src_offset, w.length, src->length);
+  }
+  if (!in_range(w.dst_offset, w.length, w.dst.length())) {
+    return engine::check_range("single write destination", w.dst_offset, w.length, w.dst.length());
   }
   if (w.routing.kind == Routing::Kind::kPinned && w.routing.nic >= nics) {
     return invalid(fmt::format("single write pinned to NIC {}, but the group has {} NIC(s)",
@@ -101,7 +103,7 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks&& cb) {
   engine::plan_single_up(shards, w.length, up(group), w.routing, next_rotation(group),
                          shard_params(group), weights(group));
   auto t = new_transfer(group, std::move(cb));
-  t->src = std::move(*src);
+  t->src = std::move(src);
   t->dsts.push_back(w.dst);
   const engine::IpcRoute route = ipc_route(*t->src, w.dst, group);
   if (route.kind == engine::IpcRoute::Kind::kRejected) return ipc_rejected("single write", route);
@@ -115,12 +117,14 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks&& cb) {
 }
 
 Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks&& cb) {
-  auto lock = enter();
-  if (!lock) return closed();
-  auto src = find_region(w.src);
-  if (!src) return src.status();
-  const uint32_t group = (*src)->group;
-  if (Status s = check_remote(w.dst, group, "paged write"); !s) return s;
+  const Submitting open(*this);
+  if (!open) return closed();
+  std::shared_ptr<LocalRegion> src = lookup_region(w.src);
+  if (!src) return region_missing(w.src);
+  const uint32_t group = src->group;
+  if (!remote_ok(w.dst, group)) {
+    if (Status s = check_remote(w.dst, group, "paged write"); !s) return s;
+  }
   if (w.page_bytes == 0) return invalid("paged write: page_bytes is 0");
   if (w.src_pages.size() != w.dst_pages.size()) {
     return invalid(fmt::format("paged write: {} source pages but {} destination pages",
@@ -156,7 +160,7 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks&& cb) {
                                w.page_bytes, region);
   };
   auto t = new_transfer(group, std::move(cb));
-  t->src = std::move(*src);
+  t->src = std::move(src);
   t->dsts.push_back(w.dst);
   const RemoteMemory& dst = t->dsts.back();
   const engine::IpcRoute route = ipc_route(*t->src, dst, group);
@@ -185,24 +189,43 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks&& cb) {
     if (w.imm) engine::add_ipc_imm(*t, 0, *w.imm, w.src_pages.size());
     return hand_over(group, std::move(t));
   }
-  t->ops.resize(w.src_pages.size());
+  // What every page's op shares, set once: the pages are copies of it, and each gets only its
+  // NIC's rail (once per run of pages on a NIC) and its offsets (op_builder.h, fill_page).
+  // page_bytes > 0: no scratch buffer needed.
+  const bool staged_dst = dst.staged_region() != 0;
+  Op proto = engine::write_op(*t, 0, dst, 0, nullptr, nullptr, w.page_bytes, engine::Scratch{});
+  if (staged_dst) {  // the owner counts one arrival per page after its copy
+    proto.dst_index = 0;
+  } else if (!config_.reliable_imm) {
+    proto.has_imm = w.imm.has_value();
+    proto.imm = w.imm.value_or(0);
+  }
+  t->ops.assign(w.src_pages.size(), proto);
+  // A page inside both regions, offsets computed without overflow: the common case, without a
+  // Status (page_offsets makes the error when it is not).
+  auto fits = [&w](uint32_t index, uint64_t stride, uint64_t base, uint64_t region, uint64_t& out) {
+    uint64_t scaled = 0;
+    return !__builtin_mul_overflow(static_cast<uint64_t>(index), stride, &scaled) &&
+           !__builtin_add_overflow(scaled, base, &out) && out <= region &&
+           w.page_bytes <= region - out;
+  };
+  const uint64_t src_length = t->src->length;
+  const uint64_t dst_length = dst.length();
+  std::byte* const host = t->src->host;
   std::vector<engine::Run>& runs = run_buf();
   engine::split_even_up(runs, w.src_pages.size(), up(group), next_rotation(group), weights(group));
   for (const engine::Run& run : runs) {
     void* const local_desc = t->src->regs[run.domain]->local_desc();
+    const engine::RailTarget rail = engine::rail_target(dst, run.domain);
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t so = 0, d_off = 0;
-      if (Status s = page_offsets(i, so, d_off); !s) return s;
-      // page_bytes > 0: no scratch buffer needed.
-      Op& op = t->ops[i] = engine::write_op(*t, run.domain, dst, d_off, t->src->host + so,
-                                            local_desc, w.page_bytes, engine::Scratch{});
-      if (dst.staged_region() != 0) {  // the owner counts one arrival per page after its copy
-        op.dst_index = 0;
-        op.dst_offset = d_off;
-      } else if (!config_.reliable_imm) {
-        op.has_imm = w.imm.has_value();
-        op.imm = w.imm.value_or(0);
+      if (!fits(w.src_pages[i], w.src_stride, w.src_offset, src_length, so) ||
+          !fits(w.dst_pages[i], w.dst_stride, w.dst_offset, dst_length, d_off)) {
+        if (Status s = page_offsets(i, so, d_off); !s) return s;
       }
+      Op& op = t->ops[i];
+      engine::fill_page(op, run.domain, rail, d_off, host + so, local_desc);
+      if (staged_dst) op.dst_offset = d_off;
     }
   }
   if ((dst.staged_region() != 0 || config_.reliable_imm) && w.imm) {
@@ -212,11 +235,11 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks&& cb) {
 }
 
 Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
-  auto lock = enter();
-  if (!lock) return closed();
-  auto src = find_region(sc.src);
-  if (!src) return src.status();
-  const uint32_t group = (*src)->group;
+  const Submitting open(*this);
+  if (!open) return closed();
+  std::shared_ptr<LocalRegion> src = lookup_region(sc.src);
+  if (!src) return region_missing(sc.src);
+  const uint32_t group = src->group;
   if (sc.targets.empty()) return invalid("scatter: no targets");
   std::shared_ptr<const engine::PeerGroupMembers> group_members;
   {
@@ -233,7 +256,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
     return offset <= region && length <= region - offset;
   };
   const std::string& provider = infos_[group].provider;
-  const uint64_t src_length = (*src)->length;
+  const uint64_t src_length = src->length;
   for (size_t i = 0; i < sc.targets.size(); ++i) {
     const ScatterTarget& tg = sc.targets[i];
     // The common case without formatting a message: what check_remote and the checks below
@@ -253,7 +276,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
                     fmt::format("{}: its owner {} is not a member of peer group {}", what,
                                 tg.dst.owner().short_name(), sc.group.id));
     }
-    if (Status s = engine::check_range(what + " source", tg.src_offset, tg.length, (*src)->length);
+    if (Status s = engine::check_range(what + " source", tg.src_offset, tg.length, src->length);
         !s) {
       return s;
     }
@@ -269,7 +292,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
   const std::vector<bool>& up = this->up(group);
   const std::span<const uint64_t> rates = weights(group);
   auto t = new_transfer(group, std::move(cb));
-  t->src = std::move(*src);
+  t->src = std::move(src);
   t->dsts.reserve(sc.targets.size());
   t->ops.reserve(sc.targets.size());  // one op per target when pinned; more when sharded
   for (size_t i = 0; i < sc.targets.size(); ++i) {
@@ -297,8 +320,8 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
 }
 
 Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks&& cb) {
-  auto lock = enter();
-  if (!lock) return closed();
+  const Submitting open(*this);
+  if (!open) return closed();
   if (Status s = check_group(b.local_group); !s) return s;
   const uint32_t nics = workers_[b.local_group]->num_domains();
   if (b.nic >= nics) {
@@ -325,8 +348,8 @@ Result<TransferId> EngineImpl::submit(const Barrier& b, Callbacks&& cb) {
 }
 
 Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks&& cb) {
-  auto lock = enter();
-  if (!lock) return closed();
+  const Submitting open(*this);
+  if (!open) return closed();
   if (Status s = check_group(w.local_group); !s) return s;
   if (Status s = check_peer(w.peer, w.local_group, "imm write"); !s) return s;
   const uint32_t nics = workers_[w.local_group]->num_domains();
@@ -342,8 +365,8 @@ Result<TransferId> EngineImpl::submit(const ImmWrite& w, Callbacks&& cb) {
 
 Result<TransferId> EngineImpl::submit_send(const Address& peer, std::span<const std::byte> message,
                                            Callbacks cb, uint32_t group) {
-  auto lock = enter();
-  if (!lock) return closed();
+  const Submitting open(*this);
+  if (!open) return closed();
   if (Status s = check_group(group); !s) return s;
   if (Status s = check_peer(peer, group, "send"); !s) return s;
   if (message.size() > config_.max_message_bytes) {

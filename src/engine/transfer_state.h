@@ -2,6 +2,7 @@
 // transfers on the submitting thread) and the worker (which posts and completes them).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -50,6 +51,10 @@ struct LocalRegion {
   // Set by unregister_memory: runs once the provider registrations are closed (after the last
   // holder let go), so that unregister returns only when no remote write can land any more.
   std::function<void(const Status&)> on_released;
+  // Set by unregister_memory once the region is out of the table: a submitting thread's cache
+  // of regions (EngineImpl::find_region) may still reach it while transfers hold it, and must
+  // not hand it to a new submission.
+  std::atomic<bool> unregistered{false};
 
   bool staged() const { return mirror != nullptr; }
   ~LocalRegion();

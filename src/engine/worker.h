@@ -174,8 +174,12 @@ class Worker {
   // Queues `op` on the PostingQueues (over a surviving NIC if its own is down).
   void enqueue(Op& op);
   // Does what the PostingQueues asked for since the last call (posting_queues.h, Event), in
-  // order, after sending the write-fence notes they returned.
-  void run_queue_events();
+  // order, after sending the write-fence notes they and the WriteFence returned and running the
+  // fence rounds that ended; in rounds until none is left (kEventRounds at most: the rest waits
+  // for the next pass). Called only at the top level of a pass (docs/engine.md): nothing a
+  // handler calls comes back here. True when it did something.
+  bool run_queue_events();
+  static constexpr int kEventRounds = 8;
   // A posted op given up on (its queue was taken out) stays the provider's until it completes.
   void abandon(Op& op) {
     queues_->abandon(op);
@@ -255,8 +259,10 @@ class Worker {
   // The write fence (write_fence.h, docs/hardening.md "Unregister is a barrier"): the calls
   // that feed fence_ and send what it returns (write_fence.cc).
   void open_fence();
-  // Sends `notes` (urgent) and runs the rounds that ended.
-  void run_fence_events(std::vector<WriteFence::Note>& notes);
+  // Sends `notes` (urgent) and empties it; run_queue_events sends the queues' and fence_notes_.
+  void send_fence_notes(std::vector<WriteFence::Note>& notes);
+  // Runs the `done` of the fence rounds that ended; true when there was any.
+  bool run_fence_settled();
   void handle_fence_note(const MessageHeader& header, std::span<const std::byte> body,
                          uint32_t domain);
   // Called with the registrations of a region closed: runs `done` once every writer known to
@@ -287,10 +293,8 @@ class Worker {
   // Two-sided messages: send and receive pools, stamps, dedup (made in create(), on domains_).
   std::unique_ptr<Messenger> messages_;
   // The writer's side of the staged path: gates and their host-bound copiers, Commits awaiting
-  // Acks (made in create()); release_gates and send_commits are under way (nested calls return).
+  // Acks (made in create()).
   std::unique_ptr<StagedWriter> writer_;
-  bool releasing_ = false;
-  bool sending_commits_ = false;
   // The owner's side of Commits: jobs, commit records, device-bound copiers (made in create()).
   std::unique_ptr<StagedPath> staged_;
   // The CUDA IPC path's owner copies: imports, copiers, batches (made in create()).
@@ -300,7 +304,6 @@ class Worker {
   // Every NIC's queues towards every peer, posting round-robin, isolation (made in create()).
   std::unique_ptr<PostingQueues> queues_;
   std::vector<PostingQueues::Event> queue_events_;  // run_queue_events: keeps its capacity
-  bool running_queue_events_ = false;
   // watch_nics: each NIC's queues as NicHealth sees them, and the peers they lead to.
   std::vector<std::vector<NicHealth::QueueLook>> looks_;
   std::vector<std::vector<transport::PeerHandle>> look_peers_;
@@ -311,6 +314,9 @@ class Worker {
   // (DomainInfo::key_checked_once); null elsewhere.
   bool fence_writes_ = false;  // some domain is key_checked_once
   std::unique_ptr<WriteFence> fence_;
+  // What fence_ returned to send, wherever it was fed (a note received in a poll, a region
+  // released deep in a transfer's end): sent by run_queue_events, at the pass's top level.
+  std::vector<WriteFence::Note> fence_notes_;
 
   // Worker-thread state.
   LiveTransfers live_{kPooledTransfers};

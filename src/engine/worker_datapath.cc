@@ -47,17 +47,29 @@ bool Worker::post_all() {
   bool any = false;
   for (uint32_t i = 0; i < domains_.size(); ++i) {
     any |= queues_->post_some(i, now_);
-    run_queue_events();
+    any |= run_queue_events();  // before the next NIC posts (a NIC found unreachable: its work)
   }
   return any;
 }
 
-void Worker::run_queue_events() {
-  if (running_queue_events_) return;  // the outer call takes what this one would
-  running_queue_events_ = true;
-  for (;;) {
-    if (!queues_->notes().empty()) run_fence_events(queues_->notes());
-    if (!queues_->take_events(queue_events_)) break;
+bool Worker::run_queue_events() {
+  // The loop's top level only (pass, post_all, finish_stop): nothing below calls this, so no
+  // handler runs inside another. Handling an event may raise more (a fence note's transfer that
+  // finishes at once ends a check): they come in the next round, after those before them.
+  bool any = false;
+  for (int round = 0; round < kEventRounds; ++round) {
+    const bool notes = !queues_->notes().empty() || !fence_notes_.empty();
+    if (notes) {
+      send_fence_notes(queues_->notes());
+      send_fence_notes(fence_notes_);
+    }
+    const bool settled = run_fence_settled();
+    if (!queues_->take_events(queue_events_)) {
+      if (!notes && !settled) return any;
+      any = true;
+      continue;
+    }
+    any = true;
     for (PostingQueues::Event& e : queue_events_) {
       switch (e.kind) {
         case PostingQueues::Event::Kind::kComplete:
@@ -73,7 +85,7 @@ void Worker::run_queue_events() {
     }
     queue_events_.clear();  // keeps its capacity
   }
-  running_queue_events_ = false;
+  return true;  // some may be left: the next pass takes them (and does not sleep before it)
 }
 
 bool Worker::poll(uint32_t index) {
@@ -103,12 +115,9 @@ bool Worker::poll(uint32_t index) {
                                                op.kind == Op::Kind::kSend ? "send" : "write",
                                                op.length, d.domain->info().name, c.error_message));
         }
-        // The queues keep a suspect (isolation) or say what to do with it.
-        if (queues_->completed(op, status, now_)) {
-          complete_op(op, status);
-        } else {
-          run_queue_events();
-        }
+        // The queues keep a suspect (isolation), or say what to do with it as events, which the
+        // pass takes after its polls (run_queue_events).
+        if (queues_->completed(op, status, now_)) complete_op(op, status);
         break;
       }
       case transport::Completion::Kind::kImm:
@@ -186,8 +195,9 @@ void Worker::start_check(uint32_t nic, transport::PeerHandle peer, const Op& sus
 }
 
 void Worker::check_done(Transfer& t) {
+  // What the queues make of it (the suspect posted again, another check, the suspects failed)
+  // comes as events, taken at the pass's top level.
   queues_->check_done(static_cast<uint32_t>(t.check_nic), t.check_peer, t.error, now_);
-  run_queue_events();
 }
 
 void Worker::advance(Transfer& t) {

@@ -230,19 +230,29 @@ void Worker::open_fence() {
   queues_->set_fence(fence_.get());
 }
 
-void Worker::run_fence_events(std::vector<WriteFence::Note>& notes) {
+void Worker::send_fence_notes(std::vector<WriteFence::Note>& notes) {
   for (WriteFence::Note& n : notes) {
     send_internal(std::move(n.to), n.nic, std::move(n.bytes), /*urgent=*/true,
                   /*while_stopping=*/stopping_);
   }
   notes.clear();
+}
+
+bool Worker::run_fence_settled() {
+  if (!fence_) return false;
+  bool any = false;
   for (auto& [done, status] : fence_->take_settled()) {
+    any = true;
     if (!status.is_ok()) {
       detail::log().warn("group {}: unregister_memory: {}", group_, status.message());
     }
     if (done) done(status);
   }
+  return any;
 }
+
+// Below, fence_ is fed and what it returns is left in fence_notes_ and its settled rounds, for
+// run_queue_events at the pass's top level: none of these sends or runs anything itself.
 
 void Worker::handle_fence_note(const MessageHeader& header, std::span<const std::byte> body,
                                uint32_t domain) {
@@ -256,9 +266,7 @@ void Worker::handle_fence_note(const MessageHeader& header, std::span<const std:
                        static_cast<unsigned>(header.kind));
     return;
   }
-  std::vector<WriteFence::Note> notes;
-  fence_->on_note(*note, *from, domain, notes);
-  run_fence_events(notes);
+  fence_->on_note(*note, *from, domain, fence_notes_);
 }
 
 void Worker::fence_writers(std::function<void(const Status&)> done) {
@@ -266,35 +274,28 @@ void Worker::fence_writers(std::function<void(const Status&)> done) {
     if (done) done(Status::ok());
     return;
   }
-  std::vector<WriteFence::Note> notes;
-  fence_->fence(std::move(done), health_->message_nic(), std::chrono::steady_clock::now(), notes);
-  run_fence_events(notes);
+  fence_->fence(std::move(done), health_->message_nic(), std::chrono::steady_clock::now(),
+                fence_notes_);
 }
 
 void Worker::watch_fences() {
-  std::vector<WriteFence::Note> notes;
-  fence_->tick(health_->message_nic(), now_, notes);
-  run_fence_events(notes);
+  fence_->tick(health_->message_nic(), now_, fence_notes_);
 }
 
 void Worker::peer_gone_from_fence(const Bytes& first_nic) {
   fence_->peer_dead(first_nic);
-  std::vector<WriteFence::Note> none;
-  run_fence_events(none);
 }
 
 void Worker::say_goodbye() {
-  std::vector<WriteFence::Note> notes;
-  fence_->goodbye(notes);
+  fence_->goodbye(fence_notes_);
   fence_->stop();
-  run_fence_events(notes);
 }
 
 void Worker::end_fences() {
   if (!fence_) return;
   fence_->end();
-  std::vector<WriteFence::Note> none;
-  run_fence_events(none);
+  fence_notes_.clear();  // the domains are closed: nothing more is sent
+  run_fence_settled();
 }
 
 }  // namespace fabric::engine

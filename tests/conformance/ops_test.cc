@@ -450,6 +450,41 @@ TEST_P(Ops, RejectedSubmissionsPostNothing) {
   EXPECT_EQ(never.calls(), 0) << "a rejected submission ran a callback";
 }
 
+// A source unregistered while another thread keeps submitting from it: a submitting thread finds
+// its source in a cache of its own, without the region table's lock (EngineImpl::lookup_region),
+// where the region may still be alive (held by the transfers in flight) after it left the table.
+// unregister_memory still returns once those transfers have ended, every submission begun after
+// it returned is refused with kNotFound, and every accepted one ends once.
+TEST_P(Ops, UnregisterWhileAnotherThreadSubmitsFromTheRegion) {
+  auto src = make_buffer(*a_, 4096);
+  auto dst = make_buffer(*b_, 4096);
+  CompletionCounter ended;
+  std::atomic<bool> returned{false};
+  std::thread unregistering([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_TRUE(a_->unregister_memory(src->reg.handle));
+    returned.store(true);
+  });
+  uint64_t accepted = 0;
+  for (;;) {
+    const bool after = returned.load();
+    auto id = a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, 64, {}, {}},
+                         ended.callbacks());
+    if (id) {
+      ++accepted;
+      EXPECT_FALSE(after) << "a submission begun after unregister_memory returned was accepted";
+      if (after) break;
+    } else {
+      EXPECT_EQ(id.status().code(), ErrorCode::kNotFound) << id.status().to_string();
+      if (after) break;
+    }
+  }
+  unregistering.join();
+  EXPECT_GT(accepted, 0u);
+  EXPECT_TRUE(ended.wait(accepted, std::chrono::seconds(30)));
+  EXPECT_EQ(ended.ended(), accepted);
+}
+
 TEST_P(Ops, WriteToUnregisteredRemoteMemoryFails) {
   if (!a_->group_info().delivery_complete) {
     GTEST_SKIP() << GetParam().provider
