@@ -231,7 +231,10 @@ void Worker::open_fence() {
 }
 
 void Worker::send_fence_notes(std::vector<WriteFence::Note>& notes) {
-  for (WriteFence::Note& n : notes) {
+  // Indexed, each note moved out before it is sent: a send starts a transfer, and should one
+  // ever end at once and release a region, the fence's next notes would land in this list.
+  for (size_t i = 0; i < notes.size(); ++i) {
+    WriteFence::Note n = std::move(notes[i]);
     send_internal(std::move(n.to), n.nic, std::move(n.bytes), /*urgent=*/true,
                   /*while_stopping=*/stopping_);
   }
