@@ -14,11 +14,13 @@
 #include <thread>
 
 #include "ep/proxy.h"
+#include "slowdown.h"
 
 namespace fabric::ep {
 namespace {
 
 using namespace std::chrono_literals;
+using fabric::testing::kSlowdown;  // sanitized builds: every time bound of this file scales
 using Clock = std::chrono::steady_clock;
 
 AllToAllConfig small_config(int rank, int world, int per_node) {
@@ -31,7 +33,7 @@ AllToAllConfig small_config(int rank, int world, int per_node) {
   c.top_k = 2;
   c.max_tokens_per_rank = 24;
   c.dtype = TokenDtype::kBf16;
-  c.timeout = 1000ms;
+  c.timeout = 1000ms * kSlowdown;  // the test double's waits for a round
   return c;
 }
 
@@ -280,7 +282,7 @@ class EpProxy : public ::testing::TestWithParam<std::string> {
   bool make(int world, int per_node, ProxyOptions options = {}) {
     options.provider = GetParam();
     options.nics = {GetParam() == "tcp" ? "lo" : "shm"};
-    options.timeout = 1000ms;
+    options.timeout = 1000ms * kSlowdown;
     options.chunk_bytes = 3000;  // several chunks for the larger rounds
     ranks_.resize(static_cast<size_t>(world));
     std::vector<Bytes> handles;
@@ -407,7 +409,7 @@ TEST_P(EpProxy, APeerThatGoesAwayIsAnErrorWithinABound) {
   Status got = ranks_[0].gpu->dispatch_recv(4);
   EXPECT_EQ(got.code(), ErrorCode::kTimeout) << got.to_string();
   Status s;
-  while ((s = ranks_[0].proxy->status()) && Clock::now() - start < 10s) {
+  while ((s = ranks_[0].proxy->status()) && Clock::now() - start < 10s * kSlowdown) {
     std::this_thread::sleep_for(10ms);
   }
   const auto took = Clock::now() - start;
@@ -415,10 +417,10 @@ TEST_P(EpProxy, APeerThatGoesAwayIsAnErrorWithinABound) {
   EXPECT_TRUE(s.code() == ErrorCode::kTimeout || s.code() == ErrorCode::kPeerUnreachable)
       << s.to_string();
   EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.to_string();
-  EXPECT_LT(took, 5s) << s.to_string();
+  EXPECT_LT(took, 5s * kSlowdown) << s.to_string();
   const auto destroy = Clock::now();
   ranks_[0].proxy.reset();
-  EXPECT_LT(Clock::now() - destroy, 5s);
+  EXPECT_LT(Clock::now() - destroy, 5s * kSlowdown);
 }
 
 // A peer that stays connected but stops calling the halves: kTimeout naming it.
@@ -428,14 +430,14 @@ TEST_P(EpProxy, ASilentPeerIsATimeout) {
   const auto start = Clock::now();
   ASSERT_TRUE(ranks_[0].gpu->dispatch_send(3));
   Status s;
-  while ((s = ranks_[0].proxy->status()) && Clock::now() - start < 10s) {
+  while ((s = ranks_[0].proxy->status()) && Clock::now() - start < 10s * kSlowdown) {
     std::this_thread::sleep_for(10ms);
   }
   ASSERT_FALSE(s);
   EXPECT_EQ(s.code(), ErrorCode::kTimeout) << s.to_string();
   EXPECT_NE(s.message().find("rank 1's dispatch of round 3"), std::string::npos) << s.to_string();
-  EXPECT_GE(Clock::now() - start, 900ms);
-  EXPECT_LT(Clock::now() - start, 5s);
+  EXPECT_GE(Clock::now() - start, 900ms * kSlowdown);
+  EXPECT_LT(Clock::now() - start, 5s * kSlowdown);
   EXPECT_TRUE(ranks_[1].proxy->status()) << ranks_[1].proxy->status().to_string();
 }
 
@@ -446,7 +448,7 @@ TEST_P(EpProxy, DestructionMidRoundDoesNotHang) {
   std::this_thread::sleep_for(20ms);
   const auto start = Clock::now();
   for (Rank& k : ranks_) k.proxy.reset();
-  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_LT(Clock::now() - start, 10s * kSlowdown);
 }
 
 TEST_P(EpProxy, ConnectRefusesBadHandles) {
