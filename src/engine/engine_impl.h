@@ -283,7 +283,7 @@ class EngineImpl {
   std::chrono::microseconds callback_spin_{0};
   std::chrono::microseconds wait_spin_{0};
   uint64_t tag_ = 0;     // distinguishes this engine's handles from another engine's
-  uint64_t serial_ = 0;  // unique among the process's engines (find_region's thread caches)
+  uint64_t serial_ = 0;  // unique among the process's engines (lookup_region's thread caches)
   std::unique_ptr<engine::CallbackThread> callbacks_;
   engine::ImmCounters imms_;
   std::mutex unexpected_mu_;

@@ -251,7 +251,7 @@ void split_even_up(std::vector<Run>& out, size_t count, const std::vector<bool>&
 }
 
 Status check_range(std::string_view what, uint64_t offset, uint64_t length, uint64_t region) {
-  if (offset > region || length > region - offset) {
+  if (!in_range(offset, length, region)) {
     return Status(ErrorCode::kOutOfRange,
                   fmt::format("{}: offset {} + length {} exceeds the region's {} bytes", what,
                               offset, length, region));

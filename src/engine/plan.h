@@ -96,6 +96,12 @@ inline uint32_t remote_rail(uint32_t domain, size_t remote_nics) {
   return static_cast<uint32_t>(domain % remote_nics);
 }
 
+// Whether [offset, offset + length) fits in `region` bytes (overflow-safe): a submission's
+// common case, without a Status.
+inline bool in_range(uint64_t offset, uint64_t length, uint64_t region) {
+  return offset <= region && length <= region - offset;
+}
+
 // kOutOfRange when [offset, offset + length) does not fit in `region` bytes (overflow-safe).
 Status check_range(std::string_view what, uint64_t offset, uint64_t length, uint64_t region);
 

@@ -86,13 +86,10 @@ Result<TransferId> EngineImpl::submit(const SingleWrite& w, Callbacks&& cb) {
   if (!remote_ok(w.dst, group)) {
     if (Status s = check_remote(w.dst, group, "single write"); !s) return s;
   }
-  auto in_range = [](uint64_t offset, uint64_t length, uint64_t region) {
-    return offset <= region && length <= region - offset;
-  };
-  if (!in_range(w.src_offset, w.length, src->length)) {
+  if (!engine::in_range(w.src_offset, w.length, src->length)) {
     return engine::check_range("single write source", w.src_offset, w.length, src->length);
   }
-  if (!in_range(w.dst_offset, w.length, w.dst.length())) {
+  if (!engine::in_range(w.dst_offset, w.length, w.dst.length())) {
     return engine::check_range("single write destination", w.dst_offset, w.length, w.dst.length());
   }
   if (w.routing.kind == Routing::Kind::kPinned && w.routing.nic >= nics) {
@@ -252,9 +249,6 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
     group_members = it->second;
   }
   const engine::PeerGroupMembers& members = *group_members;
-  auto in_range = [](uint64_t offset, uint64_t length, uint64_t region) {
-    return offset <= region && length <= region - offset;
-  };
   const std::string& provider = infos_[group].provider;
   const uint64_t src_length = src->length;
   for (size_t i = 0; i < sc.targets.size(); ++i) {
@@ -264,8 +258,8 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
     if (!tg.dst.empty()) {
       const Address& owner = tg.dst.owner();
       if (tg.dst.rails().size() == owner.num_nics() && owner.provider() == provider &&
-          members.contains(owner) && in_range(tg.src_offset, tg.length, src_length) &&
-          in_range(tg.dst_offset, tg.length, tg.dst.length())) {
+          members.contains(owner) && engine::in_range(tg.src_offset, tg.length, src_length) &&
+          engine::in_range(tg.dst_offset, tg.length, tg.dst.length())) {
         continue;
       }
     }

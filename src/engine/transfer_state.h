@@ -52,7 +52,7 @@ struct LocalRegion {
   // holder let go), so that unregister returns only when no remote write can land any more.
   std::function<void(const Status&)> on_released;
   // Set by unregister_memory once the region is out of the table: a submitting thread's cache
-  // of regions (EngineImpl::find_region) may still reach it while transfers hold it, and must
+  // of regions (EngineImpl::lookup_region) may still reach it while transfers hold it, and must
   // not hand it to a new submission.
   std::atomic<bool> unregistered{false};
 
