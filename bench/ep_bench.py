@@ -11,11 +11,18 @@ replayed from a CUDA graph (one graph per operation), NCCL eagerly. Reports p50/
 rank; a benchmark: it asserts nothing about times.
 
     python3 bench/ep_bench.py [--shapes decode,prefill] [--iters 200] [--json FILE]
-                              [--gpus-per-node N --provider tcp --nics lo]
+                              [--gpus-per-node N --provider tcp --nics lo] [--devices 0,0]
 
 --gpus-per-node N (default: all ranks on one node) sends every rank of another "node" through
 the inter-node path (the ranks' proxies and engines of --provider on --nics), here between the
-GPUs of one host: its figures are that path's cost on this host, not two nodes'.
+GPUs of one host: its figures are that path's cost on this host, not two nodes'. With it, the
+proxies' counters (AllToAll.proxy_stats) give the time split of the eager rounds: per round the
+proxy's posting, the writes' completion (engine and fabric) and the receive side's wait from the
+counts to the last chunk; the send and receive halves are timed apart as well.
+
+--devices lists each rank's GPU (default 0,1,...). Ranks sharing a GPU (0,0: the inter-node
+path on a one-GPU machine) time-slice it, so their times are upper bounds; NCCL refuses two
+ranks on one GPU, so then gloo aligns the ranks and the NCCL rows are left out.
 
 Spawns one process per GPU itself (torch.multiprocessing, NCCL; NVLink multicast kept off).
 """
@@ -64,13 +71,13 @@ def split_bytes(idx_all, world, per_token, per_pair):
     return send, back
 
 
-def bench_shape(rank, world, name, n, iters, warmup, nodes):
+def bench_shape(rank, world, name, n, iters, warmup, nodes, device, nccl):
     import torch
     import torch.distributed as dist
 
     from fabric_lib.ep import AllToAll
 
-    dev = torch.device("cuda", rank)
+    dev = torch.device("cuda", device)
     fp8 = torch.float8_e4m3fn
     idx_all = [routing(r, n, world) for r in range(world)]
     idx = idx_all[rank].to(dev).contiguous()
@@ -99,14 +106,23 @@ def bench_shape(rank, world, name, n, iters, warmup, nodes):
     one = torch.ones(1, device=dev)
 
     def align():
-        dist.all_reduce(one)
+        if nccl:
+            dist.all_reduce(one)
+        else:  # gloo: the GPU idle on both ranks, then a host barrier
+            torch.cuda.synchronize(dev)
+            dist.barrier()
 
+    # Each operation is a list of steps; an event is recorded after each, so that the halves of
+    # the eager calls are timed apart too.
     ops = {
-        "ep dispatch (eager)": lambda: a2a.dispatch(x, idx, w, scales=scales, out=got),
-        "ep combine (eager)": lambda: a2a.combine(y, idx, w, out=out),
-        "nccl dispatch bytes": lambda: dist.all_to_all_single(nccl_out, nccl_in, out_splits,
-                                                              in_splits),
-        "nccl combine bytes": lambda: dist.all_to_all_single(comb_out, comb_in, back_out, back_in),
+        "ep dispatch (eager)": [lambda: a2a.dispatch_send(x, idx, w, scales=scales),
+                                lambda: a2a.dispatch_recv(out=got)],
+        "ep combine (eager)": [lambda: a2a.combine_send(y),
+                               lambda: a2a.combine_recv(idx, w, out=out)],
+        "nccl dispatch bytes": [lambda: dist.all_to_all_single(nccl_out, nccl_in, out_splits,
+                                                               in_splits)],
+        "nccl combine bytes": [lambda: dist.all_to_all_single(comb_out, comb_in, back_out,
+                                                              back_in)],
     }
     # The same two operations replayed from CUDA graphs (captured after a warm-up round; each
     # capture keeps the dispatch/combine order, which replays continue).
@@ -121,29 +137,37 @@ def bench_shape(rank, world, name, n, iters, warmup, nodes):
         a2a.dispatch(x, idx, w, scales=scales, out=got)
     with torch.cuda.graph(g_combine):
         a2a.combine(y, idx, w, out=out)
-    ops["ep dispatch (graph)"] = g_dispatch.replay
-    ops["ep combine (graph)"] = g_combine.replay
+    ops["ep dispatch (graph)"] = [g_dispatch.replay]
+    ops["ep combine (graph)"] = [g_combine.replay]
 
     order = [("ep dispatch (eager)", "ep combine (eager)"),
-             ("ep dispatch (graph)", "ep combine (graph)"),
-             ("nccl dispatch bytes", "nccl combine bytes")]
+             ("ep dispatch (graph)", "ep combine (graph)")]
+    if nccl:
+        order.append(("nccl dispatch bytes", "nccl combine bytes"))
     results = {}
     for pair in order:
         times = {k: [] for k in pair}
+        # (A build without the counters, such as an older one measured beside this: no split.)
+        before = a2a.proxy_stats() if hasattr(a2a, "proxy_stats") else None
         for i in range(warmup + iters):
             for k in pair:  # dispatch, then combine: the all-to-all's order
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(len(ops[k]) + 1)]
                 align()
-                start.record()
-                ops[k]()
-                end.record()
+                events[0].record()
+                for step, ev in zip(ops[k], events[1:]):
+                    step()
+                    ev.record()
                 if i >= warmup:
-                    times[k].append((start, end))
+                    times[k].append(events)
         torch.cuda.synchronize()
         a2a.check()
         for k, evs in times.items():
-            results[k] = percentiles([s.elapsed_time(e) for s, e in evs])
+            results[k] = percentiles([e[0].elapsed_time(e[-1]) for e in evs])
+            if len(evs[0]) == 3:
+                results[k + " send half"] = percentiles([e[0].elapsed_time(e[1]) for e in evs])
+                results[k + " recv half"] = percentiles([e[1].elapsed_time(e[2]) for e in evs])
+        if pair[0] == "ep dispatch (eager)" and nodes and before is not None:
+            results["proxy"] = proxy_split(before, a2a.proxy_stats())
     a2a.close()
     mb = lambda v: round(v / 1e6, 3)
     results["bytes"] = {"dispatch_sent_MB": mb(sum(in_splits)), "combine_sent_MB": mb(sum(back_in)),
@@ -151,14 +175,31 @@ def bench_shape(rank, world, name, n, iters, warmup, nodes):
     return results
 
 
+def proxy_split(before, after):
+    """Per kind, the means per round (µs) of the proxy's counters between two proxy_stats()."""
+    out = {}
+    for kind in ("dispatch", "combine"):
+        d = {k: after[kind][k] - before[kind][k] for k in after[kind]}
+        sent, got = max(d["rounds_sent"], 1), max(d["rounds_received"], 1)
+        out[kind] = {"rounds_sent": d["rounds_sent"], "rounds_received": d["rounds_received"],
+                     "bytes_per_round": round(d["bytes_sent"] / sent),
+                     "writes_per_round": round(d["writes_sent"] / sent, 2),
+                     "post_us": round(d["post_ns"] / sent / 1e3, 2),
+                     "complete_us": round(d["complete_ns"] / sent / 1e3, 2),
+                     "receive_us": round(d["receive_ns"] / got / 1e3, 2)}
+    return out
+
+
 def worker(rank, world, port, args, queue):
     import torch
     import torch.distributed as dist
 
     os.environ.update(NO_MULTICAST)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    devices = args.device_list
+    torch.cuda.set_device(devices[rank])
+    nccl = len(set(devices)) == len(devices)
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         report = {}
         nodes = {}
@@ -167,7 +208,7 @@ def worker(rank, world, port, args, queue):
                      "nics": [n for n in args.nics.split(",") if n]}
         for name in args.shapes.split(","):
             report[name] = bench_shape(rank, world, name, SHAPES[name], args.iters, args.warmup,
-                                       nodes)
+                                       nodes, devices[rank], nccl)
         queue.put((rank, report))
     finally:
         dist.destroy_process_group()
@@ -187,9 +228,15 @@ def main():
                    help="ranks of one node (0: all); the others go through the proxies")
     p.add_argument("--provider", default="tcp", help="the proxies' engine provider")
     p.add_argument("--nics", default="lo", help="the proxies' NICs, comma-separated")
+    p.add_argument("--devices", default="",
+                   help="each rank's GPU, comma-separated (default 0,1,...; 0,0: one GPU)")
     args = p.parse_args()
-    if torch.cuda.device_count() < args.world:
-        print(f"needs {args.world} GPUs, torch sees {torch.cuda.device_count()}")
+    args.device_list = ([int(d) for d in args.devices.split(",")] if args.devices
+                        else list(range(args.world)))
+    if len(args.device_list) != args.world:
+        p.error(f"--devices names {len(args.device_list)} GPUs for --world {args.world}")
+    if torch.cuda.device_count() <= max(args.device_list):
+        print(f"needs GPU {max(args.device_list)}, torch sees {torch.cuda.device_count()}")
         return 77
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -200,21 +247,30 @@ def main():
     reports = dict(queue.get() for _ in range(args.world))
     where = (f", {args.gpus_per_node} GPU(s) per node, proxies over {args.provider} "
              f"({args.nics})" if args.gpus_per_node else ", one node")
-    print(f"# fabric_lib.ep vs NCCL all_to_all_single, {args.world} GPUs{where}, hidden {HIDDEN}, "
-          f"top-{TOP_K} of {EXPERTS} experts, fp8 dispatch, bf16 combine, {args.iters} iterations")
+    print(f"# fabric_lib.ep vs NCCL all_to_all_single, {args.world} ranks on GPUs "
+          f"{args.device_list}{where}, hidden {HIDDEN}, top-{TOP_K} of {EXPERTS} experts, fp8 "
+          f"dispatch, bf16 combine, {args.iters} iterations")
     for shape in args.shapes.split(","):
         print(f"\n## {shape}: {SHAPES[shape]} tokens per rank; "
               f"bytes (rank 0): {reports[0][shape]['bytes']}\n")
         print("| operation | " + " | ".join(f"rank {r} p50 / p99 µs" for r in range(args.world))
               + " |")
         print("| --- |" + " ---: |" * args.world)
-        for op in [k for k in reports[0][shape] if k != "bytes"]:
+        for op in [k for k in reports[0][shape] if k not in ("bytes", "proxy")]:
             cells = [f"{reports[r][shape][op]['p50_us']} / {reports[r][shape][op]['p99_us']}"
                      for r in range(args.world)]
             print(f"| {op} | " + " | ".join(cells) + " |")
+        if "proxy" in reports[0][shape]:
+            print(f"\nproxy, per round and peer, eager rounds (µs; means):\n")
+            print("| rank | kind | bytes | writes | post | complete | receive |")
+            print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+            for r in range(args.world):
+                for kind, v in reports[r][shape]["proxy"].items():
+                    print(f"| {r} | {kind} | {v['bytes_per_round']} | {v['writes_per_round']} | "
+                          f"{v['post_us']} | {v['complete_us']} | {v['receive_us']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"world": args.world, "iters": args.iters,
+            json.dump({"world": args.world, "iters": args.iters, "devices": args.device_list,
                        "gpus_per_node": args.gpus_per_node or args.world,
                        "provider": args.provider if args.gpus_per_node else None,
                        "reports": reports}, f, indent=1)

@@ -98,6 +98,7 @@ struct Layout {
   uint64_t dispatch_area_bytes = 0;  // one source rank's area
   uint64_t combine_offset = 0;
   uint64_t combine_bytes = 0;
+  uint64_t combine_row_bytes = 0;    // one row of the combine area: hidden bf16
   uint64_t combine_token_bytes = 0;  // one token's top_k rows in the combine area
   uint64_t buffer_bytes = 0;         // the whole exported buffer
   // Rows of dispatch_recv's output (and combine_send's input): one per (token, local expert)
@@ -155,6 +156,22 @@ Status check_dispatch_recv(const AllToAllConfig& config, const DispatchRecvArgs&
 Status check_combine_send(const AllToAllConfig& config, const CombineSendArgs& args);
 Status check_combine_recv(const AllToAllConfig& config, const CombineRecvArgs& args);
 
+// What the inter-node proxy of a rank did (AllToAll::proxy_stats()): totals since creation over
+// every peer of another node, index [0] dispatch, [1] combine. Times are steady-clock
+// nanoseconds summed over rounds and peers: divide by the rounds for a mean. All zero without
+// peers on other nodes.
+struct ProxyStats {
+  uint64_t rounds_sent[2] = {};  // rounds posted to a peer
+  uint64_t writes_sent[2] = {};  // their writes (a counts slot, then one per chunk of data)
+  uint64_t bytes_sent[2] = {};
+  uint64_t post_ns[2] = {};      // the GPU's ready word seen -> the round's writes posted
+  uint64_t complete_ns[2] = {};  // posted -> the round's last write completed (engine, fabric)
+  uint64_t rounds_received[2] = {};
+  uint64_t receive_ns[2] = {};  // a peer's counts seen -> its last chunk seen and the flag raised
+  uint64_t passes = 0;          // passes of the proxy's loop
+  uint64_t naps = 0;            // idle naps between passes
+};
+
 // One rank's side of an all-to-all. Created collectively: every rank creates its object,
 // passes handle() to every other rank (any side channel: torch.distributed in Python), and
 // calls connect() with all of them. Then every rank calls the same sequence of halves:
@@ -209,6 +226,8 @@ class AllToAll {
   // The first failure a kernel recorded, or ok. Never blocks (reads pinned host memory): call it
   // after synchronising with the stream to learn about the launches before it.
   Status check() const;
+  // The proxy's counters (zero without peers on other nodes). Never blocks; any thread.
+  ProxyStats proxy_stats() const;
 
   class Impl;
 

@@ -258,6 +258,15 @@ class AllToAll:
         blocks: synchronise with the stream first to cover the launches before it."""
         self.impl.check()
 
+    def proxy_stats(self) -> dict:
+        """The inter-node proxy's counters since creation (all zero with every rank on one node):
+        per kind ``"dispatch"`` / ``"combine"`` a dict of ``rounds_sent``, ``writes_sent``,
+        ``bytes_sent``, ``post_ns`` (the GPU's staged round seen to its writes posted),
+        ``complete_ns`` (posted to the last write completed), ``rounds_received`` and
+        ``receive_ns`` (a peer's counts seen to its flag raised), summed over rounds and peers;
+        and ``passes`` and ``naps`` of the proxy's loop. See docs/moe.md."""
+        return self.impl.proxy_stats()
+
     def close(self, barrier: bool = True) -> None:
         """Waits for this rank's GPU work, then (with `barrier`, collective) for every rank of the
         group, and frees the buffers. Idempotent."""

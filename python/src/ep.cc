@@ -171,6 +171,32 @@ void bind_ep(py::module_& m) {
           "Raises the first failure a kernel or the proxy recorded (Timeout, PeerUnreachable, "
           "InvalidArgument); never blocks. "
           "Call it after synchronising with the stream.")
+      .def(
+          "proxy_stats",
+          [](const PyAllToAll& a) {
+            const ep::ProxyStats st = a.get().proxy_stats();
+            py::dict out;
+            const char* kinds[2] = {"dispatch", "combine"};
+            for (int k = 0; k < 2; ++k) {
+              py::dict d;
+              d["rounds_sent"] = st.rounds_sent[k];
+              d["writes_sent"] = st.writes_sent[k];
+              d["bytes_sent"] = st.bytes_sent[k];
+              d["post_ns"] = st.post_ns[k];
+              d["complete_ns"] = st.complete_ns[k];
+              d["rounds_received"] = st.rounds_received[k];
+              d["receive_ns"] = st.receive_ns[k];
+              out[kinds[k]] = d;
+            }
+            out["passes"] = st.passes;
+            out["naps"] = st.naps;
+            return out;
+          },
+          "The inter-node proxy's counters since creation, summed over the peers of other nodes: "
+          "per kind ('dispatch', 'combine') rounds_sent, writes_sent, bytes_sent, post_ns (ready "
+          "word seen to writes posted), complete_ns (posted to the last write completed), "
+          "rounds_received, receive_ns (counts seen to the flag raised); passes and naps of its "
+          "loop. All zero without peers on other nodes.")
       .def("close", &PyAllToAll::close,
            "Unmaps the peers' buffers and frees this rank's (blocks while the GPU finishes). "
            "Stop every rank first (a barrier).")

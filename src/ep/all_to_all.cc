@@ -227,6 +227,15 @@ class AllToAll::Impl {
     p.expert_offset = reinterpret_cast<uint32_t*>(scratch + experts_at);
     p.expert_cursor = p.expert_offset + layout.num_local_experts;
     p.report = report_device;
+    p.remote_mask = 0;
+    for (int r = 0; r < config.world_size; ++r) {
+      if (on_other_nodes(config.rank, r, per_node)) p.remote_mask |= 1u << r;
+    }
+    p.combine_rows_offset = proxy_layout.combine_ids_bytes;
+    p.combine_map = proxy_area_device == nullptr
+                        ? nullptr
+                        : reinterpret_cast<const uint32_t*>(proxy_area_device +
+                                                            proxy_layout.combine_map_offset);
     return Status::ok();
   }
 
@@ -483,6 +492,10 @@ Status AllToAll::combine_recv(const CombineRecvArgs& a, void* cuda_stream) {
 
 Status AllToAll::check() const {
   return impl_->check();
+}
+
+ProxyStats AllToAll::proxy_stats() const {
+  return impl_->proxy ? impl_->proxy->stats() : ProxyStats{};
 }
 
 }  // namespace fabric::ep

@@ -53,5 +53,8 @@ Status AllToAll::combine_recv(const CombineRecvArgs&, void*) {
 Status AllToAll::check() const {
   return no_cuda();
 }
+ProxyStats AllToAll::proxy_stats() const {
+  return {};
+}
 
 }  // namespace fabric::ep

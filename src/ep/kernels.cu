@@ -379,7 +379,9 @@ __global__ void __launch_bounds__(kCopyThreads)
 // --- combine_send ------------------------------------------------------------------------------
 
 // One warp per row of the last dispatch_recv: the row's expert output goes into its token's
-// rank's combine area, at (token, top-k slot). The last block raises every rank's combine flag.
+// rank's combine area, at (token, top-k slot); for a rank of another node, into the next place
+// of the compact staging for it, with the row's slot id beside it. The last block raises every
+// rank's combine flag.
 __global__ void __launch_bounds__(kCopyThreads)
     combine_send_kernel(const __grid_constant__ Params p, const uint8_t* expert_out) {
   bool ok = false;
@@ -395,10 +397,21 @@ __global__ void __launch_bounds__(kCopyThreads)
     const uint32_t warps = gridDim.x * kCopyWarps;
     for (uint32_t i = blockIdx.x * kCopyWarps + threadIdx.x / kWarp; i < rows; i += warps) {
       const RowSource src = p.rows[i];
-      uint8_t* to = p.combine_dst[src.rank] +
-                    (static_cast<uint64_t>(src.token) * p.top_k + src.slot) * row_bytes;
+      const uint64_t slot = static_cast<uint64_t>(src.token) * p.top_k + src.slot;
+      uint8_t* to = nullptr;
+      if ((p.remote_mask >> src.rank) & 1u) {
+        uint32_t place = 0;
+        if (lane == 0) {
+          place = atomicAdd(&p.state->combine_extent[src.rank], 1u);
+          reinterpret_cast<uint32_t*>(p.combine_dst[src.rank])[place] = static_cast<uint32_t>(slot);
+        }
+        place = __shfl_sync(kAllLanes, place, 0);
+        to = p.combine_dst[src.rank] + p.combine_rows_offset + place * row_bytes;
+      } else {
+        to = p.combine_dst[src.rank] + slot * row_bytes;
+        if (lane == 0) atomicMax(&p.state->combine_extent[src.rank], src.token + 1u);
+      }
       warp_copy_input(to, expert_out + static_cast<uint64_t>(i) * row_bytes, row_bytes, lane);
-      if (lane == 0) atomicMax(&p.state->combine_extent[src.rank], src.token + 1u);
     }
   }
   if (last_block(&p.state->blocks_done[kCombineSend]) && threadIdx.x == 0) {
@@ -419,8 +432,8 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 // One block per token: out[t] = sum over valid top-k slots k of weight[t, k] x row (t, k), in
 // fp32, rounded to bf16. Row (t, k) is where its expert's rank wrote it: this rank's combine area
-// for a rank of this node, the proxy area's receive area of that rank for one of another node.
-// The last block acknowledges every rank.
+// for a rank of this node; for one of another node, the place the proxy's map gives in that
+// rank's compact receive area. The last block acknowledges every rank.
 __global__ void __launch_bounds__(kReduceThreads)
     combine_recv_kernel(const __grid_constant__ Params p, const int64_t* topk_idx,
                         const float* topk_weights, uint32_t num_tokens, uint8_t* out) {
@@ -444,7 +457,13 @@ __global__ void __launch_bounds__(kReduceThreads)
         valid = e >= 0 && e < static_cast<int64_t>(p.num_experts);
         s_weight[threadIdx.x] = valid ? topk_weights[at] : 0.f;
         const uint32_t owner = valid ? static_cast<uint32_t>(e) / p.num_local_experts : 0u;
-        s_row[threadIdx.x] = p.combine_src[owner] + at * row_bytes;
+        // A row from another node is where the proxy's map says (the map is in host memory,
+        // ordered before the flag waited for above; the proxy checks every index it writes).
+        s_row[threadIdx.x] =
+            (p.remote_mask >> owner) & 1u
+                ? p.combine_src[owner] + p.combine_rows_offset +
+                      static_cast<uint64_t>(load_volatile(p.combine_map + at)) * row_bytes
+                : p.combine_src[owner] + at * row_bytes;
       }
       const uint32_t slots = __ballot_sync(kAllLanes, valid);
       if (threadIdx.x == 0) s_slots = slots;

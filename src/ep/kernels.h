@@ -57,10 +57,12 @@ struct State {
   uint32_t blocks_done[4];  // blocks of the half's running kernel that have finished its work
   uint32_t abort;           // set by a wait that timed out: kernels then skip their work
   uint32_t error_taken;     // claimed by the first failure, which writes the ErrorReport
-  uint32_t send_count[kMaxRanks];      // dispatch_send: entries written to each rank this round
-  uint32_t combine_extent[kMaxRanks];  // combine_send: 1 + the highest token of each rank's rows
-  uint32_t recv_count[kMaxRanks];      // dispatch_recv: entries received from each rank this round
-  uint32_t total_rows;                 // dispatch_recv: rows of this round's output
+  uint32_t send_count[kMaxRanks];  // dispatch_send: entries written to each rank this round
+  // combine_send, per rank: for a rank of this node, 1 + the highest token of its rows; for one
+  // of another node, the rows staged for it so far this round (each takes the next place).
+  uint32_t combine_extent[kMaxRanks];
+  uint32_t recv_count[kMaxRanks];  // dispatch_recv: entries received from each rank this round
+  uint32_t total_rows;             // dispatch_recv: rows of this round's output
 };
 
 // Where a row of dispatch_recv's output came from; combine_send sends the row's output there.
@@ -89,6 +91,15 @@ struct Params {
   uint64_t entry_scale_offset;
   uint64_t max_recv_rows;
   uint64_t timeout_ns;
+  // Bit r: rank r is on another node (its data goes through this rank's proxy area).
+  uint32_t remote_mask;
+  // A combine area in the proxy area (for a rank of another node) is compact: the slot ids of
+  // its rows (uint32, token x top_k + slot, in row order), then from this offset the rows.
+  uint64_t combine_rows_offset;
+  // [max_tokens_per_rank x top_k], in the proxy area: for a slot (t, k) of this rank's tokens
+  // whose expert is on another node, the index of its row in that rank's combine receive area
+  // (written by the proxy from the ids before it raises the combine flag). Null without one.
+  const uint32_t* combine_map;
   // Per peer rank, where each half's data goes or comes from and which word carries its signal:
   // for a rank of this node, its buffer as mapped here (or this rank's own) and the Signals
   // words in it; for a rank of another node, this rank's proxy area (pinned host memory mapped

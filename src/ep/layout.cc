@@ -133,7 +133,8 @@ Result<Layout> Layout::of(const AllToAllConfig& c) {
   l.combine_offset =
       round_up(l.dispatch_offset + l.dispatch_area_bytes * static_cast<uint64_t>(c.world_size),
                kRegionAlign);
-  l.combine_token_bytes = 2ull * c.hidden * c.top_k;
+  l.combine_row_bytes = 2ull * c.hidden;
+  l.combine_token_bytes = l.combine_row_bytes * c.top_k;
   l.combine_bytes = l.combine_token_bytes * c.max_tokens_per_rank;
   l.buffer_bytes = round_up(l.combine_offset + l.combine_bytes, kRegionAlign);
   l.max_recv_rows = static_cast<uint64_t>(c.world_size) * c.max_tokens_per_rank * c.top_k;

@@ -27,6 +27,12 @@ bool reached(uint32_t a, uint32_t b) {
   return static_cast<int32_t>(a - b) >= 0;
 }
 
+uint64_t elapsed_ns(std::chrono::steady_clock::time_point from,
+                    std::chrono::steady_clock::time_point to = std::chrono::steady_clock::now()) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count());
+}
+
 const char* kind_name(bool combine) {
   return combine ? "combine" : "dispatch";
 }
@@ -99,8 +105,19 @@ uint64_t dispatch_bytes(const Layout& layout, uint32_t entries) {
   return layout.entry_bytes * entries;
 }
 
-uint64_t combine_bytes(const Layout& layout, uint32_t extent) {
-  return static_cast<uint64_t>(extent) * layout.combine_token_bytes;
+uint64_t combine_bytes(const Layout& layout, uint32_t rows) {
+  return static_cast<uint64_t>(rows) * layout.combine_row_bytes;
+}
+
+std::vector<Chunk> round_chunks(const Layout& layout, const ProxyLayout& proxy_layout, bool combine,
+                                uint32_t value, uint64_t chunk_bytes) {
+  if (!combine) return split_chunks(dispatch_bytes(layout, value), chunk_bytes);
+  std::vector<Chunk> out = split_chunks(4ull * value, chunk_bytes);
+  for (Chunk c : split_chunks(combine_bytes(layout, value), chunk_bytes)) {
+    c.offset += proxy_layout.combine_ids_bytes;
+    out.push_back(c);
+  }
+  return out;
 }
 
 uint64_t expected_data_imms(uint64_t bytes, uint64_t chunk_bytes) {
@@ -137,9 +154,12 @@ Result<ProxyLayout> ProxyLayout::of(const AllToAllConfig& config, const Layout& 
   l.num_remote = config.world_size - per_node;
   const uint64_t n = static_cast<uint64_t>(l.num_remote);
   l.counts_offset = round_up(kWords * kMaxRanks * 8, kPage);
+  l.combine_slots = config.max_tokens_per_rank * config.top_k;
+  l.combine_map_offset = round_up(l.counts_offset + 4 * n * kCountsBytes, kPage);
+  l.combine_ids_bytes = round_up(4ull * l.combine_slots, 16);
   l.dispatch_area_bytes = layout.dispatch_area_bytes;
-  l.combine_area_bytes = layout.combine_bytes;
-  l.dispatch_send_offset = round_up(l.counts_offset + 4 * n * kCountsBytes, kPage);
+  l.combine_area_bytes = l.combine_ids_bytes + layout.combine_bytes;
+  l.dispatch_send_offset = round_up(l.combine_map_offset + 4ull * l.combine_slots, kPage);
   l.combine_send_offset = round_up(l.dispatch_send_offset + n * l.dispatch_area_bytes, kPage);
   l.dispatch_recv_offset = round_up(l.combine_send_offset + n * l.combine_area_bytes, kPage);
   l.combine_recv_offset = round_up(l.dispatch_recv_offset + n * l.dispatch_area_bytes, kPage);
@@ -173,6 +193,9 @@ struct Proxy::Peer {
   uint32_t received[2] = {0, 0};  // the last round of it raised to this GPU
   bool have_counts[2] = {false, false};
   Counts counts[2];
+  uint64_t chunks[2] = {0, 0};  // data immediates the round of counts[] brings
+  std::chrono::steady_clock::time_point posted_at[2];       // the round `sent` was posted
+  std::chrono::steady_clock::time_point counts_seen_at[2];  // counts[] were read
   uint32_t acks_sent[2] = {0, 0};   // the last round this rank acknowledged to it
   uint32_t acks_taken[2] = {0, 0};  // the last acknowledgement of it handed to this GPU
 };
@@ -289,6 +312,23 @@ Status Proxy::status() const {
   return failure_;
 }
 
+ProxyStats Proxy::stats() const {
+  ProxyStats out;
+  const auto get = [](const std::atomic<uint64_t>& v) { return v.load(std::memory_order_relaxed); };
+  for (int k = 0; k < 2; ++k) {
+    out.rounds_sent[k] = get(counters_.rounds_sent[k]);
+    out.writes_sent[k] = get(counters_.writes_sent[k]);
+    out.bytes_sent[k] = get(counters_.bytes_sent[k]);
+    out.post_ns[k] = get(counters_.post_ns[k]);
+    out.complete_ns[k] = get(counters_.complete_ns[k]);
+    out.rounds_received[k] = get(counters_.rounds_received[k]);
+    out.receive_ns[k] = get(counters_.receive_ns[k]);
+  }
+  out.passes = get(counters_.passes);
+  out.naps = get(counters_.naps);
+  return out;
+}
+
 void Proxy::fail(Status s) {
   std::lock_guard lock(failure_mu_);
   if (failed_.load(std::memory_order_relaxed)) return;
@@ -301,9 +341,11 @@ void Proxy::run() {
   while (!stop_.load(std::memory_order_relaxed) && !failed_.load(std::memory_order_relaxed)) {
     bool busy = engine_->progress(0);
     busy = pass() || busy;
+    counters_.passes.fetch_add(1, std::memory_order_relaxed);
     if (busy) {
       idle = 0;
     } else if (++idle >= options_.idle_spins) {
+      counters_.naps.fetch_add(1, std::memory_order_relaxed);
       std::this_thread::sleep_for(options_.idle_sleep);
     }
   }
@@ -334,11 +376,20 @@ void Proxy::post(Peer& p, bool combine, uint64_t src_offset, uint64_t dst_offset
   w.length = length;
   w.imm = imm;
   p.outstanding[k].fetch_add(1, std::memory_order_relaxed);
+  counters_.writes_sent[k].fetch_add(1, std::memory_order_relaxed);
+  counters_.bytes_sent[k].fetch_add(length, std::memory_order_relaxed);
   Peer* peer = &p;
   const int rank = config_.rank, to = p.rank;
   const uint32_t round = p.sent[k];
   auto id = engine_->submit(
-      w, Callbacks{[peer, k] { peer->outstanding[k].fetch_sub(1, std::memory_order_release); },
+      w, Callbacks{[this, peer, k] {
+                     // The round's last write (its writes are all posted before the proxy
+                     // thread, which runs these callbacks, drives the engine again).
+                     if (peer->outstanding[k].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                       counters_.complete_ns[k].fetch_add(elapsed_ns(peer->posted_at[k]),
+                                                          std::memory_order_relaxed);
+                     }
+                   },
                    [this, combine, rank, to, round](const Status& s) {
                      fail(Status(s.code() == ErrorCode::kCancelled ? ErrorCode::kCancelled
                                                                    : ErrorCode::kPeerUnreachable,
@@ -363,6 +414,7 @@ bool Proxy::send_round(Peer& p, bool combine) {
       area_.data(), combine ? ProxyLayout::kCombineReady : ProxyLayout::kDispatchReady, p.rank);
   const uint32_t round = static_cast<uint32_t>(v >> 32);
   if (round == p.sent[k]) return false;
+  const auto seen = std::chrono::steady_clock::now();
   if (round != p.sent[k] + 1) {
     fail(Status(ErrorCode::kInternal,
                 fmt::format("rank {}'s GPU staged {} round {} for rank {} after round {}",
@@ -374,19 +426,29 @@ bool Proxy::send_round(Peer& p, bool combine) {
     local_seen_at_[k] = std::chrono::steady_clock::now();
   }
   const uint32_t value = static_cast<uint32_t>(v);
+  if (value > most(combine)) {
+    fail(Status(ErrorCode::kInternal,
+                fmt::format("rank {}'s GPU staged {} {} for rank {} in {} round {}, more than the "
+                            "{} an area holds",
+                            config_.rank, value, combine ? "rows" : "entries", p.rank,
+                            kind_name(combine), round, most(combine))));
+    return false;
+  }
   p.sent[k] = round;
   const uint64_t slot = layout_.counts_slot(false, combine, p.remote);
   store_counts(area_.data() + slot, Counts{round, value});
   post(p, combine, slot, layout_.counts_slot(true, combine, p.index_there), kCountsBytes,
        encode_imm(counts_kind(combine), config_.rank, round));
-  const uint64_t bytes = combine ? combine_bytes(a2a_, value) : dispatch_bytes(a2a_, value);
   const uint64_t src = combine ? layout_.combine_send(p.remote) : layout_.dispatch_send(p.remote);
   const uint64_t dst =
       combine ? layout_.combine_recv(p.index_there) : layout_.dispatch_recv(p.index_there);
-  for (const Chunk& c : split_chunks(bytes, options_.chunk_bytes)) {
+  for (const Chunk& c : round_chunks(a2a_, layout_, combine, value, options_.chunk_bytes)) {
     post(p, combine, src + c.offset, dst + c.offset, c.length,
          encode_imm(data_kind(combine), config_.rank, round));
   }
+  p.posted_at[k] = std::chrono::steady_clock::now();
+  counters_.post_ns[k].fetch_add(elapsed_ns(seen, p.posted_at[k]), std::memory_order_relaxed);
+  counters_.rounds_sent[k].fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
@@ -416,12 +478,20 @@ bool Proxy::receive_round(Peer& p, bool combine) {
                               kind_name(combine), c.round, config_.rank, want)));
       return false;
     }
+    if (c.value > most(combine)) {
+      fail(Status(ErrorCode::kInternal,
+                  fmt::format("rank {}'s {} counts of round {} announce {} {}, more than the {} "
+                              "an area holds",
+                              p.rank, kind_name(combine), want, c.value,
+                              combine ? "rows" : "entries", most(combine))));
+      return false;
+    }
     p.counts[k] = c;
     p.have_counts[k] = true;
+    p.counts_seen_at[k] = std::chrono::steady_clock::now();
+    p.chunks[k] = round_chunks(a2a_, layout_, combine, c.value, options_.chunk_bytes).size();
   }
-  const uint64_t bytes =
-      combine ? combine_bytes(a2a_, p.counts[k].value) : dispatch_bytes(a2a_, p.counts[k].value);
-  const uint64_t need = expected_data_imms(bytes, options_.chunk_bytes);
+  const uint64_t need = p.chunks[k];
   if (need > 0 && engine_->imm_count(data_imm) < need) {
     if (std::chrono::steady_clock::now() - local_seen_at_[k] > options_.timeout &&
         reached(local_round_[k], want)) {
@@ -433,13 +503,41 @@ bool Proxy::receive_round(Peer& p, bool combine) {
     }
     return false;
   }
+  if (combine && !map_rows(p, want)) return false;
   engine_->reset_imm(counts_imm);
   if (need > 0) engine_->reset_imm(data_imm);
   p.have_counts[k] = false;
   p.received[k] = want;
   store_word(area_.data(), combine ? ProxyLayout::kCombineFlag : ProxyLayout::kDispatchFlag, p.rank,
              (static_cast<uint64_t>(want) << 32) | p.counts[k].value);
+  counters_.receive_ns[k].fetch_add(elapsed_ns(p.counts_seen_at[k]), std::memory_order_relaxed);
+  counters_.rounds_received[k].fetch_add(1, std::memory_order_relaxed);
   return true;
+}
+
+// `p`'s combine rows of round `round` have all arrived: the map gets each one's place, so that
+// combine_recv finds the row of slot (t, k) without a search. Every id is checked: a row the map
+// points at is always inside `p`'s receive area.
+bool Proxy::map_rows(const Peer& p, uint32_t round) {
+  const std::byte* ids = area_.data() + layout_.combine_recv(p.remote);
+  auto* map = reinterpret_cast<uint32_t*>(area_.data() + layout_.combine_map_offset);
+  for (uint32_t row = 0; row < p.counts[1].value; ++row) {
+    uint32_t slot = 0;
+    std::memcpy(&slot, ids + 4ull * row, 4);
+    if (slot >= layout_.combine_slots) {
+      fail(Status(ErrorCode::kInternal,
+                  fmt::format("rank {}'s combine of round {} names slot {} for its row {}: this "
+                              "rank's tokens have {} slots (max_tokens_per_rank x top_k)",
+                              p.rank, round, slot, row, layout_.combine_slots)));
+      return false;
+    }
+    map[slot] = row;
+  }
+  return true;
+}
+
+uint32_t Proxy::most(bool combine) const {
+  return combine ? layout_.combine_slots : config_.max_tokens_per_rank;
 }
 
 // This GPU has read `p`'s round (its done word moved): tell `p`, whose staging is then free.

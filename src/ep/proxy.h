@@ -13,8 +13,11 @@
 //    the GPU and read by the proxy ("out"), four written by the proxy and read by the GPU ("in");
 //  - the counts slots: per kind (dispatch, combine), one 16-byte slot per remote peer to send
 //    from and one per remote peer to receive into;
-//  - the staging: per remote peer, a dispatch area (entries in the peer's format) and a combine
-//    area (rows at (token, slot), as in the peer's combine area) that this rank's kernels fill;
+//  - the combine map: for each (token, slot) of this rank's tokens, where its row is in the
+//    combine receive area of the peer that sent it (written by this rank's proxy);
+//  - the staging: per remote peer, a dispatch area (entries in the peer's format) and a compact
+//    combine area (the rows for the peer, each once, with their slot ids) that this rank's
+//    kernels fill;
 //  - the receive areas: the same two per remote peer, written by that peer's proxy.
 // A remote peer's areas are at its index among this rank's remote peers (remote_peers()).
 #pragma once
@@ -74,7 +77,7 @@ struct DecodedImm {
 Result<DecodedImm> decode_imm(uint32_t imm);
 
 // One write of a round: `length` bytes from `offset` of the sender's staging area into the same
-// offset of the receiver's area.
+// offset of the receiver's receive area.
 struct Chunk {
   uint64_t offset = 0;
   uint64_t length = 0;
@@ -84,16 +87,16 @@ struct Chunk {
 std::vector<Chunk> split_chunks(uint64_t bytes, uint64_t chunk_bytes);
 // A dispatch to one peer: `entries` entries of the layout, contiguous from the area's start.
 uint64_t dispatch_bytes(const Layout& layout, uint32_t entries);
-// A combine to one peer: the rows of its tokens [0, extent) (all top_k slots of each, written or
-// not: the receiver reads only those it expects from this rank).
-uint64_t combine_bytes(const Layout& layout, uint32_t extent);
-// Data immediates a receiver expects for one round of one source: one per chunk.
+// A combine to one peer: `rows` rows (bf16, hidden), each the expert output for one of the
+// peer's (token, slot) pairs, sent once, in no particular order.
+uint64_t combine_bytes(const Layout& layout, uint32_t rows);
+// How many chunks split_chunks(bytes, chunk_bytes) makes.
 uint64_t expected_data_imms(uint64_t bytes, uint64_t chunk_bytes);
 
 // The counts slot of one round: what follows it, so that the receiver knows what to expect.
 struct Counts {
   uint32_t round = 0;
-  uint32_t value = 0;  // dispatch: entries; combine: the token extent
+  uint32_t value = 0;  // dispatch: entries; combine: rows
 };
 inline constexpr uint64_t kCountsBytes = 16;
 void store_counts(std::byte* slot, const Counts& c);
@@ -106,24 +109,31 @@ struct ProxyLayout {
   enum Word : uint32_t {
     // out: written by the GPU (release stores), read by the proxy.
     kDispatchReady = 0,  // [d] (round << 32) | entries: this rank's dispatch to d is staged
-    kCombineReady = 1,   // [d] (round << 32) | extent: this rank's combine to d is staged
+    kCombineReady = 1,   // [d] (round << 32) | rows: this rank's combine to d is staged
     kDispatchDone = 2,   // [s] round: the GPU has read s's dispatch of that round
     kCombineDone = 3,    // [s] round: the GPU has read s's combine rows of that round
-    // in: written by the proxy, read by the GPU; same values as the intranode signals.
+    // in: written by the proxy, read by the GPU; the intranode signals' meanings.
     kDispatchFlag = 4,  // [s] (round << 32) | entries: s's dispatch is in its receive area
-    kCombineFlag = 5,   // [s] (round << 32) | extent: s's combine rows are in its receive area
+    kCombineFlag = 5,   // [s] (round << 32) | rows: s's combine rows are in its receive area
     kDispatchAck = 6,   // [d] round: d has read this rank's dispatch (staging reusable)
     kCombineAck = 7,    // [d] round: d has read this rank's combine rows
     kWords = 8,
   };
   int num_remote = 0;
   uint64_t counts_offset = 0;  // [send, recv][dispatch, combine][remote] x kCountsBytes
+  // The combine map: combine_slots uint32, [token x top_k + slot]: the slot's row index in the
+  // combine receive area of the rank that holds its expert (for ranks of other nodes).
+  uint64_t combine_map_offset = 0;
+  uint32_t combine_slots = 0;  // max_tokens_per_rank x top_k: the most rows of a combine round
+  // In a combine area (staging and receive alike): the rows' slot ids (uint32, in row order)
+  // from 0, the rows from combine_ids_bytes.
+  uint64_t combine_ids_bytes = 0;
   uint64_t dispatch_send_offset = 0;
   uint64_t combine_send_offset = 0;
   uint64_t dispatch_recv_offset = 0;
   uint64_t combine_recv_offset = 0;
   uint64_t dispatch_area_bytes = 0;  // one peer's: Layout::dispatch_area_bytes
-  uint64_t combine_area_bytes = 0;   // one peer's: Layout::combine_bytes
+  uint64_t combine_area_bytes = 0;   // one peer's: the ids, then combine_slots rows
   uint64_t bytes = 0;                // the whole area
 
   // Errors: kInvalidArgument (gpus_per_node does not divide world_size).
@@ -152,6 +162,13 @@ struct ProxyLayout {
     return combine_recv_offset + static_cast<uint64_t>(remote) * combine_area_bytes;
   }
 };
+
+// The writes of one round to one peer, chunks of at most `chunk_bytes` (0: one per piece), at
+// offsets from the start of the area (the same in the sender's staging and the receiver's
+// receive area); one data immediate each. Dispatch: `value` entries from 0. Combine: `value`
+// rows: their slot ids from 0, then the rows from ProxyLayout::combine_ids_bytes. None for 0.
+std::vector<Chunk> round_chunks(const Layout& layout, const ProxyLayout& proxy_layout, bool combine,
+                                uint32_t value, uint64_t chunk_bytes);
 
 // The words as the host sees them: acquire loads and release stores on 64-bit words of the area
 // (the GPU side uses ld.acquire.sys / st.release.sys on the same words).
@@ -202,6 +219,8 @@ class Proxy {
   // silent for longer than the timeout), kInternal (a peer broke the protocol). The thread
   // stops at the first one. Never blocks.
   Status status() const;
+  // The counters so far. Never blocks; any thread.
+  ProxyStats stats() const;
 
  private:
   struct Peer;
@@ -213,6 +232,8 @@ class Proxy {
   bool receive_round(Peer& p, bool combine);
   bool forward_acks(Peer& p, bool combine);
   bool take_acks(Peer& p, bool combine);
+  bool map_rows(const Peer& p, uint32_t round);
+  uint32_t most(bool combine) const;  // entries (dispatch) or rows (combine) an area holds
   void fail(Status s);
   void post(Peer& p, bool combine, uint64_t src_offset, uint64_t dst_offset, uint64_t length,
             uint32_t imm);
@@ -234,6 +255,13 @@ class Proxy {
   // The proxy thread's own: the last round this rank's GPU raised of each kind (dispatch,
   // combine) and when the proxy first saw it (a peer's data of that round is due from then).
   uint32_t local_round_[2] = {0, 0};
+  // ProxyStats' fields, written by the proxy thread (and completions), read by stats().
+  struct Counters {
+    std::atomic<uint64_t> rounds_sent[2] = {0, 0}, writes_sent[2] = {0, 0}, bytes_sent[2] = {0, 0},
+                          post_ns[2] = {0, 0}, complete_ns[2] = {0, 0}, rounds_received[2] = {0, 0},
+                          receive_ns[2] = {0, 0}, passes{0}, naps{0};
+  };
+  Counters counters_;
   std::chrono::steady_clock::time_point local_seen_at_[2];
   std::atomic<bool> stop_{false};
   std::thread thread_;

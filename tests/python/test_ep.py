@@ -244,12 +244,20 @@ def new_a2a(hidden, top_k, max_tokens, fp8, num_experts=16, timeout=10.0):
                     **_a2a_options)
 
 
+def remote_ranks(rank):
+    """The ranks of other nodes than `rank`'s under the scenario's topology."""
+    per = _a2a_options.get("gpus_per_node")
+    return [r for r in range(WORLD) if per and r // per != rank // per]
+
+
 def round_trip(a2a, rank, seed, sizes, hidden, num_experts, top_k, fp8, routing):
-    """One dispatch and combine, both checked against the reference."""
+    """One dispatch and combine, both checked against the reference; across nodes, also the
+    combine's bytes on the wire: each row once, with its 4-byte slot id, and the 16-byte counts."""
     L = num_experts // WORLD
     inputs = [make_inputs(seed, r, sizes[r % len(sizes)], hidden, num_experts, top_k, fp8,
                           routing, "cuda") for r in range(WORLD)]
     x, scales, idx, w = inputs[rank]
+    before = a2a.proxy_stats()["combine"]
     got = a2a.dispatch(x, idx, w, scales=scales)
     y = expert_outputs(got, L, rank, fp8)
     out = a2a.combine(y, idx, w)
@@ -257,6 +265,21 @@ def round_trip(a2a, rank, seed, sizes, hidden, num_experts, top_k, fp8, routing)
     a2a.check()
     check_dispatch(got, inputs, rank, L, fp8)
     assert_combined(out, reference_combine(x, scales, idx, w), f"rank {rank} {routing} combine")
+    remote = remote_ranks(rank)
+    if remote:
+        # This rank's GPU has staged its rows; its proxy posts them once it sees the round.
+        deadline = time.monotonic() + 5
+        while (a2a.proxy_stats()["combine"]["rounds_sent"] - before["rounds_sent"] < len(remote)
+               and time.monotonic() < deadline):
+            time.sleep(0.001)
+        after = a2a.proxy_stats()["combine"]
+        assert after["rounds_sent"] - before["rounds_sent"] == len(remote)
+        rows = [int(((inputs[q][2] >= rank * L) & (inputs[q][2] < (rank + 1) * L)).sum())
+                for q in remote]
+        want = sum(16 + n * (4 + 2 * hidden) for n in rows)
+        assert after["bytes_sent"] - before["bytes_sent"] == want, \
+            f"rank {rank} sent {after['bytes_sent'] - before['bytes_sent']} combine bytes for " \
+            f"{rows} rows to ranks {remote}, not {want}"
 
 
 def scenario_routings(rank, fp8, hidden, top_k, max_tokens, cases):

@@ -9,9 +9,11 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "ep/proxy.h"
 #include "slowdown.h"
@@ -107,8 +109,34 @@ TEST(EpSchedule, BytesPerRoundFollowTheLayout) {
   EXPECT_EQ(dispatch_bytes(*l, 5), 5 * l->entry_bytes);
   EXPECT_EQ(dispatch_bytes(*l, 24), l->dispatch_area_bytes);
   EXPECT_EQ(combine_bytes(*l, 0), 0u);
-  EXPECT_EQ(combine_bytes(*l, 3), 3u * 2 * 256 * 2);
-  EXPECT_EQ(combine_bytes(*l, 24), l->combine_bytes);
+  EXPECT_EQ(combine_bytes(*l, 3), 3u * 2 * 256);       // three rows of hidden 256 in bf16
+  EXPECT_EQ(combine_bytes(*l, 48), l->combine_bytes);  // every (token, slot): 24 x top-2
+}
+
+// A round's writes cover what the receiver reads: dispatch entries from 0; combine rows compact,
+// their slot ids from 0 and the rows after the ids region, each piece in chunks of its own.
+TEST(EpSchedule, RoundChunksCoverTheIdsAndTheRows) {
+  const AllToAllConfig c = small_config(0, 2, 1);
+  auto l = Layout::of(c);
+  ASSERT_TRUE(l);
+  auto p = ProxyLayout::of(c, *l);
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->combine_slots, 48u);
+  EXPECT_EQ(p->combine_ids_bytes, 192u);
+  EXPECT_EQ(p->combine_area_bytes, 192u + l->combine_bytes);
+  EXPECT_TRUE(round_chunks(*l, *p, false, 0, 100).empty());
+  EXPECT_TRUE(round_chunks(*l, *p, true, 0, 100).empty());
+  EXPECT_EQ(round_chunks(*l, *p, false, 2, 0), (std::vector<Chunk>{{0, dispatch_bytes(*l, 2)}}));
+  // 5 rows: 20 bytes of ids, then 5 x 512 bytes of rows from offset 192, in chunks of 1000.
+  EXPECT_EQ(round_chunks(*l, *p, true, 5, 1000),
+            (std::vector<Chunk>{{0, 20}, {192, 1000}, {1192, 1000}, {2192, 560}}));
+  EXPECT_EQ(round_chunks(*l, *p, true, 5, 0), (std::vector<Chunk>{{0, 20}, {192, 2560}}));
+  // The most a round can carry stays inside one area.
+  for (uint64_t chunk : {0ull, 7ull, 1000ull, 1ull << 20}) {
+    for (const Chunk& k : round_chunks(*l, *p, true, p->combine_slots, chunk)) {
+      EXPECT_LE(k.offset + k.length, p->combine_area_bytes);
+    }
+  }
 }
 
 TEST(EpSchedule, CountsRoundTrip) {
@@ -129,13 +157,18 @@ TEST(EpSchedule, ProxyLayoutRegionsAreAlignedAndDisjoint) {
     EXPECT_EQ(p->num_remote, world - per_node);
     const uint64_t n = static_cast<uint64_t>(p->num_remote);
     EXPECT_GE(p->counts_offset, ProxyLayout::kWords * kMaxRanks * 8u);
-    EXPECT_GE(p->dispatch_send_offset, p->counts_offset + 4 * n * kCountsBytes);
+    EXPECT_GE(p->combine_map_offset, p->counts_offset + 4 * n * kCountsBytes);
+    EXPECT_GE(p->dispatch_send_offset, p->combine_map_offset + 4ull * p->combine_slots);
     EXPECT_GE(p->combine_send_offset, p->dispatch_send_offset + n * l->dispatch_area_bytes);
-    EXPECT_GE(p->dispatch_recv_offset, p->combine_send_offset + n * l->combine_bytes);
+    EXPECT_GE(p->combine_area_bytes, 4ull * p->combine_slots + l->combine_bytes);
+    EXPECT_GE(p->dispatch_recv_offset, p->combine_send_offset + n * p->combine_area_bytes);
     EXPECT_GE(p->combine_recv_offset, p->dispatch_recv_offset + n * l->dispatch_area_bytes);
-    EXPECT_GE(p->bytes, p->combine_recv_offset + n * l->combine_bytes);
-    for (uint64_t off : {p->counts_offset, p->dispatch_send_offset, p->combine_send_offset,
-                         p->dispatch_recv_offset, p->combine_recv_offset, p->bytes}) {
+    EXPECT_GE(p->bytes, p->combine_recv_offset + n * p->combine_area_bytes);
+    EXPECT_EQ(p->combine_ids_bytes % 16, 0u);
+    EXPECT_EQ(p->combine_area_bytes % 16, 0u);
+    for (uint64_t off :
+         {p->counts_offset, p->combine_map_offset, p->dispatch_send_offset, p->combine_send_offset,
+          p->dispatch_recv_offset, p->combine_recv_offset, p->bytes}) {
       EXPECT_EQ(off % 4096, 0u);
     }
     // Counts slots: four disjoint arrays.
@@ -167,10 +200,20 @@ std::byte pattern(int src, int dst, uint32_t round, int kind, uint64_t i) {
   return static_cast<std::byte>(x);
 }
 
-// How many entries (dispatch) or tokens of extent (combine) src sends dst in a round: 0 included.
+// How many entries (dispatch) or rows (combine) src sends dst in a round: 0 included.
 uint32_t amount(int src, int dst, uint32_t round, int kind, uint32_t max) {
   return static_cast<uint32_t>((src * 7 + dst * 3 + static_cast<int>(round) * 5 + kind) %
                                static_cast<int>(max + 1));
+}
+
+// The slot (token x top_k + k) of the row that a source stages in place `i` of its combine to a
+// rank, in a round. As with real routings, the sources of one receiver hold disjoint slots
+// (source `from`, the receiver's remote peer of that index among `peers`, has the slots equal to
+// `from` modulo `peers`); distinct for the places of one round (7 is prime to the slots of a
+// source here), in an order that differs from round to round, so that only the map finds them.
+uint32_t slot_of(int from, int peers, uint32_t round, uint32_t i, uint32_t slots) {
+  const uint32_t per_source = slots / static_cast<uint32_t>(peers);
+  return (i * 7 + round) % per_source * static_cast<uint32_t>(peers) + static_cast<uint32_t>(from);
 }
 
 // A test double for the GPU of one rank. Each half returns kTimeout when a word it waits for
@@ -181,6 +224,9 @@ class FakeGpu {
       : c_(c), l_(l), p_(p), area_(area) {
     peers_ = remote_peers(c.rank, c.world_size, c.gpus_per_node);
   }
+
+  // The next combine_send stages `slot` as its first row's slot id, whatever the row's is.
+  void corrupt_next_slot(uint32_t slot) { bad_slot_ = slot; }
 
   Status dispatch_send(uint32_t round) { return send(round, 0); }
   Status dispatch_recv(uint32_t round) { return recv(round, 0); }
@@ -203,8 +249,10 @@ class FakeGpu {
   }
 
  private:
-  uint64_t bytes_of(int kind, uint32_t n) const {
-    return kind == 0 ? dispatch_bytes(l_, n) : combine_bytes(l_, n);
+  // Combine: a source sends at most its share of the receiver's slots (slot_of).
+  uint32_t most(int kind) const {
+    return kind == 0 ? c_.max_tokens_per_rank
+                     : p_.combine_slots / static_cast<uint32_t>(p_.num_remote);
   }
 
   Status send(uint32_t round, int kind) {
@@ -215,10 +263,26 @@ class FakeGpu {
         return Status(ErrorCode::kTimeout, "ack of rank " + std::to_string(d));
       }
       const int i = remote_index(c_.rank, d, c_.gpus_per_node);
-      const uint32_t n = amount(c_.rank, d, round, kind, c_.max_tokens_per_rank);
-      std::byte* to = area_ + (kind == 0 ? p_.dispatch_send(i) : p_.combine_send(i));
-      const uint64_t bytes = bytes_of(kind, n);
-      for (uint64_t b = 0; b < bytes; ++b) to[b] = pattern(c_.rank, d, round, kind, b);
+      const uint32_t n = amount(c_.rank, d, round, kind, most(kind));
+      if (kind == 0) {
+        std::byte* to = area_ + p_.dispatch_send(i);
+        const uint64_t bytes = dispatch_bytes(l_, n);
+        for (uint64_t b = 0; b < bytes; ++b) to[b] = pattern(c_.rank, d, round, kind, b);
+      } else {
+        // Compact: row j holds slot_of(j)'s output, its id in place j of the ids.
+        std::byte* area = area_ + p_.combine_send(i);
+        const int from = remote_index(d, c_.rank, c_.gpus_per_node);
+        for (uint32_t j = 0; j < n; ++j) {
+          uint32_t slot = slot_of(from, p_.num_remote, round, j, p_.combine_slots);
+          const uint64_t from = slot * l_.combine_row_bytes;
+          std::byte* row = area + p_.combine_ids_bytes + j * l_.combine_row_bytes;
+          for (uint64_t b = 0; b < l_.combine_row_bytes; ++b) {
+            row[b] = pattern(c_.rank, d, round, kind, from + b);
+          }
+          if (j == 0 && bad_slot_) slot = *std::exchange(bad_slot_, std::nullopt);
+          std::memcpy(area + 4ull * j, &slot, 4);
+        }
+      }
       store_word(area_, kind == 0 ? ProxyLayout::kDispatchReady : ProxyLayout::kCombineReady, d,
                  (static_cast<uint64_t>(round) << 32) | n);
     }
@@ -236,19 +300,38 @@ class FakeGpu {
       if (static_cast<uint32_t>(v >> 32) != round) {
         return Status(ErrorCode::kInternal, "flag of a later round: " + std::to_string(v >> 32));
       }
-      const uint32_t n = amount(s, c_.rank, round, kind, c_.max_tokens_per_rank);
+      const uint32_t n = amount(s, c_.rank, round, kind, most(kind));
       if (static_cast<uint32_t>(v) != n) {
         return Status(ErrorCode::kInternal, "count " + std::to_string(static_cast<uint32_t>(v)) +
                                                 " instead of " + std::to_string(n));
       }
       const int i = remote_index(c_.rank, s, c_.gpus_per_node);
-      const std::byte* from = area_ + (kind == 0 ? p_.dispatch_recv(i) : p_.combine_recv(i));
-      const uint64_t bytes = bytes_of(kind, n);
-      for (uint64_t b = 0; b < bytes; ++b) {
-        if (from[b] != pattern(s, c_.rank, round, kind, b)) {
-          return Status(ErrorCode::kInternal, "byte " + std::to_string(b) + " of rank " +
-                                                  std::to_string(s) + "'s round " +
-                                                  std::to_string(round) + " differs");
+      const std::string which =
+          " of rank " + std::to_string(s) + "'s round " + std::to_string(round) + " differs";
+      if (kind == 0) {
+        const std::byte* from = area_ + p_.dispatch_recv(i);
+        for (uint64_t b = 0; b < dispatch_bytes(l_, n); ++b) {
+          if (from[b] != pattern(s, c_.rank, round, kind, b)) {
+            return Status(ErrorCode::kInternal, "byte " + std::to_string(b) + which);
+          }
+        }
+      } else {
+        // As combine_recv reads: each expected slot's row where the proxy's map says.
+        const auto* map = reinterpret_cast<const uint32_t*>(area_ + p_.combine_map_offset);
+        const std::byte* rows = area_ + p_.combine_recv(i) + p_.combine_ids_bytes;
+        for (uint32_t j = 0; j < n; ++j) {
+          const uint32_t slot = slot_of(i, p_.num_remote, round, j, p_.combine_slots);
+          if (map[slot] >= n) {
+            return Status(ErrorCode::kInternal, "the map's place of slot " + std::to_string(slot) +
+                                                    " is outside the round" + which);
+          }
+          const std::byte* row = rows + map[slot] * l_.combine_row_bytes;
+          for (uint64_t b = 0; b < l_.combine_row_bytes; ++b) {
+            if (row[b] != pattern(s, c_.rank, round, kind, slot * l_.combine_row_bytes + b)) {
+              return Status(ErrorCode::kInternal, "byte " + std::to_string(b) + " of slot " +
+                                                      std::to_string(slot) + which);
+            }
+          }
         }
       }
       store_word(area_, kind == 0 ? ProxyLayout::kDispatchDone : ProxyLayout::kCombineDone, s,
@@ -262,6 +345,7 @@ class FakeGpu {
   ProxyLayout p_;
   std::byte* area_;
   std::vector<int> peers_;
+  std::optional<uint32_t> bad_slot_;
 };
 
 // One rank: its area, its proxy and its FakeGpu.
@@ -362,6 +446,38 @@ TEST_P(EpProxy, TwoNodesCarryEveryByteOfManyRounds) {
   run_rounds(1, 60);
 }
 
+// The counters say what was sent: per kind a round and a counts write per peer and round, then
+// the round's chunks, with exactly their bytes; every round sent was received by the other side.
+TEST_P(EpProxy, StatsCountTheRoundsWritesAndBytes) {
+  MAKE_OR_SKIP(4, 2);
+  const uint32_t rounds = 6;
+  run_rounds(1, rounds);
+  for (Rank& k : ranks_) {
+    const ProxyStats st = k.proxy->stats();
+    for (int kind = 0; kind < 2; ++kind) {
+      uint64_t writes = 0, bytes = 0;
+      for (int d : remote_peers(k.config.rank, 4, 2)) {
+        const uint32_t most = kind == 0 ? k.config.max_tokens_per_rank
+                                        : k.proxy_layout.combine_slots / 2;  // two remote peers
+        for (uint32_t round = 1; round <= rounds; ++round) {
+          const uint32_t n = amount(k.config.rank, d, round, kind, most);
+          const auto chunks = round_chunks(k.layout, k.proxy_layout, kind == 1, n, 3000);
+          writes += 1 + chunks.size();
+          bytes += kCountsBytes;
+          for (const Chunk& c : chunks) bytes += c.length;
+        }
+      }
+      EXPECT_EQ(st.rounds_sent[kind], 2u * rounds) << "rank " << k.config.rank << " kind " << kind;
+      EXPECT_EQ(st.rounds_received[kind], 2u * rounds);
+      EXPECT_EQ(st.writes_sent[kind], writes);
+      EXPECT_EQ(st.bytes_sent[kind], bytes);
+      EXPECT_GT(st.post_ns[kind], 0u);
+      EXPECT_GT(st.complete_ns[kind], 0u);
+    }
+    EXPECT_GT(st.passes, 0u);
+  }
+}
+
 TEST_P(EpProxy, FourRanksOnTwoNodesAndOnFourNodes) {
   {
     MAKE_OR_SKIP(4, 2);
@@ -449,6 +565,32 @@ TEST_P(EpProxy, DestructionMidRoundDoesNotHang) {
   const auto start = Clock::now();
   for (Rank& k : ranks_) k.proxy.reset();
   EXPECT_LT(Clock::now() - start, 10s * kSlowdown);
+}
+
+// A combine row naming a slot beyond the receiver's tokens: the receiving proxy stops with a
+// protocol error naming it, and its map is not written (the GPU would read the row there).
+TEST_P(EpProxy, ACombineRowNamingAnUnknownSlotIsAProtocolError) {
+  MAKE_OR_SKIP(2, 1);
+  run_rounds(1, 2);
+  // Round 3 of rank 0's combine to rank 1 carries rows (amount(0, 1, 3, 1, 48) = 19).
+  ASSERT_GT(amount(0, 1, 3, 1, ranks_[0].proxy_layout.combine_slots), 0u);
+  // (One remote peer each: rank 0 may send rows for all 48 slots of rank 1's tokens.)
+  ASSERT_EQ(ranks_[0].proxy_layout.num_remote, 1);
+  ASSERT_TRUE(ranks_[0].gpu->dispatch_send(3));
+  ASSERT_TRUE(ranks_[1].gpu->dispatch_send(3));
+  ASSERT_TRUE(ranks_[0].gpu->dispatch_recv(3));
+  ASSERT_TRUE(ranks_[1].gpu->dispatch_recv(3));
+  const uint32_t slots = ranks_[1].proxy_layout.combine_slots;
+  ranks_[0].gpu->corrupt_next_slot(slots + 5);
+  ASSERT_TRUE(ranks_[0].gpu->combine_send(3));
+  Status got = ranks_[1].gpu->combine_recv(3);
+  EXPECT_EQ(got.code(), ErrorCode::kTimeout) << got.to_string();  // its flag never came
+  Status s = ranks_[1].proxy->status();
+  ASSERT_FALSE(s);
+  EXPECT_EQ(s.code(), ErrorCode::kInternal) << s.to_string();
+  EXPECT_NE(s.message().find("rank 0's combine of round 3 names slot " + std::to_string(slots + 5)),
+            std::string::npos)
+      << s.to_string();
 }
 
 TEST_P(EpProxy, ConnectRefusesBadHandles) {

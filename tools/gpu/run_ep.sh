@@ -28,22 +28,8 @@ echo "== the machine =="
 } 2>&1 | tee "$OUT/machine.txt"
 
 echo "== build the Python module ($(elapsed)) =="
-PKG=/tmp/ep-pkg OBJ=/tmp/ep-obj
-rm -rf "$PKG" "$OBJ" && mkdir -p "$PKG/fabric_lib" "$OBJ"
-cp python/fabric_lib/*.py python/fabric_lib/*.pyi python/fabric_lib/py.typed "$PKG/fabric_lib/"
-EXT=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-FL="-O2 -std=c++20 -fPIC -fvisibility=hidden -DFABRIC_VERSION=\"0.1.0\" -DFABRIC_WITH_CUDA=1 -Iinclude -Isrc -I$BUNDLE/include -I/usr/local/cuda/include $(python3 -m pybind11 --includes)"
-for f in python/src/*.cc; do
-  timeout "$(left 120)" c++ $FL -c "$f" -o "$OBJ/$(basename "$f").o" >>"$OUT/build.log" 2>&1 &
-done
-wait
-timeout "$(left 100)" c++ -shared "$OBJ"/*.o "$BUNDLE/libfabrickvetcd.a" "$BUNDLE/libfabrickv.a" \
-  "$BUNDLE/libfabricweights.a" "$BUNDLE/libfabriclib.a" "$BUNDLE/libcudart_static.a" -L"$BUNDLE/lib" -l:libfabric.so.1 \
-  -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt \
-  -o "$PKG/fabric_lib/_fabric_lib$EXT" >>"$OUT/build.log" 2>&1 ||
-  { echo "the module did not build:"; tail -40 "$OUT/build.log"; exit 1; }
-PYTHONPATH=$PKG timeout 30 python3 -c "import fabric_lib, fabric_lib.ep; print('fabric_lib', fabric_lib.__version__, 'HAS_CUDA', fabric_lib.HAS_CUDA)" ||
-  exit 1
+PKG=/tmp/ep-pkg
+bash tools/gpu/build_module.sh "$PKG" . "$BUNDLE/libfabriclib.a" "$(left 100)" || exit 1
 
 echo "== tests/python/test_ep.py ($(elapsed)) =="
 PYTHONPATH=$PKG timeout "$(left 60)" python3 -m pytest -v -rs --durations=0 -p no:cacheprovider tests/python/test_ep.py \
