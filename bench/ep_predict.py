@@ -70,8 +70,13 @@ def measured(path):
         "source": f"measured ({path}, rank 0, p50)",
         "stage_gbs_dispatch": d_bytes / (us("ep dispatch (eager) send half") * 1e-6) / GB,
         "stage_gbs_combine": c_bytes / (us("ep combine (eager) send half") * 1e-6) / GB,
-        "post_us": (proxy["dispatch"]["post_us"] + proxy["combine"]["post_us"]) / 2,
-        "receive_us": (proxy["dispatch"]["receive_us"] + proxy["combine"]["receive_us"]) / 2,
+        # Posting costs per write (a round here has more chunks than one at EP64 would).
+        "post_us": sum(proxy[k]["post_us"] for k in proxy) / sum(proxy[k]["writes_per_round"]
+                                                                  for k in proxy),
+        # The flag's own cost: dispatch's counts-to-flag time (a small round, so little data
+        # trails the counts; combine's here also holds its megabytes arriving, which the model
+        # counts as wire time).
+        "receive_us": proxy["dispatch"]["receive_us"],
     }
 
 
@@ -87,10 +92,11 @@ def main():
                     help="one RDMA write's one-way latency (assumed)")
     ap.add_argument("--pcie-gbs", type=float, default=40.0,
                     help="staging rate over PCIe without --json (assumed)")
-    ap.add_argument("--post-us", type=float, default=1.0, help="per peer and round (assumed)")
+    ap.add_argument("--post-us", type=float, default=0.5, help="per write posted (assumed)")
     ap.add_argument("--receive-us", type=float, default=2.0,
                     help="the receiving proxy's counts-to-flag time (assumed)")
     ap.add_argument("--hbm-gbs", type=float, default=3000.0, help="a kernel's GPU-memory rate")
+    ap.add_argument("--chunk-bytes", type=int, default=1 << 20, help="ProxyOptions::chunk_bytes")
     args = ap.parse_args()
     rates = {"source": "assumed", "stage_gbs_dispatch": args.pcie_gbs,
              "stage_gbs_combine": args.pcie_gbs, "post_us": args.post_us,
@@ -102,7 +108,7 @@ def main():
     t = lambda nbytes, gbs: nbytes / (gbs * GB) * 1e6  # us
     print(f"rates ({rates['source']}): staging {rates['stage_gbs_dispatch']:.1f} GB/s (dispatch), "
           f"{rates['stage_gbs_combine']:.1f} GB/s (combine); post {rates['post_us']:.2f} us per "
-          f"peer and round; receive {rates['receive_us']:.2f} us; NIC {nic / GB:.0f} GB/s; "
+          f"write; receive {rates['receive_us']:.2f} us; NIC {nic / GB:.0f} GB/s; "
           f"latency {args.latency_us} us (assumed)")
     print(f"EP{args.world}, {args.gpus_per_node} GPUs a node, rank 0: {b['peers']} peers on "
           f"other nodes; dispatch {b['dispatch_out'] / 1e6:.2f} MB out, "
@@ -116,7 +122,10 @@ def main():
     for kind in ("dispatch", "combine"):
         out_b, in_b = b[kind + "_out"], b[kind + "_in"]
         pcie = rates["stage_gbs_" + kind]
-        post = b["peers"] * rates["post_us"]
+        # A peer's round: its counts, then its bytes in chunks (combine: the ids, then the rows).
+        per_peer = max(out_b // b["peers"], 1)
+        writes = 1 + (per_peer + args.chunk_bytes - 1) // args.chunk_bytes + (kind == "combine")
+        post = b["peers"] * writes * rates["post_us"]
         wire = t(max(out_b, in_b), nic / GB) + args.latency_us
         now = {"stage": t(out_b, pcie), "post": post, "wire": wire,
                "receive": rates["receive_us"], "read": t(in_b, pcie)}
