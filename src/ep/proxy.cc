@@ -120,12 +120,6 @@ std::vector<Chunk> round_chunks(const Layout& layout, const ProxyLayout& proxy_l
   return out;
 }
 
-uint64_t expected_data_imms(uint64_t bytes, uint64_t chunk_bytes) {
-  if (bytes == 0) return 0;
-  if (chunk_bytes == 0) return 1;
-  return (bytes + chunk_bytes - 1) / chunk_bytes;
-}
-
 void store_counts(std::byte* slot, const Counts& c) {
   detail::ByteWriter w;
   w.u32(c.round);
@@ -423,7 +417,7 @@ bool Proxy::send_round(Peer& p, bool combine) {
   }
   if (!reached(local_round_[k], round)) {
     local_round_[k] = round;
-    local_seen_at_[k] = std::chrono::steady_clock::now();
+    local_seen_at_[k] = seen;
   }
   const uint32_t value = static_cast<uint32_t>(v);
   if (value > most(combine)) {

@@ -90,8 +90,6 @@ uint64_t dispatch_bytes(const Layout& layout, uint32_t entries);
 // A combine to one peer: `rows` rows (bf16, hidden), each the expert output for one of the
 // peer's (token, slot) pairs, sent once, in no particular order.
 uint64_t combine_bytes(const Layout& layout, uint32_t rows);
-// How many chunks split_chunks(bytes, chunk_bytes) makes.
-uint64_t expected_data_imms(uint64_t bytes, uint64_t chunk_bytes);
 
 // The counts slot of one round: what follows it, so that the receiver knows what to expect.
 struct Counts {

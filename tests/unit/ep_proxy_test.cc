@@ -96,8 +96,15 @@ TEST(EpSchedule, ChunksCoverTheBytesExactly) {
   EXPECT_EQ(split_chunks(7, 0), (std::vector<Chunk>{{0, 7}}));
   for (uint64_t bytes : {0ull, 1ull, 99ull, 100ull, 101ull, 12345ull}) {
     for (uint64_t chunk : {0ull, 1ull, 64ull, 100ull, 1ull << 20}) {
-      EXPECT_EQ(split_chunks(bytes, chunk).size(), expected_data_imms(bytes, chunk))
-          << bytes << " " << chunk;
+      // Contiguous from 0, each within the chunk size, together exactly the bytes.
+      uint64_t at = 0;
+      for (const Chunk& c : split_chunks(bytes, chunk)) {
+        EXPECT_EQ(c.offset, at) << bytes << " " << chunk;
+        EXPECT_GT(c.length, 0u);
+        EXPECT_LE(c.length, chunk == 0 ? bytes : chunk);
+        at += c.length;
+      }
+      EXPECT_EQ(at, bytes) << bytes << " " << chunk;
     }
   }
 }
