@@ -67,6 +67,13 @@ struct AllToAllConfig {
   // provider.
   std::string provider = "auto";
   std::vector<std::string> nics;
+  // Where the proxy's staging and receive areas are (the bytes the kernels write for, and read
+  // from, the ranks of other nodes): "host" (pinned host memory, which the kernels reach over
+  // PCIe), "gpu" (GPU memory: the engine reads and writes it itself where its NICs reach GPU
+  // memory, as GPUDirect RDMA does, and stages it through host memory where they do not), or
+  // "auto": "gpu" when the proxy's engine reaches GPU memory itself, else "host". The words,
+  // counts and slot ids stay in pinned host memory either way. Ranks may differ.
+  std::string proxy_memory = "auto";
 };
 
 // Checks a configuration; the error (kInvalidArgument) names the field and the value. Never
@@ -190,7 +197,8 @@ struct ProxyStats {
 class AllToAll {
  public:
   // Allocates and zeroes this rank's buffer on its GPU and exports it; with peers on other nodes
-  // also the proxy area (pinned host memory) and the proxy's engine (config.provider). Blocking.
+  // also the proxy's engine (config.provider) and regions (pinned host memory for its control
+  // words, host or GPU memory for its areas: config.proxy_memory). Blocking.
   // Errors: those of validate(), kUnsupported (built without CUDA, no CUDA device, the provider
   // absent), kFabric (a CUDA call failed, the engine could not open).
   static Result<std::unique_ptr<AllToAll>> create(const AllToAllConfig& config);
@@ -228,6 +236,9 @@ class AllToAll {
   Status check() const;
   // The proxy's counters (zero without peers on other nodes). Never blocks; any thread.
   ProxyStats proxy_stats() const;
+  // Where the proxy's areas are, as resolved from AllToAllConfig::proxy_memory: "none" (no peers
+  // on other nodes), "host", "gpu (direct)" (the engine reaches it itself) or "gpu (staged)".
+  std::string proxy_memory() const;
 
   class Impl;
 

@@ -63,7 +63,10 @@ class AllToAll:
     gpus_per_node: ranks of one node (None: all of them; 1: each GPU its own node), ranks r and
     q sharing a node when r // gpus_per_node == q // gpus_per_node; ranks of other nodes go
     through the proxy, over `provider` ("auto", "tcp", "shm", "verbs") on `nics` (None: the
-    provider's first). Created collectively: every rank of the group constructs it (the handles
+    provider's first). proxy_memory: where the proxy's staging and receive areas are ("host":
+    pinned host memory; "gpu": GPU memory, which the engine moves itself where its NICs reach
+    GPU memory and stages through host memory elsewhere; "auto": "gpu" where the engine reaches
+    it itself, else "host"). Created collectively: every rank of the group constructs it (the handles
     are exchanged with torch.distributed.all_gather_object). Blocking. Not thread-safe."""
 
     def __init__(
@@ -79,6 +82,7 @@ class AllToAll:
         device: Any = None,
         provider: str = "auto",
         nics: Optional[List[str]] = None,
+        proxy_memory: str = "auto",
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -95,7 +99,8 @@ class AllToAll:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self._impl: Optional[_EpAllToAll] = _EpAllToAll(
             rank, world, num_experts, hidden, top_k, max_tokens_per_rank, name,
-            gpus_per_node or 0, timeout, self.device.index, provider, list(nics or []))
+            gpus_per_node or 0, timeout, self.device.index, provider, list(nics or []),
+            proxy_memory)
         handles: List[Any] = [None] * world
         dist.all_gather_object(handles, self._impl.handle(), group=group)
         self._impl.connect(handles)
@@ -266,6 +271,12 @@ class AllToAll:
         ``receive_ns`` (a peer's counts seen to its flag raised), summed over rounds and peers;
         and ``passes`` and ``naps`` of the proxy's loop. See docs/moe.md."""
         return self.impl.proxy_stats()
+
+    @property
+    def proxy_memory(self) -> str:
+        """Where the proxy's areas are: "none" (every rank on this node), "host", "gpu (direct)"
+        (the engine reaches GPU memory itself) or "gpu (staged)"."""
+        return self.impl.proxy_memory
 
     def close(self, barrier: bool = True) -> None:
         """Waits for this rank's GPU work, then (with `barrier`, collective) for every rank of the

@@ -62,7 +62,8 @@ void bind_ep(py::module_& m) {
       .def(py::init([](int rank, int world_size, uint32_t num_experts, uint32_t hidden,
                        uint32_t top_k, uint32_t max_tokens_per_rank, const std::string& dtype,
                        int gpus_per_node, py::handle timeout, int cuda_device,
-                       const std::string& provider, const std::vector<std::string>& nics) {
+                       const std::string& provider, const std::vector<std::string>& nics,
+                       const std::string& proxy_memory) {
              ep::AllToAllConfig c;
              c.rank = rank;
              c.world_size = world_size;
@@ -76,6 +77,7 @@ void bind_ep(py::module_& m) {
              c.cuda_device = cuda_device;
              c.provider = provider;
              c.nics = nics;
+             c.proxy_memory = proxy_memory;
              py::gil_scoped_release release;
              return std::make_unique<PyAllToAll>(check(AllToAll::create(c)));
            }),
@@ -83,12 +85,14 @@ void bind_ep(py::module_& m) {
            py::arg("top_k"), py::arg("max_tokens_per_rank"), py::arg("dtype") = "bf16",
            py::arg("gpus_per_node") = 0, py::arg("timeout") = 10.0, py::arg("cuda_device") = -1,
            py::arg("provider") = "auto", py::arg("nics") = std::vector<std::string>{},
+           py::arg("proxy_memory") = "auto",
            "Allocates and zeroes this rank's buffer on its GPU (cuda_device, or the current "
            "one when -1) and exports it. dtype: 'bf16' or 'fp8_e4m3'; timeout: how long a "
            "kernel (or the proxy) waits for a peer (seconds or a timedelta). gpus_per_node: "
            "ranks of one node (0: all of them); ranks of other nodes are reached through a "
            "proxy thread and a TransferEngine of `provider` ('auto', 'tcp', 'shm', 'verbs') on "
-           "`nics` (empty: the provider's first). Raises InvalidArgument naming a bad field, "
+           "`nics` (empty: the provider's first), its areas in `proxy_memory` ('auto', 'host', "
+           "'gpu'). Raises InvalidArgument naming a bad field, "
            "Unsupported without CUDA or a GPU, or for an absent provider.")
       .def(
           "handle",
@@ -197,6 +201,10 @@ void bind_ep(py::module_& m) {
           "word seen to writes posted), complete_ns (posted to the last write completed), "
           "rounds_received, receive_ns (counts seen to the flag raised); passes and naps of its "
           "loop. All zero without peers on other nodes.")
+      .def_property_readonly(
+          "proxy_memory", [](const PyAllToAll& a) { return a.get().proxy_memory(); },
+          "Where the proxy's areas are: 'none' (no peers on other nodes), 'host', 'gpu (direct)' "
+          "(the engine reaches GPU memory itself) or 'gpu (staged)'.")
       .def("close", &PyAllToAll::close,
            "Unmaps the peers' buffers and frees this rank's (blocks while the GPU finishes). "
            "Stop every rank first (a barrier).")

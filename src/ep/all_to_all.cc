@@ -1,7 +1,8 @@
 // fabric::ep::AllToAll with CUDA: this rank's buffer (cudaMalloc, exported with
 // cudaIpcGetMemHandle), the buffers of this node's peers mapped with cudaIpcOpenMemHandle, the
-// proxy area (pinned host memory, mapped) and the proxy (ep/proxy.h) towards other nodes, the
-// private device state, the pinned error report, and the launchers (kernels in ep/kernels.cu).
+// proxy (ep/proxy.h) towards other nodes with its control region (pinned host memory, mapped)
+// and its data region (GPU memory, or pinned host memory mapped), the private device state, the
+// pinned error report, and the launchers (kernels in ep/kernels.cu).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -94,11 +95,14 @@ class AllToAll::Impl {
   uint8_t* scratch = nullptr;             // State, then the rows, then the per-expert arrays
   device::ErrorReport* report = nullptr;  // pinned host memory, device-mapped
   device::ErrorReport* report_device = nullptr;
-  int per_node = 0;                 // gpus_per_node, resolved
-  ProxyLayout proxy_layout;         // num_remote 0: every rank on this node, no proxy
-  std::byte* proxy_area = nullptr;  // pinned host memory, device-mapped
-  uint8_t* proxy_area_device = nullptr;
-  std::unique_ptr<Proxy> proxy;  // reads and writes proxy_area: goes first
+  int per_node = 0;                    // gpus_per_node, resolved
+  ProxyLayout proxy_layout;            // num_remote 0: every rank on this node, no proxy
+  std::byte* proxy_control = nullptr;  // pinned host memory, device-mapped
+  uint8_t* proxy_control_device = nullptr;
+  std::byte* proxy_data = nullptr;  // GPU memory (proxy_data_on_gpu) or pinned host memory
+  uint8_t* proxy_data_device = nullptr;
+  bool proxy_data_on_gpu = false;
+  std::unique_ptr<Proxy> proxy;  // reads and writes the proxy's regions: goes first
   std::vector<void*> opened;     // peers' buffers mapped here (null for this rank and unmapped)
   device::Params params{};
   bool connected = false;
@@ -112,7 +116,9 @@ class AllToAll::Impl {
     for (void* p : opened) {
       if (p != nullptr) cudaIpcCloseMemHandle(p);
     }
-    if (proxy_area != nullptr) cudaFreeHost(proxy_area);
+    if (proxy_data != nullptr && proxy_data_on_gpu) cudaFree(proxy_data);
+    if (proxy_data != nullptr && !proxy_data_on_gpu) cudaFreeHost(proxy_data);
+    if (proxy_control != nullptr) cudaFreeHost(proxy_control);
     if (report != nullptr) cudaFreeHost(report);
     if (scratch != nullptr) cudaFree(scratch);
     if (buffer != nullptr) cudaFree(buffer);
@@ -168,23 +174,13 @@ class AllToAll::Impl {
     if (!pl) return pl.status();
     proxy_layout = *pl;
     if (proxy_layout.num_remote > 0) {
-      if (cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&proxy_area), proxy_layout.bytes,
-                                          cudaHostAllocMapped | cudaHostAllocPortable);
-          err != cudaSuccess) {
-        return cuda_error(
-            fmt::format("cudaHostAlloc of the {}-byte proxy area", proxy_layout.bytes), err);
-      }
-      std::memset(proxy_area, 0, proxy_layout.bytes);
-      if (cudaError_t err =
-              cudaHostGetDevicePointer(reinterpret_cast<void**>(&proxy_area_device), proxy_area, 0);
-          err != cudaSuccess) {
-        return cuda_error("cudaHostGetDevicePointer of the proxy area", err);
-      }
       ProxyOptions options;
       options.provider = config.provider;
       options.nics = config.nics;
       options.timeout = config.timeout;
-      auto created = Proxy::create(config, layout, {proxy_area, proxy_layout.bytes}, options);
+      auto created = Proxy::create(
+          config, layout, options,
+          [this](const ProxyLayout& l, bool direct) { return allocate_proxy_regions(l, direct); });
       if (!created) {
         return Status(created.status().code(),
                       fmt::format("the inter-node proxy (provider '{}'): {}", config.provider,
@@ -231,12 +227,51 @@ class AllToAll::Impl {
     for (int r = 0; r < config.world_size; ++r) {
       if (on_other_nodes(config.rank, r, per_node)) p.remote_mask |= 1u << r;
     }
-    p.combine_rows_offset = proxy_layout.combine_ids_bytes;
-    p.combine_map = proxy_area_device == nullptr
+    p.combine_map = proxy_control_device == nullptr
                         ? nullptr
-                        : reinterpret_cast<const uint32_t*>(proxy_area_device +
+                        : reinterpret_cast<const uint32_t*>(proxy_control_device +
                                                             proxy_layout.combine_map_offset);
     return Status::ok();
+  }
+
+  // The proxy's regions, zeroed: the control region in pinned host memory; the data region in GPU
+  // memory when config.proxy_memory says "gpu", or "auto" and the engine reaches GPU memory
+  // itself (`direct`), else in pinned host memory.
+  Result<ProxyAreas> allocate_proxy_regions(const ProxyLayout& l, bool direct) {
+    auto host = [](uint64_t bytes, const char* what, std::byte** at,
+                   uint8_t** device_at) -> Status {
+      if (cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(at), bytes,
+                                          cudaHostAllocMapped | cudaHostAllocPortable);
+          err != cudaSuccess) {
+        return cuda_error(
+            fmt::format("cudaHostAlloc of the proxy's {}-byte {} region", bytes, what), err);
+      }
+      std::memset(*at, 0, bytes);
+      if (cudaError_t err = cudaHostGetDevicePointer(reinterpret_cast<void**>(device_at), *at, 0);
+          err != cudaSuccess) {
+        return cuda_error(fmt::format("cudaHostGetDevicePointer of the proxy's {} region", what),
+                          err);
+      }
+      return Status::ok();
+    };
+    if (Status s = host(l.control_bytes, "control", &proxy_control, &proxy_control_device); !s) {
+      return s;
+    }
+    proxy_data_on_gpu = config.proxy_memory == "gpu" || (config.proxy_memory == "auto" && direct);
+    if (!proxy_data_on_gpu) {
+      if (Status s = host(l.data_bytes, "data", &proxy_data, &proxy_data_device); !s) return s;
+    } else {
+      if (cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&proxy_data), l.data_bytes);
+          err != cudaSuccess) {
+        return cuda_error(
+            fmt::format("cudaMalloc of the proxy's {}-byte data region", l.data_bytes), err);
+      }
+      if (cudaError_t err = cudaMemset(proxy_data, 0, l.data_bytes); err != cudaSuccess) {
+        return cuda_error("cudaMemset of the proxy's data region", err);
+      }
+      proxy_data_device = reinterpret_cast<uint8_t*>(proxy_data);
+    }
+    return ProxyAreas{{proxy_control, l.control_bytes}, {proxy_data, l.data_bytes}};
   }
 
   Status connect(const std::vector<Bytes>& handles) {
@@ -320,17 +355,19 @@ class AllToAll::Impl {
     const int i = remote_index(me, r, per_node);
     const ProxyLayout& pl = proxy_layout;
     auto word = [&](ProxyLayout::Word w) {
-      return reinterpret_cast<uint64_t*>(proxy_area_device + ProxyLayout::word_offset(w, r));
+      return reinterpret_cast<uint64_t*>(proxy_control_device + ProxyLayout::word_offset(w, r));
     };
-    p.dispatch_dst[r] = proxy_area_device + pl.dispatch_send(i);
+    p.dispatch_dst[r] = proxy_data_device + pl.dispatch_send(i);
     p.dispatch_flag_out[r] = word(ProxyLayout::kDispatchReady);
-    p.dispatch_src[r] = proxy_area_device + pl.dispatch_recv(i);
+    p.dispatch_src[r] = proxy_data_device + pl.dispatch_recv(i);
     p.dispatch_flag_in[r] = word(ProxyLayout::kDispatchFlag);
     p.dispatch_ack_out[r] = word(ProxyLayout::kDispatchDone);
     p.dispatch_ack_in[r] = word(ProxyLayout::kDispatchAck);
-    p.combine_dst[r] = proxy_area_device + pl.combine_send(i);
+    p.combine_dst[r] = proxy_data_device + pl.combine_send(i);
+    p.combine_ids_dst[r] =
+        reinterpret_cast<uint32_t*>(proxy_control_device + pl.combine_ids_send(i));
     p.combine_flag_out[r] = word(ProxyLayout::kCombineReady);
-    p.combine_src[r] = proxy_area_device + pl.combine_recv(i);
+    p.combine_src[r] = proxy_data_device + pl.combine_recv(i);
     p.combine_flag_in[r] = word(ProxyLayout::kCombineFlag);
     p.combine_ack_out[r] = word(ProxyLayout::kCombineDone);
     p.combine_ack_in[r] = word(ProxyLayout::kCombineAck);
@@ -496,6 +533,12 @@ Status AllToAll::check() const {
 
 ProxyStats AllToAll::proxy_stats() const {
   return impl_->proxy ? impl_->proxy->stats() : ProxyStats{};
+}
+
+std::string AllToAll::proxy_memory() const {
+  if (!impl_->proxy) return "none";
+  if (!impl_->proxy_data_on_gpu) return "host";
+  return impl_->proxy->direct() ? "gpu (direct)" : "gpu (staged)";
 }
 
 }  // namespace fabric::ep

@@ -56,5 +56,8 @@ Status AllToAll::check() const {
 ProxyStats AllToAll::proxy_stats() const {
   return {};
 }
+std::string AllToAll::proxy_memory() const {
+  return "none";
+}
 
 }  // namespace fabric::ep

@@ -403,10 +403,10 @@ __global__ void __launch_bounds__(kCopyThreads)
         uint32_t place = 0;
         if (lane == 0) {
           place = atomicAdd(&p.state->combine_extent[src.rank], 1u);
-          reinterpret_cast<uint32_t*>(p.combine_dst[src.rank])[place] = static_cast<uint32_t>(slot);
+          p.combine_ids_dst[src.rank][place] = static_cast<uint32_t>(slot);
         }
         place = __shfl_sync(kAllLanes, place, 0);
-        to = p.combine_dst[src.rank] + p.combine_rows_offset + place * row_bytes;
+        to = p.combine_dst[src.rank] + place * row_bytes;
       } else {
         to = p.combine_dst[src.rank] + slot * row_bytes;
         if (lane == 0) atomicMax(&p.state->combine_extent[src.rank], src.token + 1u);
@@ -461,7 +461,7 @@ __global__ void __launch_bounds__(kReduceThreads)
         // ordered before the flag waited for above; the proxy checks every index it writes).
         s_row[threadIdx.x] =
             (p.remote_mask >> owner) & 1u
-                ? p.combine_src[owner] + p.combine_rows_offset +
+                ? p.combine_src[owner] +
                       static_cast<uint64_t>(load_volatile(p.combine_map + at)) * row_bytes
                 : p.combine_src[owner] + at * row_bytes;
       }

@@ -93,17 +93,18 @@ struct Params {
   uint64_t timeout_ns;
   // Bit r: rank r is on another node (its data goes through this rank's proxy area).
   uint32_t remote_mask;
-  // A combine area in the proxy area (for a rank of another node) is compact: the slot ids of
-  // its rows (uint32, token x top_k + slot, in row order), then from this offset the rows.
-  uint64_t combine_rows_offset;
-  // [max_tokens_per_rank x top_k], in the proxy area: for a slot (t, k) of this rank's tokens
-  // whose expert is on another node, the index of its row in that rank's combine receive area
-  // (written by the proxy from the ids before it raises the combine flag). Null without one.
+  // [max_tokens_per_rank x top_k], in the proxy's control region: for a slot (t, k) of this
+  // rank's tokens whose expert is on another node, the index of its row in that rank's combine
+  // receive area (written by the proxy from the ids before it raises the combine flag). Null
+  // without a proxy.
   const uint32_t* combine_map;
   // Per peer rank, where each half's data goes or comes from and which word carries its signal:
   // for a rank of this node, its buffer as mapped here (or this rank's own) and the Signals
-  // words in it; for a rank of another node, this rank's proxy area (pinned host memory mapped
-  // here) and the proxy's words in it (ep/proxy.h: the proxy moves bytes and signals across).
+  // words in it; for a rank of another node, this rank's areas in the proxy's data region (GPU
+  // memory, or pinned host memory mapped here) and the proxy's words in its control region
+  // (ep/proxy.h: the proxy moves bytes and signals across). A combine area for a rank of another
+  // node is compact: each row takes the next place, its slot id (token x top_k + slot) goes to
+  // the same place of combine_ids_dst.
   uint8_t* dispatch_dst[kMaxRanks];             // [d]: the area for this rank's entries to d
   uint64_t* dispatch_flag_out[kMaxRanks];       // [d]: raised after them
   const uint8_t* dispatch_src[kMaxRanks];       // [s]: s's entries for this rank
@@ -116,6 +117,7 @@ struct Params {
   const uint64_t* combine_flag_in[kMaxRanks];   // [r]: raised by (or for) r after them
   uint64_t* combine_ack_out[kMaxRanks];         // [r]: this rank has read r's rows
   const uint64_t* combine_ack_in[kMaxRanks];    // [r]: r has read the rows this rank wrote
+  uint32_t* combine_ids_dst[kMaxRanks];         // [r], r on another node: the rows' slot ids
   State* state;
   RowSource* rows;          // [max_recv_rows]
   uint32_t* expert_offset;  // [num_local_experts]: first row of each local expert this round

@@ -111,6 +111,10 @@ Status validate(const AllToAllConfig& c) {
   if (c.cuda_device < -1) {
     return invalid(fmt::format("cuda_device {} is neither a device nor -1", c.cuda_device));
   }
+  if (c.proxy_memory != "auto" && c.proxy_memory != "host" && c.proxy_memory != "gpu") {
+    return invalid(
+        fmt::format("proxy_memory '{}' is none of 'auto', 'host' and 'gpu'", c.proxy_memory));
+  }
   return Status::ok();
 }
 

@@ -16,7 +16,7 @@ namespace {
 
 constexpr uint64_t kPage = 4096;
 constexpr uint32_t kHandleMagic = 0x58504546;  // "FEPX"
-constexpr uint16_t kHandleVersion = 1;
+constexpr uint16_t kHandleVersion = 2;         // 2: the control and data regions (1: one area)
 
 constexpr uint64_t round_up(uint64_t v, uint64_t to) {
   return (v + to - 1) / to * to;
@@ -109,14 +109,12 @@ uint64_t combine_bytes(const Layout& layout, uint32_t rows) {
   return static_cast<uint64_t>(rows) * layout.combine_row_bytes;
 }
 
-std::vector<Chunk> round_chunks(const Layout& layout, const ProxyLayout& proxy_layout, bool combine,
-                                uint32_t value, uint64_t chunk_bytes) {
+std::vector<Chunk> round_chunks(const Layout& layout, bool combine, uint32_t value,
+                                uint64_t chunk_bytes) {
   if (!combine) return split_chunks(dispatch_bytes(layout, value), chunk_bytes);
   std::vector<Chunk> out = split_chunks(4ull * value, chunk_bytes);
-  for (Chunk c : split_chunks(combine_bytes(layout, value), chunk_bytes)) {
-    c.offset += proxy_layout.combine_ids_bytes;
-    out.push_back(c);
-  }
+  for (Chunk& c : out) c.ids = true;
+  for (const Chunk& c : split_chunks(combine_bytes(layout, value), chunk_bytes)) out.push_back(c);
   return out;
 }
 
@@ -151,24 +149,27 @@ Result<ProxyLayout> ProxyLayout::of(const AllToAllConfig& config, const Layout& 
   l.combine_slots = config.max_tokens_per_rank * config.top_k;
   l.combine_map_offset = round_up(l.counts_offset + 4 * n * kCountsBytes, kPage);
   l.combine_ids_bytes = round_up(4ull * l.combine_slots, 16);
+  l.combine_ids_send_offset = round_up(l.combine_map_offset + 4ull * l.combine_slots, kPage);
+  l.combine_ids_recv_offset = round_up(l.combine_ids_send_offset + n * l.combine_ids_bytes, kPage);
+  l.control_bytes = round_up(l.combine_ids_recv_offset + n * l.combine_ids_bytes, kPage);
   l.dispatch_area_bytes = layout.dispatch_area_bytes;
-  l.combine_area_bytes = l.combine_ids_bytes + layout.combine_bytes;
-  l.dispatch_send_offset = round_up(l.combine_map_offset + 4ull * l.combine_slots, kPage);
-  l.combine_send_offset = round_up(l.dispatch_send_offset + n * l.dispatch_area_bytes, kPage);
+  l.combine_area_bytes = layout.combine_bytes;
+  l.dispatch_send_offset = 0;
+  l.combine_send_offset = round_up(n * l.dispatch_area_bytes, kPage);
   l.dispatch_recv_offset = round_up(l.combine_send_offset + n * l.combine_area_bytes, kPage);
   l.combine_recv_offset = round_up(l.dispatch_recv_offset + n * l.dispatch_area_bytes, kPage);
-  l.bytes = round_up(l.combine_recv_offset + n * l.combine_area_bytes, kPage);
+  l.data_bytes = round_up(l.combine_recv_offset + n * l.combine_area_bytes, kPage);
   return l;
 }
 
-uint64_t load_word(const std::byte* area, ProxyLayout::Word w, int rank) {
-  auto* p =
-      reinterpret_cast<uint64_t*>(const_cast<std::byte*>(area) + ProxyLayout::word_offset(w, rank));
+uint64_t load_word(const std::byte* control, ProxyLayout::Word w, int rank) {
+  auto* p = reinterpret_cast<uint64_t*>(const_cast<std::byte*>(control) +
+                                        ProxyLayout::word_offset(w, rank));
   return std::atomic_ref<uint64_t>(*p).load(std::memory_order_acquire);
 }
 
-void store_word(std::byte* area, ProxyLayout::Word w, int rank, uint64_t value) {
-  auto* p = reinterpret_cast<uint64_t*>(area + ProxyLayout::word_offset(w, rank));
+void store_word(std::byte* control, ProxyLayout::Word w, int rank, uint64_t value) {
+  auto* p = reinterpret_cast<uint64_t*>(control + ProxyLayout::word_offset(w, rank));
   std::atomic_ref<uint64_t>(*p).store(value, std::memory_order_release);
 }
 
@@ -179,7 +180,8 @@ struct Proxy::Peer {
   int rank = 0;
   int remote = 0;             // its index among this rank's remote peers (its areas here)
   int index_there = 0;        // this rank's index among its remote peers (this rank's areas there)
-  RemoteMemory area;          // its proxy area
+  RemoteMemory control;       // its control region
+  RemoteMemory data;          // its data region
   uint32_t sent[2] = {0, 0};  // the last round posted to it
   // Writes of the round `sent` not complete yet (callbacks may run on the engine's callback
   // thread at close, hence atomic).
@@ -195,23 +197,32 @@ struct Proxy::Peer {
 };
 
 Proxy::Proxy(const AllToAllConfig& config, const Layout& layout, const ProxyLayout& proxy_layout,
-             std::span<std::byte> area, const ProxyOptions& options)
-    : config_(config), a2a_(layout), layout_(proxy_layout), area_(area), options_(options) {}
+             const ProxyOptions& options)
+    : config_(config), a2a_(layout), layout_(proxy_layout), options_(options) {}
 
-Result<std::unique_ptr<Proxy>> Proxy::create(const AllToAllConfig& config, const Layout& layout,
-                                             std::span<std::byte> area,
-                                             const ProxyOptions& options) {
-  auto pl = ProxyLayout::of(config, layout);
-  if (!pl) return pl.status();
-  if (area.size() < pl->bytes) {
+namespace {
+
+Status check_region(const char* name, std::span<std::byte> region, uint64_t need) {
+  if (region.size() < need) {
     return Status(
         ErrorCode::kInvalidArgument,
-        fmt::format("proxy area of {} bytes, the layout needs {}", area.size(), pl->bytes));
+        fmt::format("proxy {} region of {} bytes, the layout needs {}", name, region.size(), need));
   }
-  if (reinterpret_cast<uintptr_t>(area.data()) % 16 != 0) {
-    return Status(ErrorCode::kInvalidArgument, "proxy area is not 16-byte aligned");
+  if (reinterpret_cast<uintptr_t>(region.data()) % 16 != 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("proxy {} region is not 16-byte aligned", name));
   }
-  std::unique_ptr<Proxy> p(new Proxy(config, layout, *pl, area.first(pl->bytes), options));
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Proxy>> Proxy::create(const AllToAllConfig& config, const Layout& layout,
+                                             const ProxyOptions& options,
+                                             const ProxyAllocator& allocate) {
+  auto pl = ProxyLayout::of(config, layout);
+  if (!pl) return pl.status();
+  std::unique_ptr<Proxy> p(new Proxy(config, layout, *pl, options));
   Config c;
   c.provider = options.provider;
   GroupConfig g;
@@ -226,17 +237,28 @@ Result<std::unique_ptr<Proxy>> Proxy::create(const AllToAllConfig& config, const
   auto engine = TransferEngine::create(c);
   if (!engine) return engine.status();
   p->engine_ = std::move(*engine);
-  auto reg = p->engine_->register_memory(p->area_.data(), p->area_.size());
-  if (!reg) return reg.status();
-  p->area_handle_ = reg->handle;
+  p->direct_ = p->engine_->group_info(0).gpu_memory.starts_with("direct");
+  auto areas = allocate(*pl, p->direct_);
+  if (!areas) return areas.status();
+  if (Status s = check_region("control", areas->control, pl->control_bytes); !s) return s;
+  if (Status s = check_region("data", areas->data, pl->data_bytes); !s) return s;
+  p->areas_ = {areas->control.first(pl->control_bytes), areas->data.first(pl->data_bytes)};
   detail::ByteWriter w;
   w.u32(kHandleMagic);
   w.u16(kHandleVersion);
   w.u16(0);
-  w.u64(p->area_.size());
-  const Bytes desc = reg->descriptor.encode();
-  w.u32(static_cast<uint32_t>(desc.size()));
-  w.bytes(desc);
+  w.u64(pl->control_bytes);
+  w.u64(pl->data_bytes);
+  const std::span<std::byte> regions[] = {p->areas_.control, p->areas_.data};
+  MemoryHandle* const handles[] = {&p->control_handle_, &p->data_handle_};
+  for (int i = 0; i < 2; ++i) {
+    auto reg = p->engine_->register_memory(regions[i].data(), regions[i].size());
+    if (!reg) return reg.status();
+    *handles[i] = reg->handle;
+    const Bytes desc = reg->descriptor.encode();
+    w.u32(static_cast<uint32_t>(desc.size()));
+    w.bytes(desc);
+  }
   p->descriptor_ = w.take();
   return p;
 }
@@ -266,33 +288,38 @@ Status Proxy::connect(const std::vector<Bytes>& handles) {
   std::vector<std::unique_ptr<Peer>> peers;
   for (int r : remote_peers(config_.rank, config_.world_size, per_node)) {
     detail::ByteReader rd(handles[r]);
-    uint32_t magic = 0, len = 0;
+    uint32_t magic = 0, control_len = 0, data_len = 0;
     uint16_t version = 0, reserved = 0;
-    uint64_t bytes = 0;
-    std::vector<std::byte> desc;
+    uint64_t control_bytes = 0, data_bytes = 0;
+    std::vector<std::byte> control, data;
     if (!rd.u32(magic) || magic != kHandleMagic || !rd.u16(version) || version != kHandleVersion ||
-        !rd.u16(reserved) || !rd.u64(bytes) || !rd.u32(len) || !rd.bytes(len, desc) ||
-        rd.remaining() != 0) {
+        !rd.u16(reserved) || !rd.u64(control_bytes) || !rd.u64(data_bytes) ||
+        !rd.u32(control_len) || !rd.bytes(control_len, control) || !rd.u32(data_len) ||
+        !rd.bytes(data_len, data) || rd.remaining() != 0) {
       return Status(ErrorCode::kInvalidArgument,
                     fmt::format("proxy: rank {}'s handle ({} bytes) is not a proxy handle of "
                                 "version {}",
                                 r, handles[r].size(), kHandleVersion));
     }
-    if (bytes != area_.size()) {
-      return Status(ErrorCode::kInvalidArgument,
-                    fmt::format("proxy: rank {}'s area has {} bytes, this rank's {}", r, bytes,
-                                area_.size()));
+    if (control_bytes != areas_.control.size() || data_bytes != areas_.data.size()) {
+      return Status(
+          ErrorCode::kInvalidArgument,
+          fmt::format("proxy: rank {}'s regions have {} and {} bytes, this rank's {} "
+                      "and {}",
+                      r, control_bytes, data_bytes, areas_.control.size(), areas_.data.size()));
     }
-    auto rm = RemoteMemory::decode(desc);
-    if (!rm) {
-      return Status(rm.status().code(),
-                    fmt::format("proxy: rank {}'s descriptor: {}", r, rm.status().message()));
+    auto control_rm = RemoteMemory::decode(control);
+    auto data_rm = control_rm ? RemoteMemory::decode(data) : control_rm;
+    if (!data_rm) {
+      return Status(data_rm.status().code(),
+                    fmt::format("proxy: rank {}'s descriptor: {}", r, data_rm.status().message()));
     }
     auto p = std::make_unique<Peer>();
     p->rank = r;
     p->remote = remote_index(config_.rank, r, per_node);
     p->index_there = remote_index(r, config_.rank, per_node);
-    p->area = *rm;
+    p->control = *control_rm;
+    p->data = *data_rm;
     peers.push_back(std::move(p));
   }
   peers_ = std::move(peers);
@@ -359,13 +386,13 @@ bool Proxy::pass() {
   return busy;
 }
 
-void Proxy::post(Peer& p, bool combine, uint64_t src_offset, uint64_t dst_offset, uint64_t length,
-                 uint32_t imm) {
+void Proxy::post(Peer& p, bool combine, bool control, uint64_t src_offset, uint64_t dst_offset,
+                 uint64_t length, uint32_t imm) {
   const int k = combine ? 1 : 0;
   SingleWrite w;
-  w.src = area_handle_;
+  w.src = control ? control_handle_ : data_handle_;
   w.src_offset = src_offset;
-  w.dst = p.area;
+  w.dst = control ? p.control : p.data;
   w.dst_offset = dst_offset;
   w.length = length;
   w.imm = imm;
@@ -404,8 +431,9 @@ void Proxy::post(Peer& p, bool combine, uint64_t src_offset, uint64_t dst_offset
 // bytes, each with its immediate.
 bool Proxy::send_round(Peer& p, bool combine) {
   const int k = combine ? 1 : 0;
-  const uint64_t v = load_word(
-      area_.data(), combine ? ProxyLayout::kCombineReady : ProxyLayout::kDispatchReady, p.rank);
+  const uint64_t v =
+      load_word(areas_.control.data(),
+                combine ? ProxyLayout::kCombineReady : ProxyLayout::kDispatchReady, p.rank);
   const uint32_t round = static_cast<uint32_t>(v >> 32);
   if (round == p.sent[k]) return false;
   const auto seen = std::chrono::steady_clock::now();
@@ -430,15 +458,17 @@ bool Proxy::send_round(Peer& p, bool combine) {
   }
   p.sent[k] = round;
   const uint64_t slot = layout_.counts_slot(false, combine, p.remote);
-  store_counts(area_.data() + slot, Counts{round, value});
-  post(p, combine, slot, layout_.counts_slot(true, combine, p.index_there), kCountsBytes,
+  store_counts(areas_.control.data() + slot, Counts{round, value});
+  post(p, combine, true, slot, layout_.counts_slot(true, combine, p.index_there), kCountsBytes,
        encode_imm(counts_kind(combine), config_.rank, round));
   const uint64_t src = combine ? layout_.combine_send(p.remote) : layout_.dispatch_send(p.remote);
   const uint64_t dst =
       combine ? layout_.combine_recv(p.index_there) : layout_.dispatch_recv(p.index_there);
-  for (const Chunk& c : round_chunks(a2a_, layout_, combine, value, options_.chunk_bytes)) {
-    post(p, combine, src + c.offset, dst + c.offset, c.length,
-         encode_imm(data_kind(combine), config_.rank, round));
+  const uint64_t ids_src = layout_.combine_ids_send(p.remote);
+  const uint64_t ids_dst = layout_.combine_ids_recv(p.index_there);
+  for (const Chunk& c : round_chunks(a2a_, combine, value, options_.chunk_bytes)) {
+    post(p, combine, c.ids, (c.ids ? ids_src : src) + c.offset, (c.ids ? ids_dst : dst) + c.offset,
+         c.length, encode_imm(data_kind(combine), config_.rank, round));
   }
   p.posted_at[k] = std::chrono::steady_clock::now();
   counters_.post_ns[k].fetch_add(elapsed_ns(seen, p.posted_at[k]), std::memory_order_relaxed);
@@ -465,7 +495,8 @@ bool Proxy::receive_round(Peer& p, bool combine) {
       }
       return false;
     }
-    const Counts c = load_counts(area_.data() + layout_.counts_slot(true, combine, p.remote));
+    const Counts c =
+        load_counts(areas_.control.data() + layout_.counts_slot(true, combine, p.remote));
     if (c.round != want) {
       fail(Status(ErrorCode::kInternal,
                   fmt::format("rank {}'s {} counts say round {}, rank {} expected round {}", p.rank,
@@ -483,7 +514,7 @@ bool Proxy::receive_round(Peer& p, bool combine) {
     p.counts[k] = c;
     p.have_counts[k] = true;
     p.counts_seen_at[k] = std::chrono::steady_clock::now();
-    p.chunks[k] = round_chunks(a2a_, layout_, combine, c.value, options_.chunk_bytes).size();
+    p.chunks[k] = round_chunks(a2a_, combine, c.value, options_.chunk_bytes).size();
   }
   const uint64_t need = p.chunks[k];
   if (need > 0 && engine_->imm_count(data_imm) < need) {
@@ -502,7 +533,8 @@ bool Proxy::receive_round(Peer& p, bool combine) {
   if (need > 0) engine_->reset_imm(data_imm);
   p.have_counts[k] = false;
   p.received[k] = want;
-  store_word(area_.data(), combine ? ProxyLayout::kCombineFlag : ProxyLayout::kDispatchFlag, p.rank,
+  store_word(areas_.control.data(),
+             combine ? ProxyLayout::kCombineFlag : ProxyLayout::kDispatchFlag, p.rank,
              (static_cast<uint64_t>(want) << 32) | p.counts[k].value);
   counters_.receive_ns[k].fetch_add(elapsed_ns(p.counts_seen_at[k]), std::memory_order_relaxed);
   counters_.rounds_received[k].fetch_add(1, std::memory_order_relaxed);
@@ -513,8 +545,8 @@ bool Proxy::receive_round(Peer& p, bool combine) {
 // combine_recv finds the row of slot (t, k) without a search. Every id is checked: a row the map
 // points at is always inside `p`'s receive area.
 bool Proxy::map_rows(const Peer& p, uint32_t round) {
-  const std::byte* ids = area_.data() + layout_.combine_recv(p.remote);
-  auto* map = reinterpret_cast<uint32_t*>(area_.data() + layout_.combine_map_offset);
+  const std::byte* ids = areas_.control.data() + layout_.combine_ids_recv(p.remote);
+  auto* map = reinterpret_cast<uint32_t*>(areas_.control.data() + layout_.combine_map_offset);
   for (uint32_t row = 0; row < p.counts[1].value; ++row) {
     uint32_t slot = 0;
     std::memcpy(&slot, ids + 4ull * row, 4);
@@ -537,13 +569,14 @@ uint32_t Proxy::most(bool combine) const {
 // This GPU has read `p`'s round (its done word moved): tell `p`, whose staging is then free.
 bool Proxy::forward_acks(Peer& p, bool combine) {
   const int k = combine ? 1 : 0;
-  const uint32_t done = static_cast<uint32_t>(load_word(
-      area_.data(), combine ? ProxyLayout::kCombineDone : ProxyLayout::kDispatchDone, p.rank));
+  const uint32_t done = static_cast<uint32_t>(
+      load_word(areas_.control.data(),
+                combine ? ProxyLayout::kCombineDone : ProxyLayout::kDispatchDone, p.rank));
   if (done == p.acks_sent[k]) return false;
   while (p.acks_sent[k] != done && !failed_.load(std::memory_order_relaxed)) {
     const uint32_t round = p.acks_sent[k] + 1;
     ImmWrite w;
-    w.peer = p.area.owner();
+    w.peer = p.control.owner();
     w.imm = encode_imm(ack_kind(combine), config_.rank, round);
     const int rank = config_.rank, to = p.rank;
     auto id = engine_->submit(
@@ -576,8 +609,8 @@ bool Proxy::take_acks(Peer& p, bool combine) {
   if (engine_->imm_count(imm) == 0) return false;
   engine_->reset_imm(imm);
   p.acks_taken[k] = want;
-  store_word(area_.data(), combine ? ProxyLayout::kCombineAck : ProxyLayout::kDispatchAck, p.rank,
-             want);
+  store_word(areas_.control.data(), combine ? ProxyLayout::kCombineAck : ProxyLayout::kDispatchAck,
+             p.rank, want);
   return true;
 }
 

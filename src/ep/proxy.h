@@ -6,19 +6,23 @@
 // Host-only (no CUDA): built and unit-tested everywhere (tests/unit/ep_proxy_test.cc, where a
 // test double named FakeGpu plays the kernels' part on host memory).
 //
-// The proxy area. Every rank with peers on other nodes has one region of host memory (pinned and
-// mapped into the GPU by AllToAll; plain memory in the tests), registered with the proxy's
-// engine, laid out by ProxyLayout:
-//  - the words: eight arrays of kMaxRanks 64-bit words indexed by peer rank. Four are written by
-//    the GPU and read by the proxy ("out"), four written by the proxy and read by the GPU ("in");
-//  - the counts slots: per kind (dispatch, combine), one 16-byte slot per remote peer to send
-//    from and one per remote peer to receive into;
-//  - the combine map: for each (token, slot) of this rank's tokens, where its row is in the
-//    combine receive area of the peer that sent it (written by this rank's proxy);
-//  - the staging: per remote peer, a dispatch area (entries in the peer's format) and a compact
-//    combine area (the rows for the peer, each once, with their slot ids) that this rank's
-//    kernels fill;
-//  - the receive areas: the same two per remote peer, written by that peer's proxy.
+// The proxy's two regions, laid out by ProxyLayout and registered with the proxy's engine:
+//  - the control region (host memory, pinned and mapped into the GPU by AllToAll; plain memory in
+//    the tests), which the proxy's thread reads and writes:
+//    - the words: eight arrays of kMaxRanks 64-bit words indexed by peer rank. Four are written
+//      by the GPU and read by the proxy ("out"), four written by the proxy and read by the GPU
+//      ("in");
+//    - the counts slots: per kind (dispatch, combine), one 16-byte slot per remote peer to send
+//      from and one per remote peer to receive into;
+//    - the combine map: for each (token, slot) of this rank's tokens, where its row is in the
+//      combine receive area of the peer that sent it (written by this rank's proxy);
+//    - the combine slot ids: per remote peer, the ids of the rows this rank's GPU staged for it
+//      (in row order) and the ids of the rows it sent here;
+//  - the data region, which only the GPU and the engine touch, so that it may be GPU memory (the
+//    engine then moves it directly where its NICs reach GPU memory, else staged):
+//    - the staging: per remote peer, a dispatch area (entries in the peer's format) and a compact
+//      combine area (the rows for the peer, each once) that this rank's kernels fill;
+//    - the receive areas: the same two per remote peer, written by that peer's proxy.
 // A remote peer's areas are at its index among this rank's remote peers (remote_peers()).
 #pragma once
 
@@ -27,6 +31,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -76,11 +81,13 @@ struct DecodedImm {
 // Errors: kInvalidArgument (not an all-to-all immediate, an unknown kind).
 Result<DecodedImm> decode_imm(uint32_t imm);
 
-// One write of a round: `length` bytes from `offset` of the sender's staging area into the same
-// offset of the receiver's receive area.
+// One write of a round: `length` bytes from `offset` of the sender's staging area for the peer
+// into the same offset of the receiver's receive area for the sender. Combine slot ids (`ids`)
+// are in the control region's id areas, entries and rows in the data region's areas.
 struct Chunk {
   uint64_t offset = 0;
   uint64_t length = 0;
+  bool ids = false;
   friend bool operator==(const Chunk&, const Chunk&) = default;
 };
 // `bytes` split into chunks of at most `chunk_bytes` (0: one chunk); none for 0 bytes.
@@ -100,8 +107,8 @@ inline constexpr uint64_t kCountsBytes = 16;
 void store_counts(std::byte* slot, const Counts& c);
 Counts load_counts(const std::byte* slot);
 
-// Where things are in a rank's proxy area. Offsets are multiples of 4096 (the words, counts)
-// or of 16.
+// Where things are in a rank's two proxy regions. Offsets are multiples of 4096 (the regions'
+// parts) or of 16 (a peer's area in a part).
 struct ProxyLayout {
   // The words, each array kMaxRanks long, indexed by peer rank.
   enum Word : uint32_t {
@@ -118,21 +125,25 @@ struct ProxyLayout {
     kWords = 8,
   };
   int num_remote = 0;
+  // --- the control region: the words from 0, then these.
   uint64_t counts_offset = 0;  // [send, recv][dispatch, combine][remote] x kCountsBytes
   // The combine map: combine_slots uint32, [token x top_k + slot]: the slot's row index in the
   // combine receive area of the rank that holds its expert (for ranks of other nodes).
   uint64_t combine_map_offset = 0;
   uint32_t combine_slots = 0;  // max_tokens_per_rank x top_k: the most rows of a combine round
-  // In a combine area (staging and receive alike): the rows' slot ids (uint32, in row order)
-  // from 0, the rows from combine_ids_bytes.
+  // One peer's slot ids (uint32 each, in row order): combine_slots of them, rounded up to 16.
   uint64_t combine_ids_bytes = 0;
+  uint64_t combine_ids_send_offset = 0;  // [remote] x combine_ids_bytes: staged here
+  uint64_t combine_ids_recv_offset = 0;  // [remote] x combine_ids_bytes: received here
+  uint64_t control_bytes = 0;            // the whole control region
+  // --- the data region.
   uint64_t dispatch_send_offset = 0;
   uint64_t combine_send_offset = 0;
   uint64_t dispatch_recv_offset = 0;
   uint64_t combine_recv_offset = 0;
   uint64_t dispatch_area_bytes = 0;  // one peer's: Layout::dispatch_area_bytes
-  uint64_t combine_area_bytes = 0;   // one peer's: the ids, then combine_slots rows
-  uint64_t bytes = 0;                // the whole area
+  uint64_t combine_area_bytes = 0;   // one peer's rows: Layout::combine_bytes (combine_slots rows)
+  uint64_t data_bytes = 0;           // the whole data region
 
   // Errors: kInvalidArgument (gpus_per_node does not divide world_size).
   static Result<ProxyLayout> of(const AllToAllConfig& config, const Layout& layout);
@@ -146,6 +157,12 @@ struct ProxyLayout {
            ((recv ? 2u : 0u) + (combine ? 1u : 0u)) * static_cast<uint64_t>(num_remote) *
                kCountsBytes +
            static_cast<uint64_t>(remote) * kCountsBytes;
+  }
+  uint64_t combine_ids_send(int remote) const {
+    return combine_ids_send_offset + static_cast<uint64_t>(remote) * combine_ids_bytes;
+  }
+  uint64_t combine_ids_recv(int remote) const {
+    return combine_ids_recv_offset + static_cast<uint64_t>(remote) * combine_ids_bytes;
   }
   uint64_t dispatch_send(int remote) const {
     return dispatch_send_offset + static_cast<uint64_t>(remote) * dispatch_area_bytes;
@@ -161,17 +178,16 @@ struct ProxyLayout {
   }
 };
 
-// The writes of one round to one peer, chunks of at most `chunk_bytes` (0: one per piece), at
-// offsets from the start of the area (the same in the sender's staging and the receiver's
-// receive area); one data immediate each. Dispatch: `value` entries from 0. Combine: `value`
-// rows: their slot ids from 0, then the rows from ProxyLayout::combine_ids_bytes. None for 0.
-std::vector<Chunk> round_chunks(const Layout& layout, const ProxyLayout& proxy_layout, bool combine,
-                                uint32_t value, uint64_t chunk_bytes);
+// The writes of one round to one peer, chunks of at most `chunk_bytes` (0: one per piece), one
+// data immediate each. Dispatch: `value` entries from 0. Combine: `value` rows: their slot ids
+// (`ids`) from 0, then the rows from 0. None for 0.
+std::vector<Chunk> round_chunks(const Layout& layout, bool combine, uint32_t value,
+                                uint64_t chunk_bytes);
 
-// The words as the host sees them: acquire loads and release stores on 64-bit words of the area
-// (the GPU side uses ld.acquire.sys / st.release.sys on the same words).
-uint64_t load_word(const std::byte* area, ProxyLayout::Word w, int rank);
-void store_word(std::byte* area, ProxyLayout::Word w, int rank, uint64_t value);
+// The words as the host sees them: acquire loads and release stores on 64-bit words of the
+// control region (the GPU side uses ld.acquire.sys / st.release.sys on the same words).
+uint64_t load_word(const std::byte* control, ProxyLayout::Word w, int rank);
+void store_word(std::byte* control, ProxyLayout::Word w, int rank, uint64_t value);
 
 // --- the proxy ---------------------------------------------------------------------------------
 
@@ -189,17 +205,26 @@ struct ProxyOptions {
   std::chrono::microseconds idle_sleep{20};
 };
 
-// One rank's proxy. Created with its area, then connect() with every rank's handle() starts the
-// thread. Thread-safe: status() may be called from any thread while the proxy runs.
+// The two regions of one rank's proxy (ProxyLayout), zeroed and 16-byte aligned, the caller's.
+struct ProxyAreas {
+  std::span<std::byte> control;  // host memory, control_bytes
+  std::span<std::byte> data;     // host or GPU memory, data_bytes; never touched by the proxy
+};
+// Called once by Proxy::create, after the engine is open: `direct` says whether it moves GPU
+// memory itself (every NIC of its group reaches it) rather than staging it through host memory.
+using ProxyAllocator = std::function<Result<ProxyAreas>(const ProxyLayout& layout, bool direct)>;
+
+// One rank's proxy. Created with its regions, then connect() with every rank's handle() starts
+// the thread. Thread-safe: status() may be called from any thread while the proxy runs.
 class Proxy {
  public:
-  // `area` (ProxyLayout::of(config, layout).bytes, zeroed) stays the caller's and must outlive
-  // the proxy. Opens the engine (one caller-driven group) and registers the area. Blocking.
-  // Errors: those of ProxyLayout::of, kInvalidArgument (area too small or misaligned), the
-  // engine's (kUnsupported for an absent provider, kFabric).
+  // Opens the engine (one caller-driven group), asks `allocate` for the regions and registers
+  // them; they must outlive the proxy. Blocking. Errors: those of ProxyLayout::of and of
+  // `allocate`, kInvalidArgument (a region too small or misaligned), the engine's (kUnsupported
+  // for an absent provider, kFabric).
   static Result<std::unique_ptr<Proxy>> create(const AllToAllConfig& config, const Layout& layout,
-                                               std::span<std::byte> area,
-                                               const ProxyOptions& options);
+                                               const ProxyOptions& options,
+                                               const ProxyAllocator& allocate);
   // Stops the thread and closes the engine (bounded: the engine's close_timeout, posted writes
   // are cancelled after it). Never waits for a peer beyond that.
   ~Proxy();
@@ -207,11 +232,13 @@ class Proxy {
   Proxy& operator=(const Proxy&) = delete;
 
   const ProxyLayout& layout() const { return layout_; }
-  // Versioned bytes: the registered area's descriptor (which carries the engine's address).
+  // Whether the engine moves GPU memory itself (what `allocate` was told).
+  bool direct() const { return direct_; }
+  // Versioned bytes: the two regions' descriptors (which carry the engine's address).
   Bytes handle() const;
   // `handles`: every rank's handle() in rank order; those of this node's ranks are not read
   // (they may be empty). Starts the thread. Once. Errors: kInvalidArgument (count, a malformed
-  // handle, an area of another size), kAlreadyExists.
+  // handle, regions of other sizes), kAlreadyExists.
   Status connect(const std::vector<Bytes>& handles);
   // The first failure, or ok: kPeerUnreachable (a write to a peer failed), kTimeout (a peer
   // silent for longer than the timeout), kInternal (a peer broke the protocol). The thread
@@ -223,7 +250,7 @@ class Proxy {
  private:
   struct Peer;
   Proxy(const AllToAllConfig& config, const Layout& layout, const ProxyLayout& proxy_layout,
-        std::span<std::byte> area, const ProxyOptions& options);
+        const ProxyOptions& options);
   void run();
   bool pass();
   bool send_round(Peer& p, bool combine);
@@ -233,14 +260,16 @@ class Proxy {
   bool map_rows(const Peer& p, uint32_t round);
   uint32_t most(bool combine) const;  // entries (dispatch) or rows (combine) an area holds
   void fail(Status s);
-  void post(Peer& p, bool combine, uint64_t src_offset, uint64_t dst_offset, uint64_t length,
-            uint32_t imm);
+  // `control`: between the control regions, else the data regions.
+  void post(Peer& p, bool combine, bool control, uint64_t src_offset, uint64_t dst_offset,
+            uint64_t length, uint32_t imm);
 
   AllToAllConfig config_;
   Layout a2a_;
   ProxyLayout layout_;
-  std::span<std::byte> area_;
   ProxyOptions options_;
+  ProxyAreas areas_;
+  bool direct_ = false;
   // Members in creation order; the destructor joins the thread, then closes the engine (its
   // callbacks touch peers_ and failure_), then the rest goes.
   mutable std::atomic<bool> failed_{false};
@@ -248,7 +277,8 @@ class Proxy {
   Status failure_;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::unique_ptr<TransferEngine> engine_;
-  MemoryHandle area_handle_;
+  MemoryHandle control_handle_;
+  MemoryHandle data_handle_;
   Bytes descriptor_;
   // The proxy thread's own: the last round this rank's GPU raised of each kind (dispatch,
   // combine) and when the proxy first saw it (a peer's data of that round is due from then).

@@ -62,11 +62,17 @@ def free_port():
 
 # How the WORLD ranks are placed: one node (CUDA IPC), or two nodes of WORLD / 2 GPUs (two ranks:
 # two one-GPU nodes; ranks of the other node through the proxy path, over the tcp provider on
-# loopback).
+# loopback), the proxy's areas in pinned host memory ("auto" on tcp) or in GPU memory (which tcp
+# stages through host memory).
 TOPOLOGIES = {
     "one_node": {},
     "two_nodes": {"gpus_per_node": WORLD // 2, "provider": "tcp", "nics": ["lo"]},
+    "two_nodes_gpu_areas": {"gpus_per_node": WORLD // 2, "provider": "tcp", "nics": ["lo"],
+                            "proxy_memory": "gpu"},
 }
+# What AllToAll.proxy_memory reports under each.
+PROXY_MEMORY = {"one_node": "none", "two_nodes": "host", "two_nodes_gpu_areas": "gpu (staged)"}
+_topology = []  # the scenario's topology, in the ranks' processes
 topologies = pytest.mark.parametrize("topology", list(TOPOLOGIES))
 _a2a_options = {}  # TOPOLOGIES[the scenario's topology], in the ranks' processes
 
@@ -91,6 +97,7 @@ def _worker(rank, port, scenario, topology, kwargs):
     import torch.distributed as dist
 
     _a2a_options.update(TOPOLOGIES[topology])
+    _topology.append(topology)
     os.environ.update(NO_MULTICAST)
     torch.cuda.set_device(DEVICES[rank])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -238,10 +245,12 @@ def assert_combined(out, ref, what):
 def new_a2a(hidden, top_k, max_tokens, fp8, num_experts=16, timeout=10.0):
     from fabric_lib.ep import AllToAll
 
-    return AllToAll(num_experts=num_experts, hidden=hidden, top_k=top_k,
-                    max_tokens_per_rank=max_tokens,
-                    dtype=fp8_dtype() if fp8 else torch.bfloat16, timeout=timeout,
-                    **_a2a_options)
+    a2a = AllToAll(num_experts=num_experts, hidden=hidden, top_k=top_k,
+                   max_tokens_per_rank=max_tokens,
+                   dtype=fp8_dtype() if fp8 else torch.bfloat16, timeout=timeout,
+                   **_a2a_options)
+    assert a2a.proxy_memory == PROXY_MEMORY[_topology[0]], a2a.proxy_memory
+    return a2a
 
 
 def remote_ranks(rank):
@@ -459,6 +468,7 @@ def test_peers_configured_differently_are_refused(topology):
     ("rank", {"rank": 2}, "rank 2"),
     ("dtype", {"dtype": "fp16"}, "fp16"),
     ("timeout", {"timeout": -1.0}, "timeout"),
+    ("proxy_memory", {"proxy_memory": "cpu"}, "proxy_memory 'cpu' is none of"),
 ])
 def test_bad_configuration_is_named(field, kwargs, words):
     args = dict(rank=0, world_size=2, num_experts=256, hidden=7168, top_k=8,

@@ -1,9 +1,10 @@
 // fabric::ep's inter-node path without a GPU: the schedule's pure functions, and the proxy
 // protocol end to end over real engines (tcp and shm, two or four in this process, each proxy
 // driving its own caller-progress group). FakeGpu is a test double for the kernels: it plays
-// their part on the proxy area in host memory (stages a round and raises the ready word, waits
-// for the receive flag, checks every byte, raises the done word), as the kernels do through the
-// area's device mapping.
+// their part on the proxy's regions in host memory (stages a round and raises the ready word,
+// waits for the receive flag, checks every byte, raises the done word), as the kernels do
+// through the regions' device mappings. A data region may also be a FakeDeviceBuffer, the test
+// double for GPU memory that no NIC reaches.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -16,6 +17,7 @@
 #include <utility>
 
 #include "ep/proxy.h"
+#include "fabric/testing.h"
 #include "slowdown.h"
 
 namespace fabric::ep {
@@ -121,7 +123,8 @@ TEST(EpSchedule, BytesPerRoundFollowTheLayout) {
 }
 
 // A round's writes cover what the receiver reads: dispatch entries from 0; combine rows compact,
-// their slot ids from 0 and the rows after the ids region, each piece in chunks of its own.
+// their slot ids from 0 of the id areas (control region) and the rows from 0 of the combine
+// areas (data region), each piece in chunks of its own.
 TEST(EpSchedule, RoundChunksCoverTheIdsAndTheRows) {
   const AllToAllConfig c = small_config(0, 2, 1);
   auto l = Layout::of(c);
@@ -130,18 +133,22 @@ TEST(EpSchedule, RoundChunksCoverTheIdsAndTheRows) {
   ASSERT_TRUE(p);
   EXPECT_EQ(p->combine_slots, 48u);
   EXPECT_EQ(p->combine_ids_bytes, 192u);
-  EXPECT_EQ(p->combine_area_bytes, 192u + l->combine_bytes);
-  EXPECT_TRUE(round_chunks(*l, *p, false, 0, 100).empty());
-  EXPECT_TRUE(round_chunks(*l, *p, true, 0, 100).empty());
-  EXPECT_EQ(round_chunks(*l, *p, false, 2, 0), (std::vector<Chunk>{{0, dispatch_bytes(*l, 2)}}));
-  // 5 rows: 20 bytes of ids, then 5 x 512 bytes of rows from offset 192, in chunks of 1000.
-  EXPECT_EQ(round_chunks(*l, *p, true, 5, 1000),
-            (std::vector<Chunk>{{0, 20}, {192, 1000}, {1192, 1000}, {2192, 560}}));
-  EXPECT_EQ(round_chunks(*l, *p, true, 5, 0), (std::vector<Chunk>{{0, 20}, {192, 2560}}));
-  // The most a round can carry stays inside one area.
+  EXPECT_EQ(p->combine_area_bytes, l->combine_bytes);
+  EXPECT_TRUE(round_chunks(*l, false, 0, 100).empty());
+  EXPECT_TRUE(round_chunks(*l, true, 0, 100).empty());
+  EXPECT_EQ(round_chunks(*l, false, 2, 0), (std::vector<Chunk>{{0, dispatch_bytes(*l, 2)}}));
+  // 5 rows: 20 bytes of ids, then 5 x 512 bytes of rows, in chunks of 1000.
+  EXPECT_EQ(round_chunks(*l, true, 5, 1000),
+            (std::vector<Chunk>{{0, 20, true}, {0, 1000}, {1000, 1000}, {2000, 560}}));
+  EXPECT_EQ(round_chunks(*l, true, 5, 0), (std::vector<Chunk>{{0, 20, true}, {0, 2560}}));
+  // The most a round can carry stays inside one peer's areas.
   for (uint64_t chunk : {0ull, 7ull, 1000ull, 1ull << 20}) {
-    for (const Chunk& k : round_chunks(*l, *p, true, p->combine_slots, chunk)) {
-      EXPECT_LE(k.offset + k.length, p->combine_area_bytes);
+    for (const Chunk& k : round_chunks(*l, true, p->combine_slots, chunk)) {
+      EXPECT_LE(k.offset + k.length, k.ids ? p->combine_ids_bytes : p->combine_area_bytes);
+    }
+    for (const Chunk& k : round_chunks(*l, false, c.max_tokens_per_rank, chunk)) {
+      EXPECT_FALSE(k.ids);
+      EXPECT_LE(k.offset + k.length, p->dispatch_area_bytes);
     }
   }
 }
@@ -163,19 +170,25 @@ TEST(EpSchedule, ProxyLayoutRegionsAreAlignedAndDisjoint) {
     ASSERT_TRUE(p) << p.status().to_string();
     EXPECT_EQ(p->num_remote, world - per_node);
     const uint64_t n = static_cast<uint64_t>(p->num_remote);
+    // The control region: the words, counts, map and the two id arrays, in that order.
     EXPECT_GE(p->counts_offset, ProxyLayout::kWords * kMaxRanks * 8u);
     EXPECT_GE(p->combine_map_offset, p->counts_offset + 4 * n * kCountsBytes);
-    EXPECT_GE(p->dispatch_send_offset, p->combine_map_offset + 4ull * p->combine_slots);
+    EXPECT_GE(p->combine_ids_send_offset, p->combine_map_offset + 4ull * p->combine_slots);
+    EXPECT_GE(p->combine_ids_bytes, 4ull * p->combine_slots);
+    EXPECT_GE(p->combine_ids_recv_offset, p->combine_ids_send_offset + n * p->combine_ids_bytes);
+    EXPECT_GE(p->control_bytes, p->combine_ids_recv_offset + n * p->combine_ids_bytes);
+    // The data region: the four per-peer arrays of areas.
+    EXPECT_EQ(p->dispatch_send_offset, 0u);
     EXPECT_GE(p->combine_send_offset, p->dispatch_send_offset + n * l->dispatch_area_bytes);
-    EXPECT_GE(p->combine_area_bytes, 4ull * p->combine_slots + l->combine_bytes);
+    EXPECT_EQ(p->combine_area_bytes, l->combine_bytes);
     EXPECT_GE(p->dispatch_recv_offset, p->combine_send_offset + n * p->combine_area_bytes);
     EXPECT_GE(p->combine_recv_offset, p->dispatch_recv_offset + n * l->dispatch_area_bytes);
-    EXPECT_GE(p->bytes, p->combine_recv_offset + n * p->combine_area_bytes);
+    EXPECT_GE(p->data_bytes, p->combine_recv_offset + n * p->combine_area_bytes);
     EXPECT_EQ(p->combine_ids_bytes % 16, 0u);
     EXPECT_EQ(p->combine_area_bytes % 16, 0u);
-    for (uint64_t off :
-         {p->counts_offset, p->combine_map_offset, p->dispatch_send_offset, p->combine_send_offset,
-          p->dispatch_recv_offset, p->combine_recv_offset, p->bytes}) {
+    for (uint64_t off : {p->counts_offset, p->combine_map_offset, p->combine_ids_send_offset,
+                         p->combine_ids_recv_offset, p->control_bytes, p->combine_send_offset,
+                         p->dispatch_recv_offset, p->combine_recv_offset, p->data_bytes}) {
       EXPECT_EQ(off % 4096, 0u);
     }
     // Counts slots: four disjoint arrays.
@@ -227,8 +240,11 @@ uint32_t slot_of(int from, int peers, uint32_t round, uint32_t i, uint32_t slots
 // does not move within the timeout, and kInternal naming the first wrong byte.
 class FakeGpu {
  public:
-  FakeGpu(const AllToAllConfig& c, const Layout& l, const ProxyLayout& p, std::byte* area)
-      : c_(c), l_(l), p_(p), area_(area) {
+  // `data`: the data region as this test reaches it (the same bytes as the proxy's, or a second
+  // mapping of them for a FakeDeviceBuffer).
+  FakeGpu(const AllToAllConfig& c, const Layout& l, const ProxyLayout& p, std::byte* control,
+          std::byte* data)
+      : c_(c), l_(l), p_(p), control_(control), data_(data) {
     peers_ = remote_peers(c.rank, c.world_size, c.gpus_per_node);
   }
 
@@ -245,7 +261,7 @@ class FakeGpu {
             std::chrono::milliseconds timeout, uint64_t* value = nullptr) const {
     const auto until = Clock::now() + timeout;
     for (;;) {
-      const uint64_t v = load_word(area_, w, rank);
+      const uint64_t v = load_word(control_, w, rank);
       if (static_cast<int32_t>(static_cast<uint32_t>(v >> shift) - round) >= 0) {
         if (value != nullptr) *value = v;
         return true;
@@ -272,25 +288,26 @@ class FakeGpu {
       const int i = remote_index(c_.rank, d, c_.gpus_per_node);
       const uint32_t n = amount(c_.rank, d, round, kind, most(kind));
       if (kind == 0) {
-        std::byte* to = area_ + p_.dispatch_send(i);
+        std::byte* to = data_ + p_.dispatch_send(i);
         const uint64_t bytes = dispatch_bytes(l_, n);
         for (uint64_t b = 0; b < bytes; ++b) to[b] = pattern(c_.rank, d, round, kind, b);
       } else {
         // Compact: row j holds slot_of(j)'s output, its id in place j of the ids.
-        std::byte* area = area_ + p_.combine_send(i);
+        std::byte* rows = data_ + p_.combine_send(i);
+        std::byte* ids = control_ + p_.combine_ids_send(i);
         const int from = remote_index(d, c_.rank, c_.gpus_per_node);
         for (uint32_t j = 0; j < n; ++j) {
           uint32_t slot = slot_of(from, p_.num_remote, round, j, p_.combine_slots);
           const uint64_t from = slot * l_.combine_row_bytes;
-          std::byte* row = area + p_.combine_ids_bytes + j * l_.combine_row_bytes;
+          std::byte* row = rows + j * l_.combine_row_bytes;
           for (uint64_t b = 0; b < l_.combine_row_bytes; ++b) {
             row[b] = pattern(c_.rank, d, round, kind, from + b);
           }
           if (j == 0 && bad_slot_) slot = *std::exchange(bad_slot_, std::nullopt);
-          std::memcpy(area + 4ull * j, &slot, 4);
+          std::memcpy(ids + 4ull * j, &slot, 4);
         }
       }
-      store_word(area_, kind == 0 ? ProxyLayout::kDispatchReady : ProxyLayout::kCombineReady, d,
+      store_word(control_, kind == 0 ? ProxyLayout::kDispatchReady : ProxyLayout::kCombineReady, d,
                  (static_cast<uint64_t>(round) << 32) | n);
     }
     return Status::ok();
@@ -316,7 +333,7 @@ class FakeGpu {
       const std::string which =
           " of rank " + std::to_string(s) + "'s round " + std::to_string(round) + " differs";
       if (kind == 0) {
-        const std::byte* from = area_ + p_.dispatch_recv(i);
+        const std::byte* from = data_ + p_.dispatch_recv(i);
         for (uint64_t b = 0; b < dispatch_bytes(l_, n); ++b) {
           if (from[b] != pattern(s, c_.rank, round, kind, b)) {
             return Status(ErrorCode::kInternal, "byte " + std::to_string(b) + which);
@@ -324,8 +341,8 @@ class FakeGpu {
         }
       } else {
         // As combine_recv reads: each expected slot's row where the proxy's map says.
-        const auto* map = reinterpret_cast<const uint32_t*>(area_ + p_.combine_map_offset);
-        const std::byte* rows = area_ + p_.combine_recv(i) + p_.combine_ids_bytes;
+        const auto* map = reinterpret_cast<const uint32_t*>(control_ + p_.combine_map_offset);
+        const std::byte* rows = data_ + p_.combine_recv(i);
         for (uint32_t j = 0; j < n; ++j) {
           const uint32_t slot = slot_of(i, p_.num_remote, round, j, p_.combine_slots);
           if (map[slot] >= n) {
@@ -341,7 +358,7 @@ class FakeGpu {
           }
         }
       }
-      store_word(area_, kind == 0 ? ProxyLayout::kDispatchDone : ProxyLayout::kCombineDone, s,
+      store_word(control_, kind == 0 ? ProxyLayout::kDispatchDone : ProxyLayout::kCombineDone, s,
                  round);
     }
     return Status::ok();
@@ -350,18 +367,33 @@ class FakeGpu {
   AllToAllConfig c_;
   Layout l_;
   ProxyLayout p_;
-  std::byte* area_;
+  std::byte* control_;
+  std::byte* data_;
   std::vector<int> peers_;
   std::optional<uint32_t> bad_slot_;
 };
 
-// One rank: its area, its proxy and its FakeGpu.
+// Host memory of `bytes`, zeroed, 64-byte aligned.
+struct HostRegion {
+  std::unique_ptr<std::byte[]> storage;
+  std::byte* at = nullptr;
+  explicit HostRegion(uint64_t bytes) : storage(new std::byte[bytes + 64]()) {
+    at = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) / 64 * 64);
+  }
+};
+
+// Where a test puts the proxies' data regions.
+enum class DataIn { kHost, kFakeDevice };
+
+// One rank: its regions, its proxy and its FakeGpu.
 struct Rank {
   AllToAllConfig config;
   Layout layout;
   ProxyLayout proxy_layout;
-  std::unique_ptr<std::byte[]> storage;
-  std::byte* area = nullptr;
+  std::unique_ptr<HostRegion> control;
+  std::unique_ptr<HostRegion> data;                        // DataIn::kHost
+  std::unique_ptr<testing::FakeDeviceBuffer> device_data;  // DataIn::kFakeDevice
+  bool told_direct = true;                                 // what Proxy::create told the allocator
   std::unique_ptr<Proxy> proxy;
   std::unique_ptr<FakeGpu> gpu;
 };
@@ -370,7 +402,7 @@ class EpProxy : public ::testing::TestWithParam<std::string> {
  protected:
   // Creates and connects `world` ranks of `per_node` GPUs per node; false (and a skip reason)
   // when the provider is absent.
-  bool make(int world, int per_node, ProxyOptions options = {}) {
+  bool make(int world, int per_node, ProxyOptions options = {}, DataIn data_in = DataIn::kHost) {
     options.provider = GetParam();
     options.nics = {GetParam() == "tcp" ? "lo" : "shm"};
     options.timeout = 1000ms * kSlowdown;
@@ -388,10 +420,21 @@ class EpProxy : public ::testing::TestWithParam<std::string> {
       EXPECT_TRUE(pl) << pl.status().to_string();
       if (!pl) return false;
       k.proxy_layout = *pl;
-      k.storage.reset(new std::byte[pl->bytes + 64]());
-      k.area = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(k.storage.get()) + 63) /
-                                            64 * 64);
-      auto p = Proxy::create(k.config, k.layout, {k.area, pl->bytes}, options);
+      auto p = Proxy::create(
+          k.config, k.layout, options,
+          [&k, data_in](const ProxyLayout& l, bool direct) -> Result<ProxyAreas> {
+            k.told_direct = direct;
+            k.control = std::make_unique<HostRegion>(l.control_bytes);
+            if (data_in == DataIn::kHost) {
+              k.data = std::make_unique<HostRegion>(l.data_bytes);
+              return ProxyAreas{{k.control->at, l.control_bytes}, {k.data->at, l.data_bytes}};
+            }
+            auto device = testing::FakeDeviceBuffer::create(l.data_bytes);
+            if (!device) return device.status();
+            k.device_data = std::move(*device);
+            return ProxyAreas{{k.control->at, l.control_bytes},
+                              {static_cast<std::byte*>(k.device_data->device_ptr()), l.data_bytes}};
+          });
       if (!p && p.status().code() == ErrorCode::kUnsupported) {
         skip_ = p.status().to_string();
         return false;
@@ -399,7 +442,9 @@ class EpProxy : public ::testing::TestWithParam<std::string> {
       EXPECT_TRUE(p) << p.status().to_string();
       if (!p) return false;
       k.proxy = std::move(*p);
-      k.gpu = std::make_unique<FakeGpu>(k.config, k.layout, k.proxy_layout, k.area);
+      k.gpu = std::make_unique<FakeGpu>(
+          k.config, k.layout, k.proxy_layout, k.control->at,
+          data_in == DataIn::kHost ? k.data->at : k.device_data->contents().data());
       handles.push_back(k.proxy->handle());
     }
     for (Rank& k : ranks_) {
@@ -453,6 +498,18 @@ TEST_P(EpProxy, TwoNodesCarryEveryByteOfManyRounds) {
   run_rounds(1, 60);
 }
 
+// The data regions in (test double) GPU memory that no NIC reaches: the engine stages every
+// entry and row through host memory, and every byte still arrives (the control region, which
+// the proxy reads, stays in host memory). The allocator was told the engine is not direct.
+TEST_P(EpProxy, DataRegionsInDeviceMemoryGoThroughTheStagedPath) {
+  MAKE_OR_SKIP(2, 1, ProxyOptions{}, DataIn::kFakeDevice);
+  for (const Rank& k : ranks_) {
+    EXPECT_FALSE(k.told_direct);
+    EXPECT_FALSE(k.proxy->direct());
+  }
+  run_rounds(1, 20);
+}
+
 // The counters say what was sent: per kind a round and a counts write per peer and round, then
 // the round's chunks, with exactly their bytes; every round sent was received by the other side.
 TEST_P(EpProxy, StatsCountTheRoundsWritesAndBytes) {
@@ -468,7 +525,7 @@ TEST_P(EpProxy, StatsCountTheRoundsWritesAndBytes) {
                                         : k.proxy_layout.combine_slots / 2;  // two remote peers
         for (uint32_t round = 1; round <= rounds; ++round) {
           const uint32_t n = amount(k.config.rank, d, round, kind, most);
-          const auto chunks = round_chunks(k.layout, k.proxy_layout, kind == 1, n, 3000);
+          const auto chunks = round_chunks(k.layout, kind == 1, n, 3000);
           writes += 1 + chunks.size();
           bytes += kCountsBytes;
           for (const Chunk& c : chunks) bytes += c.length;
@@ -605,25 +662,39 @@ TEST_P(EpProxy, ConnectRefusesBadHandles) {
   // Connected already.
   std::vector<Bytes> handles = {ranks_[0].proxy->handle(), ranks_[1].proxy->handle()};
   EXPECT_EQ(ranks_[0].proxy->connect(handles).code(), ErrorCode::kAlreadyExists);
-  // A fresh proxy: wrong count, garbage, another area size.
+  // A fresh proxy: wrong count, garbage.
   Rank k;
   k.config = small_config(0, 2, 1);
   k.layout = *Layout::of(k.config);
   k.proxy_layout = *ProxyLayout::of(k.config, k.layout);
-  k.storage.reset(new std::byte[k.proxy_layout.bytes + 64]());
-  k.area =
-      reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(k.storage.get()) + 63) / 64 * 64);
+  HostRegion control(k.proxy_layout.control_bytes), data(k.proxy_layout.data_bytes);
   ProxyOptions o;
   o.provider = GetParam();
   o.nics = {GetParam() == "tcp" ? "lo" : "shm"};
-  auto p = Proxy::create(k.config, k.layout, {k.area, k.proxy_layout.bytes}, o);
+  auto with = [&](uint64_t control_offset, uint64_t data_bytes) {
+    return [&, control_offset, data_bytes](const ProxyLayout& l, bool) -> Result<ProxyAreas> {
+      return ProxyAreas{{control.at + control_offset, l.control_bytes}, {data.at, data_bytes}};
+    };
+  };
+  auto p = Proxy::create(k.config, k.layout, o, with(0, k.proxy_layout.data_bytes));
   ASSERT_TRUE(p) << p.status().to_string();
   EXPECT_EQ((*p)->connect({handles[0]}).code(), ErrorCode::kInvalidArgument);
   Status s = (*p)->connect({handles[0], Bytes(10)});
   EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
   EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.to_string();
-  EXPECT_EQ(Proxy::create(k.config, k.layout, {k.area, 100}, o).status().code(),
-            ErrorCode::kInvalidArgument);
+  // Regions too small or misaligned; the allocator's own failure comes back as it is.
+  s = Proxy::create(k.config, k.layout, o, with(0, 100)).status();
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("data region of 100 bytes"), std::string::npos) << s.to_string();
+  s = Proxy::create(k.config, k.layout, o, with(8, k.proxy_layout.data_bytes)).status();
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("control region is not 16-byte aligned"), std::string::npos)
+      << s.to_string();
+  s = Proxy::create(k.config, k.layout, o, [](const ProxyLayout&, bool) -> Result<ProxyAreas> {
+        return Status(ErrorCode::kFabric, "no memory for it");
+      }).status();
+  EXPECT_EQ(s.code(), ErrorCode::kFabric);
+  EXPECT_NE(s.message().find("no memory for it"), std::string::npos) << s.to_string();
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, EpProxy, ::testing::Values("tcp", "shm"),

@@ -77,6 +77,9 @@ TEST(EpConfig, EachBadFieldIsNamed) {
        [](AllToAllConfig& c) { c.timeout = std::chrono::milliseconds(0); },
        {"timeout 0 ms"}},
       {"cuda_device", [](AllToAllConfig& c) { c.cuda_device = -2; }, {"cuda_device -2"}},
+      {"proxy_memory",
+       [](AllToAllConfig& c) { c.proxy_memory = "cpu"; },
+       {"proxy_memory 'cpu'", "'auto', 'host' and 'gpu'"}},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.field);
