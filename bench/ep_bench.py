@@ -12,6 +12,7 @@ rank; a benchmark: it asserts nothing about times.
 
     python3 bench/ep_bench.py [--shapes decode,prefill] [--iters 200] [--json FILE]
                               [--gpus-per-node N --provider tcp --nics lo] [--devices 0,0]
+                              [--proxy-memory auto|host|gpu]
 
 --gpus-per-node N (default: all ranks on one node) sends every rank of another "node" through
 the inter-node path (the ranks' proxies and engines of --provider on --nics), here between the
@@ -168,10 +169,11 @@ def bench_shape(rank, world, name, n, iters, warmup, nodes, device, nccl):
                 results[k + " recv half"] = percentiles([e[1].elapsed_time(e[2]) for e in evs])
         if pair[0] == "ep dispatch (eager)" and nodes and before is not None:
             results["proxy"] = proxy_split(before, a2a.proxy_stats())
+    memory = getattr(a2a, "proxy_memory", "host" if nodes else "none")
     a2a.close()
     mb = lambda v: round(v / 1e6, 3)
     results["bytes"] = {"dispatch_sent_MB": mb(sum(in_splits)), "combine_sent_MB": mb(sum(back_in)),
-                        "dispatch_payload_per_token": token_bytes}
+                        "dispatch_payload_per_token": token_bytes, "proxy_memory": memory}
     return results
 
 
@@ -206,6 +208,8 @@ def worker(rank, world, port, args, queue):
         if args.gpus_per_node:
             nodes = {"gpus_per_node": args.gpus_per_node, "provider": args.provider,
                      "nics": [n for n in args.nics.split(",") if n]}
+            if args.proxy_memory != "auto":  # (builds before it had no such argument)
+                nodes["proxy_memory"] = args.proxy_memory
         for name in args.shapes.split(","):
             report[name] = bench_shape(rank, world, name, SHAPES[name], args.iters, args.warmup,
                                        nodes, devices[rank], nccl)
@@ -228,6 +232,8 @@ def main():
                    help="ranks of one node (0: all); the others go through the proxies")
     p.add_argument("--provider", default="tcp", help="the proxies' engine provider")
     p.add_argument("--nics", default="lo", help="the proxies' NICs, comma-separated")
+    p.add_argument("--proxy-memory", default="auto",
+                   help="where the proxies' areas are: auto, host or gpu")
     p.add_argument("--devices", default="",
                    help="each rank's GPU, comma-separated (default 0,1,...; 0,0: one GPU)")
     args = p.parse_args()
@@ -252,7 +258,7 @@ def main():
           f"dispatch, bf16 combine, {args.iters} iterations")
     for shape in args.shapes.split(","):
         print(f"\n## {shape}: {SHAPES[shape]} tokens per rank; "
-              f"bytes (rank 0): {reports[0][shape]['bytes']}\n")
+              f"bytes and the proxy's areas (rank 0): {reports[0][shape]['bytes']}\n")
         print("| operation | " + " | ".join(f"rank {r} p50 / p99 µs" for r in range(args.world))
               + " |")
         print("| --- |" + " ---: |" * args.world)

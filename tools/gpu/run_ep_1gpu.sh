@@ -5,9 +5,11 @@
 # engines over loopback). Builds the fabric_lib module (tools/gpu/build_module.sh), and, when
 # $BUNDLE/versions/$BEFORE holds an older build (its include/, src/, python/ and libfabriclib.a),
 # that one too; then
-#   1. bench/ep_bench.py decode over tcp and over shm, the older build and this one alternating;
+#   1. bench/ep_bench.py decode over tcp and over shm, the older build and this one alternating,
+#      each with the proxies' areas in each of MEMORIES (default "auto"; e.g. "host gpu": this
+#      build only, as older ones take no --proxy-memory);
 #   2. tests/python/test_ep.py's two_nodes cases (FABRIC_EP_TEST_DEVICES=0,0), then the rest;
-#   3. bench/ep_bench.py prefill over shm, both builds.
+#   3. bench/ep_bench.py prefill over shm, both builds, each of MEMORIES.
 # Logs go under OUT (default /tmp/ep1-out). Every step runs under `timeout`, cut to what is left
 # of a BUDGET-second budget (default 540). The figures are this path's cost on one host with the
 # two ranks time-slicing one GPU: upper bounds, not two nodes'.
@@ -15,6 +17,7 @@ set -u
 BUNDLE=${BUNDLE:-.gpu}
 BEFORE=${BEFORE:-before-ep}
 BUDGET=${BUDGET:-540}
+MEMORIES=${MEMORIES:-auto}
 ROOT=$PWD
 OUT=${OUT:-/tmp/ep1-out}
 mkdir -p "$OUT"
@@ -42,17 +45,20 @@ fi
 wait
 for b in "${builds[@]}"; do [ -f /tmp/ep1-$b/fabric_lib/__init__.py ] || { echo "no module $b"; exit 1; }; done
 
-# bench NAME SHAPE PROVIDER ITERS WARMUP
+# bench BUILD SHAPE PROVIDER ITERS WARMUP RESERVE MEMORY
 bench() {
-  echo "-- ep_bench $2 over $3, build $1 ($(elapsed))"
+  local name="ep_$2_$3_$1$([ "$7" = auto ] || echo "_$7")"
+  echo "-- ep_bench $2 over $3, build $1, proxy memory $7 ($(elapsed))"
   PYTHONPATH=/tmp/ep1-$1 timeout "$(left "$6")" python3 bench/ep_bench.py --devices 0,0 --gpus-per-node 1 \
     --provider "$3" --nics "$([ "$3" = tcp ] && echo lo || echo shm)" --shapes "$2" --iters "$4" --warmup "$5" \
-    --json "$OUT/ep_$2_$3_$1.json" >"$OUT/ep_$2_$3_$1.txt" 2>&1
-  echo "exit $?"; grep -v "^$" "$OUT/ep_$2_$3_$1.txt" | tail -22
+    --proxy-memory "$7" --json "$OUT/$name.json" >"$OUT/$name.txt" 2>&1
+  echo "exit $?"; grep -v "^$" "$OUT/$name.txt" | tail -22
 }
 
 echo "== 1. decode ($(elapsed)) =="
-for p in tcp shm; do for b in "${builds[@]}"; do bench "$b" decode "$p" 200 20 330; done; done
+for p in tcp shm; do for b in "${builds[@]}"; do for m in $MEMORIES; do
+  bench "$b" decode "$p" 200 20 330 "$m"
+done; done; done
 
 echo "== 2. tests/python/test_ep.py ($(elapsed)) =="
 FABRIC_EP_TEST_DEVICES=0,0 PYTHONPATH=/tmp/ep1-after timeout "$(left 150)" python3 -m pytest -v -rs --durations=0 \
@@ -62,7 +68,7 @@ grep -E "PASSED|FAILED|SKIPPED|ERROR|^E " "$OUT/test_ep_two_nodes.log" | head -4
 tail -2 "$OUT/test_ep_two_nodes.log"
 
 echo "== 3. prefill ($(elapsed)) =="
-for b in "${builds[@]}"; do bench "$b" prefill shm 10 2 100; done
+for b in "${builds[@]}"; do for m in $MEMORIES; do bench "$b" prefill shm 10 2 100 "$m"; done; done
 
 FABRIC_EP_TEST_DEVICES=0,0 PYTHONPATH=/tmp/ep1-after timeout "$(left 5)" python3 -m pytest -v -rs \
   -p no:cacheprovider -k "not two_nodes" tests/python/test_ep.py >"$OUT/test_ep_one_node.log" 2>&1
