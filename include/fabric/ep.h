@@ -69,10 +69,10 @@ struct AllToAllConfig {
   std::vector<std::string> nics;
   // Where the proxy's staging and receive areas are (the bytes the kernels write for, and read
   // from, the ranks of other nodes): "host" (pinned host memory, which the kernels reach over
-  // PCIe), "gpu" (GPU memory: the engine reads and writes it itself where its NICs reach GPU
-  // memory, as GPUDirect RDMA does, and stages it through host memory where they do not), or
-  // "auto": "gpu" when the proxy's engine reaches GPU memory itself, else "host". The words,
-  // counts and slot ids stay in pinned host memory either way. Ranks may differ.
+  // PCIe), "gpu" (GPU memory, which the proxy's engine must reach itself: GPUDirect RDMA;
+  // create() fails with kUnsupported where it would stage it through host memory), or "auto":
+  // "gpu" when the proxy's engine reaches GPU memory itself, else "host". The words, counts and
+  // slot ids stay in pinned host memory either way. Ranks may differ.
   std::string proxy_memory = "auto";
 };
 
@@ -200,7 +200,8 @@ class AllToAll {
   // also the proxy's engine (config.provider) and regions (pinned host memory for its control
   // words, host or GPU memory for its areas: config.proxy_memory). Blocking.
   // Errors: those of validate(), kUnsupported (built without CUDA, no CUDA device, the provider
-  // absent), kFabric (a CUDA call failed, the engine could not open).
+  // absent, proxy_memory "gpu" on an engine that stages GPU memory), kFabric (a CUDA call
+  // failed, the engine could not open).
   static Result<std::unique_ptr<AllToAll>> create(const AllToAllConfig& config);
   // Stops the proxy (bounded: its engine's close cancels writes after at most 2 s), unmaps the
   // peers' buffers and frees this rank's. Blocking (cudaFree waits for the GPU). Every rank
@@ -237,7 +238,7 @@ class AllToAll {
   // The proxy's counters (zero without peers on other nodes). Never blocks; any thread.
   ProxyStats proxy_stats() const;
   // Where the proxy's areas are, as resolved from AllToAllConfig::proxy_memory: "none" (no peers
-  // on other nodes), "host", "gpu (direct)" (the engine reaches it itself) or "gpu (staged)".
+  // on other nodes), "host" or "gpu" (GPU memory the proxy's engine reaches itself).
   std::string proxy_memory() const;
 
   class Impl;

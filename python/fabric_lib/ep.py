@@ -64,9 +64,9 @@ class AllToAll:
     q sharing a node when r // gpus_per_node == q // gpus_per_node; ranks of other nodes go
     through the proxy, over `provider` ("auto", "tcp", "shm", "verbs") on `nics` (None: the
     provider's first). proxy_memory: where the proxy's staging and receive areas are ("host":
-    pinned host memory; "gpu": GPU memory, which the engine moves itself where its NICs reach
-    GPU memory and stages through host memory elsewhere; "auto": "gpu" where the engine reaches
-    it itself, else "host"). Created collectively: every rank of the group constructs it (the handles
+    pinned host memory; "gpu": GPU memory, for NICs that reach it themselves (GPUDirect RDMA),
+    Unsupported elsewhere; "auto": "gpu" where the engine reaches it itself, else "host").
+    Created collectively: every rank of the group constructs it (the handles
     are exchanged with torch.distributed.all_gather_object). Blocking. Not thread-safe."""
 
     def __init__(
@@ -274,8 +274,8 @@ class AllToAll:
 
     @property
     def proxy_memory(self) -> str:
-        """Where the proxy's areas are: "none" (every rank on this node), "host", "gpu (direct)"
-        (the engine reaches GPU memory itself) or "gpu (staged)"."""
+        """Where the proxy's areas are: "none" (every rank on this node), "host" or "gpu" (GPU
+        memory its engine reaches itself)."""
         return self.impl.proxy_memory
 
     def close(self, barrier: bool = True) -> None:

@@ -92,7 +92,7 @@ void bind_ep(py::module_& m) {
            "ranks of one node (0: all of them); ranks of other nodes are reached through a "
            "proxy thread and a TransferEngine of `provider` ('auto', 'tcp', 'shm', 'verbs') on "
            "`nics` (empty: the provider's first), its areas in `proxy_memory` ('auto', 'host', "
-           "'gpu'). Raises InvalidArgument naming a bad field, "
+           "'gpu': GPUDirect RDMA only). Raises InvalidArgument naming a bad field, "
            "Unsupported without CUDA or a GPU, or for an absent provider.")
       .def(
           "handle",
@@ -203,8 +203,8 @@ void bind_ep(py::module_& m) {
           "loop. All zero without peers on other nodes.")
       .def_property_readonly(
           "proxy_memory", [](const PyAllToAll& a) { return a.get().proxy_memory(); },
-          "Where the proxy's areas are: 'none' (no peers on other nodes), 'host', 'gpu (direct)' "
-          "(the engine reaches GPU memory itself) or 'gpu (staged)'.")
+          "Where the proxy's areas are: 'none' (no peers on other nodes), 'host' or 'gpu' (GPU "
+          "memory its engine reaches itself).")
       .def("close", &PyAllToAll::close,
            "Unmaps the peers' buffers and frees this rank's (blocks while the GPU finishes). "
            "Stop every rank first (a barrier).")

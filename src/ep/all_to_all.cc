@@ -257,6 +257,15 @@ class AllToAll::Impl {
     if (Status s = host(l.control_bytes, "control", &proxy_control, &proxy_control_device); !s) {
       return s;
     }
+    if (config.proxy_memory == "gpu" && !direct) {
+      return Status(
+          ErrorCode::kUnsupported,
+          fmt::format("proxy_memory 'gpu' needs NICs that reach GPU memory themselves (GPUDirect "
+                      "RDMA), and the proxy's engine (provider '{}') stages GPU memory through "
+                      "host memory: with the kernels waiting on the GPU, its copies did not "
+                      "complete (seen on an H200). Use 'host' or 'auto' (host here)",
+                      config.provider));
+    }
     proxy_data_on_gpu = config.proxy_memory == "gpu" || (config.proxy_memory == "auto" && direct);
     if (!proxy_data_on_gpu) {
       if (Status s = host(l.data_bytes, "data", &proxy_data, &proxy_data_device); !s) return s;
@@ -537,8 +546,7 @@ ProxyStats AllToAll::proxy_stats() const {
 
 std::string AllToAll::proxy_memory() const {
   if (!impl_->proxy) return "none";
-  if (!impl_->proxy_data_on_gpu) return "host";
-  return impl_->proxy->direct() ? "gpu (direct)" : "gpu (staged)";
+  return impl_->proxy_data_on_gpu ? "gpu" : "host";
 }
 
 }  // namespace fabric::ep

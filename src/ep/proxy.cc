@@ -233,6 +233,9 @@ Result<std::unique_ptr<Proxy>> Proxy::create(const AllToAllConfig& config, const
   // Completions run on the proxy thread, in its progress() passes.
   c.callbacks_on_worker = true;
   c.peer_timeout = options.timeout;
+  // Its peers are the ranks of other nodes, reached over the fabric even when they share this
+  // host (every GPU its own node): the engine's same-host CUDA IPC path is not for them.
+  c.cuda_ipc = Config::CudaIpc::kOff;
   c.close_timeout = std::min(options.timeout, std::chrono::milliseconds(2000));
   auto engine = TransferEngine::create(c);
   if (!engine) return engine.status();

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -111,6 +113,46 @@ TEST_P(StagedCuda, SingleWritesDeviceToDevice) {
     EXPECT_EQ(0, std::memcmp(want.data() + 8, got.data(), n));
     ++imm;
   }
+}
+
+// Both engines in caller-driven progress (GroupConfig::caller_progress, as fabric::ep's proxy
+// runs its engine), driven by one thread of the test: device memory still moves, on both sides,
+// and the immediate is counted after it.
+TEST_P(StagedCuda, CallerDrivenEnginesMoveDeviceMemory) {
+  Config config = make_config(GetParam());
+  config.gpu_direct = GetParam().name != "shm_staged";
+  config.groups[0].caller_progress = true;
+  config.groups[0].cpu = GroupConfig::kCpuNone;
+  config.callbacks_on_worker = true;
+  auto ea = TransferEngine::create(config);
+  ASSERT_TRUE(ea) << ea.status().to_string();
+  auto eb = TransferEngine::create(config);
+  ASSERT_TRUE(eb) << eb.status().to_string();
+  TransferEngine& a = **ea;
+  TransferEngine& b = **eb;
+  std::printf("%s: GPU memory path %s (caller-driven)\n", GetParam().provider.c_str(),
+              a.group_info().gpu_memory.c_str());
+  constexpr uint64_t n = (uint64_t{1} << 20) + 3;
+  auto src = make_gpu(a, n, 9);
+  auto dst = make_gpu(b, n, 0);
+  std::atomic<bool> done{false}, failed{false};
+  std::string why;
+  ASSERT_TRUE(a.submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, n, 7, {}},
+                       Callbacks{[&] { done.store(true); },
+                                 [&](const Status& s) {
+                                   why = s.to_string();
+                                   failed.store(true);
+                                 }}));
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while ((!done.load() || b.imm_count(7) == 0) && !failed.load() &&
+         std::chrono::steady_clock::now() < until) {
+    a.progress(0);
+    b.progress(0);
+  }
+  ASSERT_FALSE(failed.load()) << why;
+  ASSERT_TRUE(done.load()) << "the write did not complete within 20 s";
+  ASSERT_EQ(b.imm_count(7), 1u) << "the immediate was not counted within 20 s";
+  EXPECT_EQ(0, std::memcmp(src->read().data(), dst->read().data(), n));
 }
 
 TEST_P(StagedCuda, HostToDeviceAndBack) {

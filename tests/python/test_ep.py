@@ -62,16 +62,13 @@ def free_port():
 
 # How the WORLD ranks are placed: one node (CUDA IPC), or two nodes of WORLD / 2 GPUs (two ranks:
 # two one-GPU nodes; ranks of the other node through the proxy path, over the tcp provider on
-# loopback), the proxy's areas in pinned host memory ("auto" on tcp) or in GPU memory (which tcp
-# stages through host memory).
+# loopback, the proxy's areas in pinned host memory: "auto" where GPU memory is staged).
 TOPOLOGIES = {
     "one_node": {},
     "two_nodes": {"gpus_per_node": WORLD // 2, "provider": "tcp", "nics": ["lo"]},
-    "two_nodes_gpu_areas": {"gpus_per_node": WORLD // 2, "provider": "tcp", "nics": ["lo"],
-                            "proxy_memory": "gpu"},
 }
 # What AllToAll.proxy_memory reports under each.
-PROXY_MEMORY = {"one_node": "none", "two_nodes": "host", "two_nodes_gpu_areas": "gpu (staged)"}
+PROXY_MEMORY = {"one_node": "none", "two_nodes": "host"}
 _topology = []  # the scenario's topology, in the ranks' processes
 topologies = pytest.mark.parametrize("topology", list(TOPOLOGIES))
 _a2a_options = {}  # TOPOLOGIES[the scenario's topology], in the ranks' processes
@@ -490,6 +487,20 @@ def test_several_nodes_take_a_provider_and_need_a_gpu_here():
     with pytest.raises(fabric_lib.Unsupported):
         fabric_lib._fabric_lib._EpAllToAll(0, 2, 256, 7168, 8, 128, gpus_per_node=1,
                                            provider="tcp", nics=["lo"])
+
+
+@pytest.mark.skipif(not fabric_lib.HAS_CUDA or gpu_count() == 0,
+                    reason="needs a GPU to create the object (CI has none)")
+def test_gpu_areas_need_an_engine_that_reaches_gpu_memory():
+    # tcp stages GPU memory through host memory: the proxy's areas cannot be in GPU memory, and
+    # "auto" puts them in host memory. (Creation alone, with no peer: no connect().)
+    with pytest.raises(fabric_lib.Unsupported, match="proxy_memory 'gpu' needs NICs"):
+        fabric_lib._fabric_lib._EpAllToAll(0, 2, 256, 1024, 8, 16, gpus_per_node=1,
+                                           provider="tcp", nics=["lo"], proxy_memory="gpu")
+    a2a = fabric_lib._fabric_lib._EpAllToAll(0, 2, 256, 1024, 8, 16, gpus_per_node=1,
+                                             provider="tcp", nics=["lo"])
+    assert a2a.proxy_memory == "host"
+    a2a.close()
 
 
 @pytest.mark.skipif(fabric_lib.HAS_CUDA and gpu_count() > 0,
