@@ -4,13 +4,15 @@ The inference side registers the tensors it already owns, by name, with their la
 (:class:`InferenceWeights`); each training rank describes its shards (:class:`TrainerWeights`).
 Both publish their descriptions in a fabric_lib registry (``FileRegistry``, ``EtcdRegistry``,
 ``LocalRegistry``); training rank 0 computes the static schedule once (the C++
-``fabric::weights::compute_schedule``, through ``WeightSchedule``) and publishes its bytes, which
-every other rank decodes. Each push then runs, per parameter: gather (``torch.distributed``
-all-gather of the shards when the trainer is sharded; the tensor itself when one rank holds it
-whole), project into a bounded staging buffer (identity, concatenation, BF16 -> FP8 e4m3 with
-128x128 block scales), and one-sided writes with an immediate into the inference tensors'
-registered memory. An inference rank learns that version N is complete when it has counted
-``schedule.writes_into(rank)`` immediates of the value it chose for N.
+``fabric::weights::compute_schedule``, through ``WeightSchedule``) and publishes its bytes in
+chunks (registry members of at most 512 KiB of hex each: etcd refuses larger requests), which
+every other rank reassembles, checks against their sha256 and decodes. Each push then runs, per
+parameter: gather (``torch.distributed`` all-gather of the shards when the trainer is sharded;
+the tensor itself when one rank holds it whole), project into a bounded staging buffer
+(identity, concatenation, BF16 -> FP8 e4m3 with 128x128 block scales), and one-sided writes
+with an immediate into the inference tensors' registered memory. An inference rank learns that
+version N is complete when it has counted ``schedule.writes_into(rank)`` immediates of the value
+it chose for N.
 
 Two ways to never expose a half-written model (``mode``):
 
@@ -33,6 +35,7 @@ or a timer thread.
 import asyncio
 import collections
 import concurrent.futures
+import hashlib
 import struct
 import threading
 import time
@@ -67,7 +70,11 @@ _READY = struct.Struct("<4sQIIB")  # tag, version, imm, inference rank, copy
 _READY_TAG = b"FWRD"
 _ROLE_TRAINER = "weights-trainer"
 _ROLE_INFERENCE = "weights-inference"
-_ROLE_SCHEDULE = "weights-schedule"
+_ROLE_SCHEDULE = "weights-schedule"  # the header: chunks=<n> bytes=<length> sha256=<digest>
+_ROLE_SCHEDULE_CHUNK = "weights-schedule-chunk"  # tp_rank = index; data "<digest> <hex>"
+# Hex characters of the schedule per chunk member: the member stays far below etcd's default
+# request limit (1.5 MiB), whatever the schedule's size.
+_SCHEDULE_CHUNK_CHARS = 512 << 10
 
 
 class Version(concurrent.futures.Future):
@@ -114,16 +121,109 @@ def _unpack(data):
 
 
 def _wait_members(registry, want, timeout, what):
-    """Members until want(members) is true, polling; Timeout naming `what`."""
+    """Members until want(members) is true, polling; Timeout naming `what` (a string, or a
+    function of the last members that says what is missing)."""
     deadline = time.monotonic() + timeout
     while True:
         members = registry.members()
         if want(members):
             return members
         if time.monotonic() > deadline:
-            raise _error(Timeout, _ext.ErrorCode.TIMEOUT, f"weights: {what} not in the registry "
-                         f"after {timeout} s")
+            missing = what(members) if callable(what) else what
+            raise _error(Timeout, _ext.ErrorCode.TIMEOUT, f"weights: {missing} not in the "
+                         f"registry after {timeout} s")
         time.sleep(0.02)
+
+
+def _publish_schedule(registry, group, schedule, previous=()):
+    """Publishes the schedule's bytes as hex in chunk members ``<group>.schedule.<i>`` (at most
+    _SCHEDULE_CHUNK_CHARS characters of hex each, after the digest), then the header
+    ``<group>.schedule`` that names their count, the bytes' length and sha256; leaves the
+    members of `previous` not published again. Returns the members' names, header first."""
+    data = schedule.encode()
+    text, digest = data.hex(), hashlib.sha256(data).hexdigest()
+    pieces = [text[at : at + _SCHEDULE_CHUNK_CHARS]
+              for at in range(0, len(text), _SCHEDULE_CHUNK_CHARS)]
+    names = [f"{group}.schedule"] + [f"{group}.schedule.{i}" for i in range(len(pieces))]
+    for i, piece in enumerate(pieces):
+        registry.join(Member(names[i + 1], role=_ROLE_SCHEDULE_CHUNK, instance=group,
+                             tp_size=len(pieces), tp_rank=i, data=f"{digest} {piece}"))
+    registry.join(Member(names[0], role=_ROLE_SCHEDULE, instance=group,
+                         data=f"chunks={len(pieces)} bytes={len(data)} sha256={digest}"))
+    for name in set(previous) - set(names):
+        _leave(registry, name)
+    return names
+
+
+def _schedule_header(members, group):
+    """(chunks, bytes, sha256) of the group's schedule header, or None when it is absent."""
+    header = next((m for m in members if m.role == _ROLE_SCHEDULE and m.instance == group), None)
+    if header is None:
+        return None
+    try:
+        fields = dict(f.split("=", 1) for f in header.data.split())
+        return int(fields["chunks"]), int(fields["bytes"]), fields["sha256"]
+    except (KeyError, ValueError):
+        raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                     f"weights: the schedule header {header.name} is malformed: "
+                     f"{header.data[:100]!r}") from None
+
+
+def _schedule_chunks(members, group):
+    """{index: (sha256, hex)} of the group's schedule chunks in the registry."""
+    out = {}
+    for m in members:
+        if m.role == _ROLE_SCHEDULE_CHUNK and m.instance == group:
+            digest, _, text = m.data.partition(" ")
+            out[m.tp_rank] = (digest, text)
+    return out
+
+
+def _read_schedule(registry, group, timeout):
+    """Waits (up to `timeout`) for the schedule header and every chunk it names (chunks of
+    another schedule, with another sha256, do not count), reassembles and decodes the bytes.
+    Timeout naming the header, or the chunks missing or of another schedule; InvalidArgument
+    when the bytes' length or sha256 differs from the header's."""
+    def complete(members):
+        header = _schedule_header(members, group)
+        if header is None:
+            return False
+        chunks = _schedule_chunks(members, group)
+        return all(chunks.get(i, ("",))[0] == header[2] for i in range(header[0]))
+
+    def missing(members):
+        header = _schedule_header(members, group)
+        if header is None:
+            return f"the schedule header ({group}.schedule)"
+        count, _, digest = header
+        chunks = _schedule_chunks(members, group)
+        wanted = [i for i in range(count) if chunks.get(i, ("",))[0] != digest]
+        other = sorted({chunks[i][0][:16] for i in wanted if i in chunks})
+        text = f"chunks {wanted} of {count} of the schedule sha256 {digest[:16]}..."
+        if other:  # a schedule published again while this reader looked
+            held = [i for i in wanted if i in chunks]
+            text += f" (chunks {held} there are of another schedule: sha256 {', '.join(other)}...)"
+        return text
+
+    members = _wait_members(registry, complete, timeout, missing)
+    count, length, digest = _schedule_header(members, group)
+    chunks = _schedule_chunks(members, group)
+    data = bytearray()
+    for i in range(count):
+        try:
+            data += bytes.fromhex(chunks[i][1])
+        except ValueError:
+            raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                         f"weights: schedule chunk {i} of {count} is not hex") from None
+    if len(data) != length:
+        raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                     f"weights: the schedule's {count} chunks hold {len(data)} bytes, its "
+                     f"header says {length}")
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                     f"weights: the schedule's {count} chunks do not match its sha256 "
+                     f"{digest[:16]}... (a chunk was altered)")
+    return WeightSchedule.decode(bytes(data))
 
 
 def _leave(registry, name):
@@ -354,12 +454,7 @@ class InferenceWeights:
         schedule is in the registry (up to `timeout`). In place, stop serving until the Version
         resolves."""
         if self._schedule is None:
-            members = _wait_members(
-                self.registry, lambda ms: any(m.role == _ROLE_SCHEDULE and m.instance ==
-                                              self.group for m in ms), self.timeout, "the schedule")
-            data = next(m.data for m in members if m.role == _ROLE_SCHEDULE and
-                        m.instance == self.group)
-            self._schedule = WeightSchedule.decode(bytes.fromhex(data))
+            self._schedule = _read_schedule(self.registry, self.group, self.timeout)
         trainers = [m for m in self.registry.members()
                     if m.role == _ROLE_TRAINER and m.instance == self.group]
         future = Version()
@@ -496,14 +591,16 @@ class TrainerWeights:
         self._cond = threading.Condition()
         self._boxes = None  # all ranks' {name: (box, replica, shape)} for the gather
         self.schedule = None
+        self._schedule_members = []  # rank 0: the schedule's header and chunks it published
         engine.set_receive_handler(self._on_message)
 
     def close(self):
-        """Leaves the registry (and withdraws the schedule, on rank 0). Also on leaving a
-        `with` block; a push in progress is not interrupted."""
+        """Leaves the registry (and withdraws the schedule's header and every chunk, on rank
+        0). Also on leaving a `with` block; a push in progress is not interrupted."""
         _leave(self.registry, f"{self.group}.t{self.rank}")
-        if self.rank == 0 and self.schedule is not None:
-            _leave(self.registry, f"{self.group}.schedule")
+        for name in self._schedule_members:
+            _leave(self.registry, name)
+        self._schedule_members = []
 
     def __enter__(self):
         return self
@@ -542,12 +639,10 @@ class TrainerWeights:
             schedule = WeightSchedule.compute(
                 [bytes.fromhex(m.data) for m in trainers],
                 [_unpack(bytes.fromhex(m.data))[0] for m in inference], self.chunk_bytes)
-            self.registry.join(Member(f"{self.group}.schedule", role=_ROLE_SCHEDULE,
-                                      instance=self.group, data=schedule.encode().hex()))
+            self._schedule_members = _publish_schedule(self.registry, self.group, schedule,
+                                                       self._schedule_members)
         else:
-            members = _wait_members(self.registry, lambda ms: bool(mine(ms, _ROLE_SCHEDULE)),
-                                    self.timeout, "the schedule")
-            schedule = WeightSchedule.decode(bytes.fromhex(mine(members, _ROLE_SCHEDULE)[0].data))
+            schedule = _read_schedule(self.registry, self.group, self.timeout)
         self.schedule = schedule
         self._params = schedule.params
         # Each inference rank's descriptors by parameter name and copy.
