@@ -119,11 +119,8 @@ TEST_P(StagedCuda, SingleWritesDeviceToDevice) {
 // runs its engine), driven by one thread of the test: device memory still moves, on both sides,
 // and the immediate is counted after it.
 TEST_P(StagedCuda, CallerDrivenEnginesMoveDeviceMemory) {
-  Config config = make_config(GetParam());
+  Config config = make_caller_driven_config(GetParam());
   config.gpu_direct = GetParam().name != "shm_staged";
-  config.groups[0].caller_progress = true;
-  config.groups[0].cpu = GroupConfig::kCpuNone;
-  config.callbacks_on_worker = true;
   auto ea = TransferEngine::create(config);
   ASSERT_TRUE(ea) << ea.status().to_string();
   auto eb = TransferEngine::create(config);

@@ -38,10 +38,7 @@ TEST_P(StagedWhileKernelsWait, CopiesCompleteWhileEverySmWaits) {
     cudaGetLastError();
     GTEST_SKIP() << "no CUDA device here";
   }
-  Config config = make_config(GetParam().backend);
-  config.groups[0].caller_progress = true;
-  config.groups[0].cpu = GroupConfig::kCpuNone;
-  config.callbacks_on_worker = true;
+  Config config = make_caller_driven_config(GetParam().backend);
   config.cuda_ipc = Config::CudaIpc::kOff;
   auto ea = TransferEngine::create(config);
   ASSERT_TRUE(ea) << ea.status().to_string();

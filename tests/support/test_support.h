@@ -72,6 +72,15 @@ inline Config make_config(const Backend& b, int nics = 1) {
   return c;
 }
 
+// make_config with its group in caller-driven progress and the callbacks on the thread that
+// drives it, as fabric::ep's proxy runs its engine.
+inline Config make_caller_driven_config(const Backend& b) {
+  Config c = make_config(b);
+  c.groups[0].caller_progress = true;
+  c.callbacks_on_worker = true;
+  return c;
+}
+
 // Creates an engine or skips the test when the provider is absent here.
 #define FABRIC_ENGINE_OR_SKIP(var, config)                                              \
   std::unique_ptr<::fabric::TransferEngine> var;                                        \
