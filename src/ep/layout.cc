@@ -232,7 +232,11 @@ Result<PeerHandle> decode_handle(std::span<const std::byte> bytes) {
     return invalid(
         fmt::format("not an all-to-all handle ({} bytes without its magic number)", bytes.size()));
   }
-  if (!r.u16(version) || version != PeerHandle::kVersion) {
+  auto truncated = [&] {
+    return invalid(fmt::format("all-to-all handle truncated at {} bytes", bytes.size()));
+  };
+  if (!r.u16(version)) return truncated();
+  if (version != PeerHandle::kVersion) {
     return invalid(fmt::format("all-to-all handle version {}, this build reads version {}", version,
                                PeerHandle::kVersion));
   }
@@ -245,7 +249,7 @@ Result<PeerHandle> decode_handle(std::span<const std::byte> bytes) {
       r.u32(h.hidden) && r.u32(h.top_k) && r.u32(h.max_tokens_per_rank) && r.u8(dtype) &&
       r.u64(h.buffer_bytes) && r.bytes(h.device.size(), device) && r.u64(h.pid) &&
       r.bytes(PeerHandle::kIpcBytes, ipc) && r.u32(proxy_bytes) && r.bytes(proxy_bytes, h.proxy);
-  if (!ok) return invalid(fmt::format("all-to-all handle truncated at {} bytes", bytes.size()));
+  if (!ok) return truncated();
   if (r.remaining() != 0) {
     return invalid(fmt::format("all-to-all handle has {} bytes too many", r.remaining()));
   }

@@ -307,6 +307,9 @@ TEST(EpHandle, MalformedBytesAreRefused) {
   expect_error(decode_handle(bad).status(), ErrorCode::kInvalidArgument, {"version 9"});
   bad.assign(good.begin(), good.end() - 1);
   expect_error(decode_handle(bad).status(), ErrorCode::kInvalidArgument, {"truncated"});
+  // Cut inside the version: truncated (it was reported as "version 0").
+  bad.assign(good.begin(), good.begin() + 5);
+  expect_error(decode_handle(bad).status(), ErrorCode::kInvalidArgument, {"truncated at 5 bytes"});
   bad = good;
   bad.push_back(std::byte{0});
   expect_error(decode_handle(bad).status(), ErrorCode::kInvalidArgument, {"1 bytes too many"});
