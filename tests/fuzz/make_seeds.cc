@@ -3,12 +3,15 @@
 // The seeds are checked in; rerun this after a wire format changes.
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
 
 #include "engine/messages.h"
+#include "ep_configs.h"
 #include "fabric/address.h"
+#include "fabric/weights.h"
 
 using namespace fabric;
 
@@ -30,6 +33,80 @@ void write(const std::filesystem::path& dir, const std::string& name, const std:
 Bytes name_bytes(const std::string& s) {
   return Bytes(reinterpret_cast<const std::byte*>(s.data()),
                reinterpret_cast<const std::byte*>(s.data()) + s.size());
+}
+
+weights::Schedule schedule(const std::vector<weights::TrainerRank>& trainers,
+                           const std::vector<weights::InferenceRank>& inference,
+                           uint64_t chunk_bytes) {
+  auto s = weights::compute_schedule(trainers, inference, {.chunk_bytes = chunk_bytes});
+  if (!s) {
+    std::fprintf(stderr, "fuzz_make_seeds: %s\n", s.status().to_string().c_str());
+    std::exit(1);
+  }
+  return std::move(s).value();
+}
+
+// fabric::weights: the descriptions of two layouts (the second one of tests/unit/weights_test.cc)
+// and the schedules computed from them.
+void write_weights(const std::filesystem::path& dir) {
+  using namespace weights;
+  auto shard = [](std::string name, Shape shape, std::vector<Range> box = {},
+                  uint32_t replica = 0) {
+    return Shard{std::move(name), DType::kBFloat16, std::move(shape), std::move(box), replica};
+  };
+  auto param = [](std::string name, Shape shape, Placement placement = {},
+                  Projection projection = {}, DType d = DType::kBFloat16) {
+    return InferenceParam{std::move(name), d, std::move(shape), placement, std::move(projection)};
+  };
+  // HSDP trainers, two replicas (ranks 0 and 1 hold dim-0 halves, rank 2 with two NICs holds
+  // everything and the norm) into two TP ranks: column slices of w, row slices of o, the norm
+  // whole on each.
+  const std::vector<TrainerRank> hsdp = {
+      {0, 1, {shard("w", {64, 32}, {{0, 32}, {0, 32}}), shard("o", {32, 64}, {{0, 16}, {0, 64}})}},
+      {1,
+       1,
+       {shard("w", {64, 32}, {{32, 32}, {0, 32}}), shard("o", {32, 64}, {{16, 16}, {0, 64}})}},
+      {2,
+       2,
+       {shard("w", {64, 32}, {}, 1), shard("o", {32, 64}, {}, 1), shard("norm", {32}, {}, 1)}}};
+  std::vector<InferenceRank> tp(2);
+  for (uint32_t r = 0; r < 2; ++r) {
+    tp[r] = {r,
+             {param("w", {64, 32}, {0, {r * 32, 32}}), param("o", {32, 64}, {1, {r * 32, 32}}),
+              param("norm", {32})}};
+  }
+  write(dir, "trainer_hsdp_half", encode(hsdp[1]));
+  write(dir, "trainer_hsdp_replica", encode(hsdp[2]));
+  write(dir, "inference_tp", encode(tp[1]));
+  write(dir, "schedule_hsdp_tp", schedule(hsdp, tp, 512).encode());
+  // One trainer with two NICs into one rank with fused QKV and an FP8 weight with its scales.
+  const TrainerRank t{
+      0,
+      2,
+      {shard("q", {8, 16}), shard("k", {4, 16}), shard("v", {4, 16}), shard("up", {256, 200})}};
+  const InferenceRank r{
+      0,
+      {param("qkv", {16, 16}, {}, {ProjectionKind::kConcat, {"q", "k", "v"}, 0, 128}),
+       param("up", {256, 200}, {}, {ProjectionKind::kFp8Quantize, {}, 0, 128}, DType::kFloat8E4M3),
+       param("up.scale", {2, 2}, {}, {ProjectionKind::kFp8Scale, {"up"}, 0, 128},
+             DType::kFloat32)}};
+  write(dir, "trainer_qkv_up", encode(t));
+  write(dir, "inference_qkv_fp8", encode(r));
+  write(dir, "schedule_qkv_fp8", schedule({t}, {r}, ScheduleOptions{}.chunk_bytes).encode());
+}
+
+// fabric::ep: rank handles of the configurations of ep_configs.h; those of two nodes carry a
+// proxy handle (opaque to decode_handle: here an engine address), and one is from the process of
+// the target's own rank 0 (pid 100).
+void write_ep_handles(const std::filesystem::path& dir, const Bytes& proxy) {
+  const auto configs = ep::fuzz::configs();
+  write(dir, "one_node_rank1", ep::encode(ep::fuzz::handle(configs[0], 1, 101)));
+  write(dir, "one_node_rank1_same_process", ep::encode(ep::fuzz::handle(configs[0], 1, 100)));
+  for (int rank : {1, 2}) {
+    ep::PeerHandle h = ep::fuzz::handle(configs[1], rank, 100 + static_cast<uint64_t>(rank));
+    h.proxy = proxy;
+    write(dir, "two_nodes_rank" + std::to_string(rank), ep::encode(h));
+  }
 }
 
 }  // namespace
@@ -103,5 +180,8 @@ int main(int argc, char** argv) {
   write(root / "config", "all_set", std::string("tcp\nlo,eth0\n3\n200\n50"));
   write(root / "config", "provider_only", std::string("shm"));
   write(root / "config", "special_cpu", std::string("efa\nrdmap0s1-rdm\n-2\n0\n0"));
+
+  write_weights(root / "weights");
+  write_ep_handles(root / "ep_handle", tcp1.encode());
   return 0;
 }
