@@ -266,6 +266,8 @@ Result<Schedule> Schedule::decode(std::span<const std::byte> bytes) {
       p.senders.push_back(f.u32("param.sender"));
       if (p.senders.back() >= s.num_trainers) f.fail("param.sender");
     }
+    // Schedule::find looks names up by bisection: sorted, each once.
+    if (!s.params.empty() && !(s.params.back().name < p.name)) f.fail("param.name (order)");
     s.params.push_back(std::move(p));
   }
   constexpr uint64_t kEntryBytes = 4 * 4 + 6 * 8;

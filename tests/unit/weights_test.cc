@@ -251,6 +251,16 @@ TEST(WeightsSchedule, RoundTripsThroughBytesAndRefusesDamagedBytes) {
   longer.push_back(std::byte{0});
   EXPECT_FALSE(Schedule::decode(longer));
   EXPECT_FALSE(decode_trainer(encode(r)));  // the wrong tag
+  // Parameters out of name order (Schedule::find bisects) or named twice are refused.
+  for (const char* second : {"a", "qkv"}) {
+    Schedule bad = *s;
+    ASSERT_EQ(bad.params.size(), 2u);
+    bad.params[1].name = second;  // "qkv" then "a", or "qkv" twice
+    auto refused = Schedule::decode(bad.encode());
+    ASSERT_FALSE(refused) << second;
+    EXPECT_NE(refused.status().message().find("param.name (order)"), std::string::npos)
+        << refused.status().to_string();
+  }
 }
 
 // Random shardings on both sides: every local byte once from the right source byte, senders
