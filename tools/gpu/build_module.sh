@@ -18,12 +18,12 @@ cp "$SRC"/python/fabric_lib/*.py "$SRC"/python/fabric_lib/*.pyi "$SRC"/python/fa
 EXT=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 FL="-O2 -std=c++20 -fPIC -fvisibility=hidden -DFABRIC_VERSION=\"0.1.0\" -DFABRIC_WITH_CUDA=1 -I$SRC/include -I$SRC/src -I$BUNDLE/include -I/usr/local/cuda/include $(python3 -m pybind11 --includes)"
 for f in "$SRC"/python/src/*.cc; do
-  timeout "$SECONDS_EACH" c++ $FL -c "$f" -o "$OBJ/$(basename "$f").o" >>"$LOG" 2>&1 &
+  timeout -k 10 "$SECONDS_EACH" c++ $FL -c "$f" -o "$OBJ/$(basename "$f").o" >>"$LOG" 2>&1 &
 done
 wait
-timeout "$SECONDS_EACH" c++ -shared "$OBJ"/*.o "$BUNDLE/libfabrickvetcd.a" "$BUNDLE/libfabrickv.a" \
+timeout -k 10 "$SECONDS_EACH" c++ -shared "$OBJ"/*.o "$BUNDLE/libfabrickvetcd.a" "$BUNDLE/libfabrickv.a" \
   "$BUNDLE/libfabricweights.a" "$LIB" "$BUNDLE/libcudart_static.a" -L"$BUNDLE/lib" -l:libfabric.so.1 \
   -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt \
   -o "$PKG/fabric_lib/_fabric_lib$EXT" >>"$LOG" 2>&1 ||
   { echo "the module did not build ($LOG):"; tail -40 "$LOG"; exit 1; }
-PYTHONPATH=$PKG timeout 30 python3 -c "import fabric_lib, fabric_lib.ep; print('$PKG: fabric_lib', fabric_lib.__version__, 'HAS_CUDA', fabric_lib.HAS_CUDA)"
+PYTHONPATH=$PKG timeout -k 10 30 python3 -c "import fabric_lib, fabric_lib.ep; print('$PKG: fabric_lib', fabric_lib.__version__, 'HAS_CUDA', fabric_lib.HAS_CUDA)"

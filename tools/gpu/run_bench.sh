@@ -18,6 +18,6 @@ pin=()
 [ -n "${FABRIC_BENCH_CPUS:-}" ] && pin=(taskset -c "$FABRIC_BENCH_CPUS")
 for p in ${BENCH_PROVIDERS:-tcp shm}; do
   echo "== fabric-bench --provider $p $* (cpus: ${FABRIC_BENCH_CPUS:-all $(nproc)}) =="
-  timeout 560 "${pin[@]}" fabric-bench --provider "$p" --json "$out/$p.json" \
+  timeout -k 10 560 "${pin[@]}" fabric-bench --provider "$p" --json "$out/$p.json" \
     --markdown "$out/$p.md" "$@" 2>&1 | grep -v '^\[' | tail -60
 done

@@ -16,22 +16,22 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -4
 cd "$BUNDLE" || exit 1
 echo "== fabric_gpu_tests (CUDA IPC and staged) =="
-timeout 240 ./fabric_gpu_tests --gtest_filter='*CudaIpcCuda*:*StagedCuda*' >"$OUT/gpu_tests.log" 2>&1
+timeout -k 10 240 ./fabric_gpu_tests --gtest_filter='*CudaIpcCuda*:*StagedCuda*' >"$OUT/gpu_tests.log" 2>&1
 echo "exit $?"
 grep -aE "^\[ *(OK|FAILED|PASSED|SKIPPED) |Failure|Expected|Which is|actual|error" "$OUT/gpu_tests.log" | head -80
 for args in "--provider shm" "--provider shm --staged"; do
   echo "== fabric-bench-gpu $args --op staged --iters 11 =="
-  timeout 120 ./fabric-bench-gpu $args --op staged --iters 11 2>&1 | tee -a "$OUT/bench.txt"
+  timeout -k 10 120 ./fabric-bench-gpu $args --op staged --iters 11 2>&1 | tee -a "$OUT/bench.txt"
 done
 # Two GPUs or more: the peer process on GPU 1, so that the copies cross NVLink.
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   echo "== fabric_gpu_tests, the peer on GPU 1 =="
-  FABRIC_TEST_IPC_PEER_DEVICES=1,0 timeout 240 ./fabric_gpu_tests --gtest_filter='*CudaIpcCuda*' \
+  FABRIC_TEST_IPC_PEER_DEVICES=1,0 timeout -k 10 240 ./fabric_gpu_tests --gtest_filter='*CudaIpcCuda*' \
     >"$OUT/gpu_tests_2gpu.log" 2>&1
   echo "exit $?"
   grep -aE "^\[ *(OK|FAILED|PASSED|SKIPPED) |Failure" "$OUT/gpu_tests_2gpu.log" | head -40
   echo "== fabric-bench-gpu --provider shm --op staged --iters 11 --peer-gpu 1 =="
-  timeout 120 ./fabric-bench-gpu --provider shm --op staged --iters 11 --peer-gpu 1 2>&1 |
+  timeout -k 10 120 ./fabric-bench-gpu --provider shm --op staged --iters 11 --peer-gpu 1 2>&1 |
     tee -a "$OUT/bench.txt"
 fi
 cd "$ROOT" || exit 1
@@ -47,7 +47,7 @@ wait
 c++ -shared /tmp/obj/*.o $BUNDLE/libfabrickvetcd.a $BUNDLE/libfabrickv.a $BUNDLE/libfabricweights.a $BUNDLE/libfabriclib.a \
   $BUNDLE/libcudart_static.a -L$BUNDLE/lib -l:libfabric.so.1 -l:libhwloc.so.15 -l:libfmt.so.9 \
   -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt -o /tmp/pkg/fabric_lib/_fabric_lib$EXT || exit 1
-PYTHONPATH=/tmp/pkg timeout 240 python3 -m pytest -v -rs -p no:cacheprovider \
+PYTHONPATH=/tmp/pkg timeout -k 10 240 python3 -m pytest -v -rs -p no:cacheprovider \
   $SRC/tests/python/test_cuda.py >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?"
 grep -E "PASSED|FAILED|SKIPPED|^E " "$OUT/pytest.log" | head -60

@@ -22,9 +22,9 @@ left() { local l=$((330 - $1 - ($(date +%s) - start))); echo $((l > 5 ? l : 5));
 
 echo "== the machine =="
 {
-  timeout 20 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
-  timeout 20 nvidia-smi topo -m
-  timeout 30 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
+  timeout -k 10 20 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+  timeout -k 10 20 nvidia-smi topo -m
+  timeout -k 10 30 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
 } 2>&1 | tee "$OUT/machine.txt"
 
 echo "== build the Python module ($(elapsed)) =="
@@ -32,14 +32,14 @@ PKG=/tmp/ep-pkg
 bash tools/gpu/build_module.sh "$PKG" . "$BUNDLE/libfabriclib.a" "$(left 100)" || exit 1
 
 echo "== tests/python/test_ep.py ($(elapsed)) =="
-PYTHONPATH=$PKG timeout "$(left 60)" python3 -m pytest -v -rs --durations=0 -p no:cacheprovider tests/python/test_ep.py \
+PYTHONPATH=$PKG timeout -k 10 "$(left 60)" python3 -m pytest -v -rs --durations=0 -p no:cacheprovider tests/python/test_ep.py \
   >"$OUT/test_ep.log" 2>&1
 echo "pytest exit $?"
 grep -E "PASSED|FAILED|SKIPPED|ERROR|^E " "$OUT/test_ep.log" | head -60
 tail -3 "$OUT/test_ep.log"
 
 echo "== bench/ep_bench.py ($(elapsed)) =="
-PYTHONPATH=$PKG timeout "$(left 0)" python3 bench/ep_bench.py --iters 200 --json "$OUT/ep_bench.json" \
+PYTHONPATH=$PKG timeout -k 10 "$(left 0)" python3 bench/ep_bench.py --iters 200 --json "$OUT/ep_bench.json" \
   >"$OUT/ep_bench.txt" 2>&1
 echo "bench exit $?"
 cat "$OUT/ep_bench.txt" | tail -40

@@ -30,8 +30,8 @@ left() { local l=$((BUDGET - $1 - ($(date +%s) - start))); echo $((l > 5 ? l : 5
 
 echo "== the machine =="
 {
-  timeout 20 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
-  timeout 30 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
+  timeout -k 10 20 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+  timeout -k 10 30 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
 } 2>&1 | tee "$OUT/machine.txt"
 
 echo "== build the modules ($(elapsed)) =="
@@ -49,7 +49,7 @@ for b in "${builds[@]}"; do [ -f /tmp/ep1-$b/fabric_lib/__init__.py ] || { echo 
 bench() {
   local name="ep_$2_$3_$1$([ "$7" = auto ] || echo "_$7")"
   echo "-- ep_bench $2 over $3, build $1, proxy memory $7 ($(elapsed))"
-  PYTHONPATH=/tmp/ep1-$1 timeout "$(left "$6")" python3 bench/ep_bench.py --devices 0,0 --gpus-per-node 1 \
+  PYTHONPATH=/tmp/ep1-$1 timeout -k 10 "$(left "$6")" python3 bench/ep_bench.py --devices 0,0 --gpus-per-node 1 \
     --provider "$3" --nics "$([ "$3" = tcp ] && echo lo || echo shm)" --shapes "$2" --iters "$4" --warmup "$5" \
     --proxy-memory "$7" --json "$OUT/$name.json" >"$OUT/$name.txt" 2>&1
   echo "exit $?"; grep -v "^$" "$OUT/$name.txt" | tail -22
@@ -61,7 +61,7 @@ for p in tcp shm; do for b in "${builds[@]}"; do for m in $MEMORIES; do
 done; done; done
 
 echo "== 2. tests/python/test_ep.py ($(elapsed)) =="
-FABRIC_EP_TEST_DEVICES=0,0 PYTHONPATH=/tmp/ep1-after timeout "$(left 150)" python3 -m pytest -v -rs --durations=0 \
+FABRIC_EP_TEST_DEVICES=0,0 PYTHONPATH=/tmp/ep1-after timeout -k 10 "$(left 150)" python3 -m pytest -v -rs --durations=0 \
   -p no:cacheprovider -k two_nodes tests/python/test_ep.py >"$OUT/test_ep_two_nodes.log" 2>&1
 echo "pytest two_nodes exit $?"
 grep -E "PASSED|FAILED|SKIPPED|ERROR|^E " "$OUT/test_ep_two_nodes.log" | head -40
@@ -70,7 +70,7 @@ tail -2 "$OUT/test_ep_two_nodes.log"
 echo "== 3. prefill ($(elapsed)) =="
 for b in "${builds[@]}"; do for m in $MEMORIES; do bench "$b" prefill shm 10 2 100 "$m"; done; done
 
-FABRIC_EP_TEST_DEVICES=0,0 PYTHONPATH=/tmp/ep1-after timeout "$(left 5)" python3 -m pytest -v -rs \
+FABRIC_EP_TEST_DEVICES=0,0 PYTHONPATH=/tmp/ep1-after timeout -k 10 "$(left 5)" python3 -m pytest -v -rs \
   -p no:cacheprovider -k "not two_nodes" tests/python/test_ep.py >"$OUT/test_ep_one_node.log" 2>&1
 echo "pytest one_node exit $?"
 grep -E "FAILED|ERROR|^E " "$OUT/test_ep_one_node.log" | head -20

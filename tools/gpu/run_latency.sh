@@ -32,7 +32,7 @@ for p in ${BENCH_PROVIDERS:-shm tcp}; do
       [ "$mode" = skip ] && continue
       echo "== $v round $round: $bin --provider $p $mode ${rows[*]} =="
       # shellcheck disable=SC2086
-      timeout 150 "$bin" --provider "$p" $mode "${rows[@]}" --json "$out/${p}_${v}_$round.json" \
+      timeout -k 10 150 "$bin" --provider "$p" $mode "${rows[@]}" --json "$out/${p}_${v}_$round.json" \
         --markdown "$out/${p}_${v}_$round.md" 2>&1 | grep -v '^\[' | tail -30
     done
   done
@@ -42,7 +42,7 @@ for p in ${BENCH_PROVIDERS:-shm tcp}; do
       [ "$mode" = skip ] && continue
       echo "== $v: scatter 64 KiB to $n peers, $p =="
       # shellcheck disable=SC2086
-      timeout 150 "$(bin_of "$v")" --provider "$p" $mode --op scatter --sizes 64KiB --peers "$n" \
+      timeout -k 10 150 "$(bin_of "$v")" --provider "$p" $mode --op scatter --sizes 64KiB --peers "$n" \
         --iters 5 --pass-mib 32 --baseline raw --json "$out/${p}_${v}_scatter${n}.json" 2>&1 |
         grep -v '^\[' | tail -12
     done

@@ -18,7 +18,7 @@ mountpoint -q /sys/kernel/tracing || mount -t tracefs nodev /sys/kernel/tracing 
 for p in ${BENCH_PROVIDERS:-tcp shm}; do
   for m in ${BENCH_MODES:-worker callbacks progress}; do
     echo "== $p $m =="
-    timeout 100 fabric-bench --provider "$p" --mode "$m" --op single,imm --sizes 4KiB,64KiB \
+    timeout -k 10 100 fabric-bench --provider "$p" --mode "$m" --op single,imm --sizes 4KiB,64KiB \
       --iters 5 --pass-mib 32 --baseline raw --json "$out/$p-$m.json" \
       --markdown "$out/$p-$m.md" 2>&1 | grep -E '^  (4 KiB|64 KiB|imm) |FAILED|note'
   done

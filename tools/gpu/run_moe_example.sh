@@ -19,7 +19,7 @@ export LD_LIBRARY_PATH=$PWD/$BUNDLE/lib:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo "$(($(date +%s) - start)) s"; }
 [ -f "$BUNDLE/libfabriclib.a" ] || { echo "no $BUNDLE/libfabriclib.a: run tools/gpu/bundle.sh first"; exit 1; }
-timeout 30 python3 -c "import torch; print('torch', torch.__version__, 'GPUs', torch.cuda.device_count())"
+timeout -k 10 30 python3 -c "import torch; print('torch', torch.__version__, 'GPUs', torch.cuda.device_count())"
 
 echo "== build the Python module =="
 PKG=/tmp/moe-pkg
@@ -31,7 +31,7 @@ IFS=';' read -ra runs <<< "$MOE_RUNS"
 for args in "${runs[@]}"; do
   echo "== examples/moe_layer.py $args ($(elapsed)) =="
   # shellcheck disable=SC2086
-  PYTHONPATH=$PKG timeout 90 python3 examples/moe_layer.py $args 2>&1 | tee -a "$OUT/example.log"
+  PYTHONPATH=$PKG timeout -k 10 90 python3 examples/moe_layer.py $args 2>&1 | tee -a "$OUT/example.log"
   rc=${PIPESTATUS[0]}
   echo "exit $rc"
   [ "$rc" = 0 ] || status=1
@@ -40,7 +40,7 @@ done
 left=$((200 - ($(date +%s) - start)))
 if [ "$left" -gt 60 ]; then
   echo "== tests/python/test_examples_moe.py ($(elapsed), ${left} s left) =="
-  FABRIC_EP_TEST_DEVICES=$D PYTHONPATH=$PKG timeout "$left" python3 -m pytest -v -rs \
+  FABRIC_EP_TEST_DEVICES=$D PYTHONPATH=$PKG timeout -k 10 "$left" python3 -m pytest -v -rs \
     -p no:cacheprovider -k "${MOE_PYTEST_K:-}" tests/python/test_examples_moe.py >"$OUT/pytest.log" 2>&1
   echo "pytest exit $?"
   grep -E "PASSED|FAILED|SKIPPED|ERROR|^E " "$OUT/pytest.log" | head -20

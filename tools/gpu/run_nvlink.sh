@@ -26,23 +26,23 @@ cd "$BUNDLE" || exit 1
 # FABRIC_CUDA_IPC_KERNEL_BYTES to run shm with besides the default (docs/cuda-ipc.md).
 for provider in ${PROVIDERS:-shm tcp}; do
   echo "== fabric-bench-gpu --op nvlink --peer-gpu 1 --provider $provider --iters 11 =="
-  timeout 240 ./fabric-bench-gpu --op nvlink --peer-gpu 1 --provider $provider --iters 11 2>&1 |
+  timeout -k 10 240 ./fabric-bench-gpu --op nvlink --peer-gpu 1 --provider $provider --iters 11 2>&1 |
     tee "$OUT/nvlink_$provider.txt"
 done
 for k in ${KERNEL_BYTES:-}; do
   echo "== FABRIC_CUDA_IPC_KERNEL_BYTES=$k fabric-bench-gpu --op nvlink --peer-gpu 1 --iters 11 =="
-  FABRIC_CUDA_IPC_KERNEL_BYTES=$k timeout 240 ./fabric-bench-gpu --op nvlink --peer-gpu 1 \
+  FABRIC_CUDA_IPC_KERNEL_BYTES=$k timeout -k 10 240 ./fabric-bench-gpu --op nvlink --peer-gpu 1 \
     --provider shm --iters 11 2>&1 | tee "$OUT/nvlink_shm_kernel_$k.txt"
 done
 echo "== bench/nccl_p2p.py =="
-timeout 240 python3 "$ROOT/bench/nccl_p2p.py" --iters 11 2>&1 | tee "$OUT/nccl_p2p.txt"
+timeout -k 10 240 python3 "$ROOT/bench/nccl_p2p.py" --iters 11 2>&1 | tee "$OUT/nccl_p2p.txt"
 if [ -x ./fabric-kv-gpu ]; then
   echo "== fabric-kv-gpu --provider shm --requests 8 (decode in this process, GPU 0) =="
-  timeout 240 ./fabric-kv-gpu --provider shm --requests 8 2>&1 | tee "$OUT/kv_1proc.txt" | tail -14
+  timeout -k 10 240 ./fabric-kv-gpu --provider shm --requests 8 2>&1 | tee "$OUT/kv_1proc.txt" | tail -14
   echo "== FABRIC_CUDA_IPC=off fabric-kv-gpu --provider shm --requests 8 --decode-gpu 1 =="
-  FABRIC_CUDA_IPC=off timeout 240 ./fabric-kv-gpu --provider shm --requests 8 --decode-gpu 1 2>&1 |
+  FABRIC_CUDA_IPC=off timeout -k 10 240 ./fabric-kv-gpu --provider shm --requests 8 --decode-gpu 1 2>&1 |
     tee "$OUT/kv_2gpu_staged.txt" | tail -14
   echo "== fabric-kv-gpu --provider shm --requests 8 --decode-gpu 1 =="
-  timeout 240 ./fabric-kv-gpu --provider shm --requests 8 --decode-gpu 1 2>&1 |
+  timeout -k 10 240 ./fabric-kv-gpu --provider shm --requests 8 --decode-gpu 1 2>&1 |
     tee "$OUT/kv_2gpu_ipc.txt" | tail -14
 fi

@@ -22,36 +22,36 @@ left() { local l=$((540 - $1 - ($(date +%s) - start))); echo $((l > 5 ? l : 5));
 
 echo "== the machine =="
 {
-  timeout 20 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-  timeout 20 nvidia-smi topo -m
-  timeout 30 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
+  timeout -k 10 20 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+  timeout -k 10 20 nvidia-smi topo -m
+  timeout -k 10 30 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
   free -g | head -2
 } 2>&1 | tee "$OUT/machine.txt"
 
 echo "== fabric_gpu_tests --gtest_filter='WeightsFp8Cuda.*' ($(elapsed)) =="
-timeout "$(left 480)" "$BUNDLE/fabric_gpu_tests" --gtest_filter='WeightsFp8Cuda.*' 2>&1 |
+timeout -k 10 "$(left 480)" "$BUNDLE/fabric_gpu_tests" --gtest_filter='WeightsFp8Cuda.*' 2>&1 |
   tee "$OUT/fp8_kernel.txt" | grep -E "^\[ |Failure|differ|skip" | tail -20
 
 echo "== build the Python module ($(elapsed)) =="
 PKG=/tmp/weights-pkg
 bash tools/gpu/build_module.sh "$PKG" . "$BUNDLE/libfabriclib.a" "$(left 400)" || exit 1
-PYTHONPATH=$PKG timeout 30 python3 -c "import fabric_lib, fabric_lib.weights; print('fabric_lib', fabric_lib.__version__, 'HAS_CUDA', fabric_lib.HAS_CUDA, 'FP8 kernel', fabric_lib._fabric_lib._WEIGHTS_HAS_CUDA)" ||
+PYTHONPATH=$PKG timeout -k 10 30 python3 -c "import fabric_lib, fabric_lib.weights; print('fabric_lib', fabric_lib.__version__, 'HAS_CUDA', fabric_lib.HAS_CUDA, 'FP8 kernel', fabric_lib._fabric_lib._WEIGHTS_HAS_CUDA)" ||
   exit 1
 
 echo "== tests/python/test_weights.py ($(elapsed)) =="
-PYTHONPATH=$PKG timeout "$(left 300)" python3 -m pytest -v -rs --durations=0 -p no:cacheprovider \
+PYTHONPATH=$PKG timeout -k 10 "$(left 300)" python3 -m pytest -v -rs --durations=0 -p no:cacheprovider \
   tests/python/test_weights.py >"$OUT/test_weights.log" 2>&1
 echo "pytest exit $?"
 grep -E "PASSED|FAILED|SKIPPED|ERROR|^E " "$OUT/test_weights.log" | head -40
 tail -3 "$OUT/test_weights.log"
 
 echo "== bench/weights_bench.py ${BENCH_ARGS:-} ($(elapsed)) =="
-PYTHONPATH=$PKG timeout "$(left 150)" python3 bench/weights_bench.py --json "$OUT/weights_bench.json" \
+PYTHONPATH=$PKG timeout -k 10 "$(left 150)" python3 bench/weights_bench.py --json "$OUT/weights_bench.json" \
   ${BENCH_ARGS:-} >"$OUT/weights_bench.txt" 2>&1
 echo "bench exit $?"
 tail -40 "$OUT/weights_bench.txt"
 echo "== bench/weights_bench.py --per-expert (1920 expert parameters; no staged rows) ($(elapsed)) =="
-PYTHONPATH=$PKG timeout "$(left 0)" python3 bench/weights_bench.py --per-expert --staged-providers "" \
+PYTHONPATH=$PKG timeout -k 10 "$(left 0)" python3 bench/weights_bench.py --per-expert --staged-providers "" \
   --json "$OUT/weights_bench_per_expert.json" ${BENCH_ARGS:-} >"$OUT/weights_bench_per_expert.txt" 2>&1
 echo "bench exit $?"
 tail -10 "$OUT/weights_bench_per_expert.txt"
