@@ -102,6 +102,7 @@ class AllToAll::Impl {
   std::byte* proxy_data = nullptr;  // GPU memory (proxy_data_on_gpu) or pinned host memory
   uint8_t* proxy_data_device = nullptr;
   bool proxy_data_on_gpu = false;
+  bool flush_writes = false;     // GPUDirect writes into the data region need a flush before a flag
   std::unique_ptr<Proxy> proxy;  // reads and writes the proxy's regions: goes first
   std::vector<void*> opened;     // peers' buffers mapped here (null for this rank and unmapped)
   device::Params params{};
@@ -178,6 +179,7 @@ class AllToAll::Impl {
       options.provider = config.provider;
       options.nics = config.nics;
       options.timeout = config.timeout;
+      options.before_flag = [this](int, bool, uint32_t) { return flush_gpudirect_writes(); };
       auto created = Proxy::create(
           config, layout, options,
           [this](const ProxyLayout& l, bool direct) { return allocate_proxy_regions(l, direct); });
@@ -234,6 +236,24 @@ class AllToAll::Impl {
     return Status::ok();
   }
 
+  // On the proxy thread, before it raises a flag: with the data region in GPU memory, what the
+  // NICs wrote into it must be visible to this GPU's kernels, which read it once the flag is up.
+  // Where the GPU does not order GPUDirect RDMA writes for its own consumers
+  // (cudaDevAttrGPUDirectRDMAWritesOrdering below Owner), cudaDeviceFlushGPUDirectRDMAWrites
+  // waits until they are.
+  Status flush_gpudirect_writes() const {
+    if (!flush_writes) return Status::ok();
+    if (cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
+      return cuda_error("cudaSetDevice", err);
+    }
+    if (cudaError_t err = cudaDeviceFlushGPUDirectRDMAWrites(
+            cudaFlushGPUDirectRDMAWritesTargetCurrentDevice, cudaFlushGPUDirectRDMAWritesToOwner);
+        err != cudaSuccess) {
+      return cuda_error("cudaDeviceFlushGPUDirectRDMAWrites", err);
+    }
+    return Status::ok();
+  }
+
   // The proxy's regions, zeroed: the control region in pinned host memory; the data region in GPU
   // memory when config.proxy_memory says "gpu", or "auto" and the engine reaches GPU memory
   // itself (`direct`), else in pinned host memory.
@@ -279,6 +299,26 @@ class AllToAll::Impl {
         return cuda_error("cudaMemset of the proxy's data region", err);
       }
       proxy_data_device = reinterpret_cast<uint8_t*>(proxy_data);
+      int ordering = 0, options = 0;
+      if (cudaError_t err =
+              cudaDeviceGetAttribute(&ordering, cudaDevAttrGPUDirectRDMAWritesOrdering, device);
+          err != cudaSuccess) {
+        return cuda_error("cudaDeviceGetAttribute(GPUDirectRDMAWritesOrdering)", err);
+      }
+      if (ordering < cudaGPUDirectRDMAWritesOrderingOwner) {
+        if (cudaError_t err = cudaDeviceGetAttribute(
+                &options, cudaDevAttrGPUDirectRDMAFlushWritesOptions, device);
+            err != cudaSuccess) {
+          return cuda_error("cudaDeviceGetAttribute(GPUDirectRDMAFlushWritesOptions)", err);
+        }
+        if ((options & cudaFlushGPUDirectRDMAWritesOptionHost) == 0) {
+          return Status(ErrorCode::kUnsupported,
+                        fmt::format("proxy_memory 'gpu': GPU {} neither orders GPUDirect RDMA "
+                                    "writes for its own kernels nor can flush them from the host",
+                                    device));
+        }
+        flush_writes = true;
+      }
     }
     return ProxyAreas{{proxy_control, l.control_bytes}, {proxy_data, l.data_bytes}};
   }

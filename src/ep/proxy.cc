@@ -532,6 +532,15 @@ bool Proxy::receive_round(Peer& p, bool combine) {
     return false;
   }
   if (combine && !map_rows(p, want)) return false;
+  if (options_.before_flag) {
+    if (Status s = options_.before_flag(p.rank, combine, want); !s) {
+      fail(Status(s.code(),
+                  fmt::format("rank {}'s proxy, before raising rank {}'s {} flag of "
+                              "round {}: {}",
+                              config_.rank, p.rank, kind_name(combine), want, s.message())));
+      return false;
+    }
+  }
   engine_->reset_imm(counts_imm);
   if (need > 0) engine_->reset_imm(data_imm);
   p.have_counts[k] = false;

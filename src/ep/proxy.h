@@ -203,6 +203,10 @@ struct ProxyOptions {
   // Idle passes before the thread naps for idle_sleep (then it polls again).
   uint32_t idle_spins = 256;
   std::chrono::microseconds idle_sleep{20};
+  // Called on the proxy thread once every byte of a peer's round has arrived, before its flag
+  // is raised (for the all-to-all: writes a NIC made into GPU memory made visible to the GPU).
+  // An error is the proxy's failure, and the flag stays down.
+  std::function<Status(int peer, bool combine, uint32_t round)> before_flag;
 };
 
 // The two regions of one rank's proxy (ProxyLayout), zeroed and 16-byte aligned, the caller's.

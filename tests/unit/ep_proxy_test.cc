@@ -5,8 +5,10 @@
 // waits for the receive flag, checks every byte, raises the done word), as the kernels do
 // through the regions' device mappings. A data region may also be a FakeDeviceBuffer, the test
 // double for GPU memory that no NIC reaches.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -655,6 +657,58 @@ TEST_P(EpProxy, ACombineRowNamingAnUnknownSlotIsAProtocolError) {
   EXPECT_NE(s.message().find("rank 0's combine of round 3 names slot " + std::to_string(slots + 5)),
             std::string::npos)
       << s.to_string();
+}
+
+// ProxyOptions::before_flag runs once per peer, kind and round, after the round's bytes and
+// before its flag (with two ranks, the proxy calling it for peer s is rank 1 - s's).
+TEST_P(EpProxy, BeforeFlagRunsOncePerRoundBeforeTheFlag) {
+  std::atomic<int> calls{0}, early{0};
+  ProxyOptions options;
+  options.before_flag = [&](int peer, bool combine, uint32_t round) {
+    const Rank& me = ranks_[static_cast<size_t>(1 - peer)];
+    const uint64_t flag = load_word(
+        me.control->at, combine ? ProxyLayout::kCombineFlag : ProxyLayout::kDispatchFlag, peer);
+    if (static_cast<uint32_t>(flag >> 32) >= round) ++early;
+    ++calls;
+    return Status::ok();
+  };
+  MAKE_OR_SKIP(2, 1, options);
+  run_rounds(1, 10);
+  EXPECT_EQ(calls.load(), 2 * 2 * 10);
+  EXPECT_EQ(early.load(), 0);
+}
+
+// A before_flag that fails: the proxy stops with its error, naming the round, and the flag stays
+// down (the receiving half times out). Which rank's proxy meets it first depends on timing (the
+// other one may stop before it has sent its own round, and then times out).
+TEST_P(EpProxy, AFailingBeforeFlagIsTheProxysFailure) {
+  ProxyOptions options;
+  options.before_flag = [](int, bool combine, uint32_t round) {
+    return combine && round == 2 ? Status(ErrorCode::kFabric, "the flush failed") : Status::ok();
+  };
+  MAKE_OR_SKIP(2, 1, options);
+  run_rounds(1, 1);
+  for (Rank& k : ranks_) ASSERT_TRUE(k.gpu->dispatch_send(2));
+  for (Rank& k : ranks_) ASSERT_TRUE(k.gpu->dispatch_recv(2));
+  for (Rank& k : ranks_) ASSERT_TRUE(k.gpu->combine_send(2));
+  int failed_by_hook = 0;
+  for (int r = 0; r < 2; ++r) {
+    Rank& k = ranks_[static_cast<size_t>(r)];
+    EXPECT_EQ(k.gpu->combine_recv(2).code(), ErrorCode::kTimeout) << "rank " << r;
+    // The proxy's own timeout (the other rank silent) may come just after the GPU's.
+    Status s;
+    const auto until = Clock::now() + 5s * kSlowdown;
+    while ((s = k.proxy->status()) && Clock::now() < until) std::this_thread::sleep_for(10ms);
+    ASSERT_FALSE(s) << "rank " << r;
+    if (s.code() != ErrorCode::kFabric) continue;
+    ++failed_by_hook;
+    EXPECT_NE(s.message().find(fmt::format("before raising rank {}'s combine flag of round 2: "
+                                           "the flush failed",
+                                           1 - r)),
+              std::string::npos)
+        << s.to_string();
+  }
+  EXPECT_GE(failed_by_hook, 1);
 }
 
 TEST_P(EpProxy, ConnectRefusesBadHandles) {
