@@ -258,6 +258,15 @@ class AllToAll::Impl {
   // memory when config.proxy_memory says "gpu", or "auto" and the engine reaches GPU memory
   // itself (`direct`), else in pinned host memory.
   Result<ProxyAreas> allocate_proxy_regions(const ProxyLayout& l, bool direct) {
+    if (config.proxy_memory == "gpu" && !direct) {
+      return Status(
+          ErrorCode::kUnsupported,
+          fmt::format("proxy_memory 'gpu' needs NICs that reach GPU memory themselves (GPUDirect "
+                      "RDMA), and the proxy's engine (provider '{}') stages GPU memory through "
+                      "host memory: with the kernels waiting on the GPU, its copies did not "
+                      "complete (seen on an H200). Use 'host' or 'auto' (host here)",
+                      config.provider));
+    }
     auto host = [](uint64_t bytes, const char* what, std::byte** at,
                    uint8_t** device_at) -> Status {
       if (cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(at), bytes,
@@ -277,16 +286,7 @@ class AllToAll::Impl {
     if (Status s = host(l.control_bytes, "control", &proxy_control, &proxy_control_device); !s) {
       return s;
     }
-    if (config.proxy_memory == "gpu" && !direct) {
-      return Status(
-          ErrorCode::kUnsupported,
-          fmt::format("proxy_memory 'gpu' needs NICs that reach GPU memory themselves (GPUDirect "
-                      "RDMA), and the proxy's engine (provider '{}') stages GPU memory through "
-                      "host memory: with the kernels waiting on the GPU, its copies did not "
-                      "complete (seen on an H200). Use 'host' or 'auto' (host here)",
-                      config.provider));
-    }
-    proxy_data_on_gpu = config.proxy_memory == "gpu" || (config.proxy_memory == "auto" && direct);
+    proxy_data_on_gpu = direct && config.proxy_memory != "host";  // "gpu" needs `direct`
     if (!proxy_data_on_gpu) {
       if (Status s = host(l.data_bytes, "data", &proxy_data, &proxy_data_device); !s) return s;
     } else {

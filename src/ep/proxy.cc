@@ -240,8 +240,7 @@ Result<std::unique_ptr<Proxy>> Proxy::create(const AllToAllConfig& config, const
   auto engine = TransferEngine::create(c);
   if (!engine) return engine.status();
   p->engine_ = std::move(*engine);
-  p->direct_ = p->engine_->group_info(0).gpu_memory.starts_with("direct");
-  auto areas = allocate(*pl, p->direct_);
+  auto areas = allocate(*pl, p->engine_->group_info(0).gpu_memory.starts_with("direct"));
   if (!areas) return areas.status();
   if (Status s = check_region("control", areas->control, pl->control_bytes); !s) return s;
   if (Status s = check_region("data", areas->data, pl->data_bytes); !s) return s;

@@ -236,8 +236,6 @@ class Proxy {
   Proxy& operator=(const Proxy&) = delete;
 
   const ProxyLayout& layout() const { return layout_; }
-  // Whether the engine moves GPU memory itself (what `allocate` was told).
-  bool direct() const { return direct_; }
   // Versioned bytes: the two regions' descriptors (which carry the engine's address).
   Bytes handle() const;
   // `handles`: every rank's handle() in rank order; those of this node's ranks are not read
@@ -273,7 +271,6 @@ class Proxy {
   ProxyLayout layout_;
   ProxyOptions options_;
   ProxyAreas areas_;
-  bool direct_ = false;
   // Members in creation order; the destructor joins the thread, then closes the engine (its
   // callbacks touch peers_ and failure_), then the rest goes.
   mutable std::atomic<bool> failed_{false};

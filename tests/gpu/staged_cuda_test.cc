@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -121,34 +120,21 @@ TEST_P(StagedCuda, SingleWritesDeviceToDevice) {
 TEST_P(StagedCuda, CallerDrivenEnginesMoveDeviceMemory) {
   Config config = make_caller_driven_config(GetParam());
   config.gpu_direct = GetParam().name != "shm_staged";
-  auto ea = TransferEngine::create(config);
-  ASSERT_TRUE(ea) << ea.status().to_string();
-  auto eb = TransferEngine::create(config);
-  ASSERT_TRUE(eb) << eb.status().to_string();
-  TransferEngine& a = **ea;
-  TransferEngine& b = **eb;
+  EnginePair engines = make_engine_pair(config);
+  ASSERT_TRUE(engines.a);
+  TransferEngine& a = *engines.a;
+  TransferEngine& b = *engines.b;
   std::printf("%s: GPU memory path %s (caller-driven)\n", GetParam().provider.c_str(),
               a.group_info().gpu_memory.c_str());
   constexpr uint64_t n = (uint64_t{1} << 20) + 3;
   auto src = make_gpu(a, n, 9);
   auto dst = make_gpu(b, n, 0);
-  std::atomic<bool> done{false}, failed{false};
-  std::string why;
-  ASSERT_TRUE(a.submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, n, 7, {}},
-                       Callbacks{[&] { done.store(true); },
-                                 [&](const Status& s) {
-                                   why = s.to_string();
-                                   failed.store(true);
-                                 }}));
-  const auto until = std::chrono::steady_clock::now() + 20s;
-  while ((!done.load() || b.imm_count(7) == 0) && !failed.load() &&
-         std::chrono::steady_clock::now() < until) {
-    a.progress(0);
-    b.progress(0);
-  }
-  ASSERT_FALSE(failed.load()) << why;
-  ASSERT_TRUE(done.load()) << "the write did not complete within 20 s";
-  ASSERT_EQ(b.imm_count(7), 1u) << "the immediate was not counted within 20 s";
+  const DrivenWrite w =
+      drive_write(a, b, SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, n, 7, {}}, 20s);
+  ASSERT_TRUE(w.submitted) << w.submitted.to_string();
+  ASSERT_TRUE(w.failed.empty()) << w.failed;
+  ASSERT_TRUE(w.done) << "the write did not complete within 20 s";
+  ASSERT_EQ(w.imms, 1u) << "the immediate was not counted within 20 s";
   EXPECT_EQ(0, std::memcmp(src->read().data(), dst->read().data(), n));
 }
 

@@ -40,12 +40,10 @@ TEST_P(StagedWhileKernelsWait, CopiesCompleteWhileEverySmWaits) {
   }
   Config config = make_caller_driven_config(GetParam().backend);
   config.cuda_ipc = Config::CudaIpc::kOff;
-  auto ea = TransferEngine::create(config);
-  ASSERT_TRUE(ea) << ea.status().to_string();
-  auto eb = TransferEngine::create(config);
-  ASSERT_TRUE(eb) << eb.status().to_string();
-  TransferEngine& a = **ea;
-  TransferEngine& b = **eb;
+  EnginePair engines = make_engine_pair(config);
+  ASSERT_TRUE(engines.a);
+  TransferEngine& a = *engines.a;
+  TransferEngine& b = *engines.b;
 
   constexpr uint64_t n = uint64_t{1} << 20;
   void* src = nullptr;
@@ -74,24 +72,15 @@ TEST_P(StagedWhileKernelsWait, CopiesCompleteWhileEverySmWaits) {
   std::this_thread::sleep_for(50ms);
   ASSERT_EQ(cudaStreamQuery(stream), cudaErrorNotReady) << "the kernel is not waiting";
 
-  bool done = false;
-  std::string failed;
-  ASSERT_TRUE(
-      a.submit(SingleWrite{rs->handle, 0, rd->descriptor, 0, n, 3, {}},
-               Callbacks{[&] { done = true; }, [&](const Status& s) { failed = s.to_string(); }}));
-  const auto until = std::chrono::steady_clock::now() + 10s;
-  while ((!done || b.imm_count(3) == 0) && failed.empty() &&
-         std::chrono::steady_clock::now() < until) {
-    a.progress(0);
-    b.progress(0);
-  }
-  const bool counted = b.imm_count(3) == 1;
+  const DrivenWrite w =
+      drive_write(a, b, SingleWrite{rs->handle, 0, rd->descriptor, 0, n, 3, {}}, 10s);
   __atomic_store_n(&host[0], 1u, __ATOMIC_RELEASE);  // the kernel may end now
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   EXPECT_EQ(host[1], 0u) << "the kernel gave up waiting";
-  EXPECT_TRUE(failed.empty()) << failed;
-  EXPECT_TRUE(done) << "the write did not complete within 10 s while every SM waited";
-  EXPECT_TRUE(counted) << "the immediate was not counted within 10 s while every SM waited";
+  EXPECT_TRUE(w.submitted) << w.submitted.to_string();
+  EXPECT_TRUE(w.failed.empty()) << w.failed;
+  EXPECT_TRUE(w.done) << "the write did not complete within 10 s while every SM waited";
+  EXPECT_EQ(w.imms, 1u) << "the immediate was not counted within 10 s while every SM waited";
   std::vector<std::byte> got(n);
   ASSERT_EQ(cudaMemcpy(got.data(), dst, n, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(0, std::memcmp(got.data(), want.data(), n));

@@ -81,6 +81,48 @@ inline Config make_caller_driven_config(const Backend& b) {
   return c;
 }
 
+// Two engines of one config in this process (both null, with a test failure, when either does
+// not open).
+struct EnginePair {
+  std::unique_ptr<TransferEngine> a, b;
+};
+inline EnginePair make_engine_pair(const Config& config) {
+  auto a = TransferEngine::create(config);
+  EXPECT_TRUE(a) << a.status().to_string();
+  auto b = TransferEngine::create(config);
+  EXPECT_TRUE(b) << b.status().to_string();
+  if (!a || !b) return {};
+  return {std::move(*a), std::move(*b)};
+}
+
+// What drive_write saw.
+struct DrivenWrite {
+  Status submitted;    // submit()'s own result
+  bool done = false;   // on_done ran
+  std::string failed;  // on_error's status, or empty
+  uint64_t imms = 0;   // b's count of the write's immediate at the end
+};
+// Submits `w` (with an immediate) on `a` and drives the caller-driven engines `a` and `b` on
+// this thread until the write is done and `b` counted its immediate, it failed, or `timeout`.
+inline DrivenWrite drive_write(TransferEngine& a, TransferEngine& b, const SingleWrite& w,
+                               std::chrono::milliseconds timeout) {
+  DrivenWrite out;
+  auto id = a.submit(
+      w, Callbacks{[&] { out.done = true; }, [&](const Status& s) { out.failed = s.to_string(); }});
+  if (!id) {
+    out.submitted = id.status();
+    return out;
+  }
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while ((!out.done || b.imm_count(*w.imm) == 0) && out.failed.empty() &&
+         std::chrono::steady_clock::now() < until) {
+    a.progress(0);
+    b.progress(0);
+  }
+  out.imms = b.imm_count(*w.imm);
+  return out;
+}
+
 // Creates an engine or skips the test when the provider is absent here.
 #define FABRIC_ENGINE_OR_SKIP(var, config)                                              \
   std::unique_ptr<::fabric::TransferEngine> var;                                        \
