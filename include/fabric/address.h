@@ -111,13 +111,15 @@ struct MemoryHandle {
 };
 
 // What a peer needs to write into a registered region: the owner's group address and one
-// (address, key) per NIC, rail-aligned with the address's NICs. Cheap to copy.
+// (address, key) per NIC, rail-aligned with the address's NICs (none for ipc_only()). Cheap to
+// copy.
 class RemoteMemory {
  public:
-  // Version 2 added staged_region(), version 3 cuda_ipc(); versions 1 and 2 still decode (not
-  // staged, no CUDA IPC section). A descriptor without a CUDA IPC section is encoded as version
-  // 2, so that engines built before version 3 keep reading it.
-  static constexpr uint8_t kVersion = 3;
+  // Version 2 added staged_region(), version 3 cuda_ipc(), version 4 descriptors without rails
+  // (ipc_only()); older versions still decode (not staged, no CUDA IPC section, rails). A
+  // descriptor is encoded in the oldest version that holds it (2 without a CUDA IPC section, 3
+  // with rails), so that engines built before keep reading it.
+  static constexpr uint8_t kVersion = 4;
 
   // The CUDA IPC section: the region is CUDA memory whose owner accepts writes from same-host
   // peers over CUDA IPC (docs/cuda-ipc.md). The writer names the region by `region`; the owner
@@ -154,6 +156,9 @@ class RemoteMemory {
   uint64_t staged_region() const { return data().staged_region; }
   // Present when a same-host peer may write into the region over CUDA IPC.
   const std::optional<CudaIpc>& cuda_ipc() const { return data().cuda_ipc; }
+  // GPU memory registered without a host mirror (RegisterOptions::host_mirror false) on a group
+  // that would have staged it: no rails, and only the CUDA IPC path reaches it.
+  bool ipc_only() const { return data().rails.empty() && data().cuda_ipc.has_value(); }
 
   friend bool operator==(const RemoteMemory& a, const RemoteMemory& b);
 

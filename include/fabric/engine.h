@@ -42,6 +42,19 @@ struct Registration {
   RemoteMemory descriptor;
 };
 
+// How register_memory registers a range.
+struct RegisterOptions {
+  uint32_t group = 0;  // the device group whose NICs register it
+  // GPU memory on a group whose NICs cannot reach it is staged through a pinned host mirror of
+  // the same size (docs/gpu.md). false: no mirror is allocated and the fabric does not register
+  // the memory; only the CUDA IPC path (same-host peers, docs/cuda-ipc.md) reaches it, from and
+  // into it. Registering then fails with kUnsupported where CUDA IPC is off or CUDA cannot
+  // export the memory, and a write that would need the fabric fails at submit with
+  // kUnsupported, saying why. No effect on host memory or on a group that reaches GPU memory
+  // itself (GroupInfo::gpu_memory "direct").
+  bool host_mirror = true;
+};
+
 // What a device group turned out to be, once opened.
 struct GroupInfo {
   std::string provider;            // e.g. "tcp;ofi_rxm"
@@ -92,8 +105,10 @@ class TransferEngine {
   // Registers [ptr, ptr + length) on every NIC of `group` for local reads and remote writes.
   // Every call makes a new registration, also for a pointer registered before (with the same
   // or another length). Blocking. Errors: kInvalidArgument (null pointer, zero length),
-  // kNotFound (no such group), kFabric (the provider refused), kClosed.
+  // kNotFound (no such group), kFabric (the provider refused), kClosed; with
+  // RegisterOptions::host_mirror false, kUnsupported (the memory cannot take the CUDA IPC path).
   Result<Registration> register_memory(void* ptr, uint64_t length, uint32_t group = 0);
+  Result<Registration> register_memory(void* ptr, uint64_t length, const RegisterOptions& options);
 
   // Forgets a registration, as a barrier. New submissions naming the handle fail with
   // kNotFound at once; transfers already accepted that read from the region still complete

@@ -54,6 +54,10 @@ struct GroupStats {
   // bytes_submitted).
   uint64_t cuda_ipc_transfers = 0;
   uint64_t cuda_ipc_bytes = 0;
+  // Pinned host memory now held by the staging mirrors of the group's registrations of GPU
+  // memory (a gauge: up at register_memory, down at unregister_memory; docs/gpu.md). Memory
+  // registered with RegisterOptions::host_mirror false has none.
+  uint64_t host_mirror_bytes = 0;
 
   // Counted by the group's worker (relaxed, on its own cache lines; a snapshot is not atomic
   // across fields).

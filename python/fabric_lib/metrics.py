@@ -23,6 +23,7 @@ Metric names and labels (docs/metrics.md lists them with their meaning):
     fabric_cuda_ipc_bytes_total{engine,group}        ... and their payload bytes
     fabric_immediates_received_total{engine}         immediates counted
     fabric_nic_up{engine,group,nic}                  1 while the NIC is up, 0 once marked down
+    fabric_host_mirror_bytes{engine,group}           pinned host memory of staging mirrors
 
 Labels stay bounded: `engine` is the name given to register() (one per engine), `group` a
 device group index, `nic` one of a group's NICs; no label is made from peers, immediates or
@@ -107,6 +108,10 @@ class EngineCollector(Collector):
         nic_up = GaugeMetricFamily(
             "fabric_nic_up", "1 while the NIC is up, 0 while it is marked down (failover).",
             labels=["engine", "group", "nic"])
+        mirrors = GaugeMetricFamily(
+            "fabric_host_mirror_bytes",
+            "Pinned host memory held by the staging mirrors of registered GPU memory.",
+            labels=["engine", "group"])
         with self._lock:
             live = [(n, ref()) for n, ref in self._engines.items()]
             for n, e in live:
@@ -119,6 +124,7 @@ class EngineCollector(Collector):
             for g, gs in enumerate(stats.groups):
                 for _, field, _ in GROUP_COUNTERS:
                     counters[field].add_metric([name, str(g)], getattr(gs, field))
+                mirrors.add_metric([name, str(g)], float(gs.host_mirror_bytes))
                 nics = engine.group_info(g).nics
                 for nic, up in zip(nics, engine.nics_up(g)):
                     nic_up.add_metric([name, str(g), nic], 1.0 if up else 0.0)
@@ -126,6 +132,7 @@ class EngineCollector(Collector):
         yield from counters.values()
         yield imms
         yield nic_up
+        yield mirrors
 
 
 _collectors: dict[int, EngineCollector] = {}

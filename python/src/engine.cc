@@ -695,37 +695,44 @@ void bind_engine(py::module_& m) {
       // --- memory ---
       .def(
           "register",
-          [](PyEngine& e, py::handle memory, uint32_t group) {
+          [](PyEngine& e, py::handle memory, uint32_t group, bool host_mirror) {
             auto pinned = PinnedMemory::from_object(memory);
             Result<Registration> r = [&] {
               py::gil_scoped_release nogil;
-              return e.engine().register_memory(pinned->ptr(), pinned->length(), group);
+              return e.engine().register_memory(pinned->ptr(), pinned->length(),
+                                                RegisterOptions{group, host_mirror});
             }();
             return std::make_unique<PyRegistration>(e.core(), std::move(pinned),
                                                     check(std::move(r)), group);
           },
-          py::arg("memory"), py::arg("group") = 0,
+          py::arg("memory"), py::arg("group") = 0, py::arg("host_mirror") = true,
           "Registers the memory of a NumPy array, a PyTorch tensor (CPU or CUDA), or any object "
           "with "
           "the buffer protocol or DLPack, on every NIC of `group`, for local reads and remote "
           "writes. The memory must be writable and contiguous (InvalidArgument otherwise). "
-          "CUDA tensors (when HAS_CUDA) are staged through pinned host memory by the engine; "
-          "without CUDA they raise Unsupported. Returns a Registration, which keeps the object "
-          "alive. Blocking, GIL released.")
+          "CUDA tensors (when HAS_CUDA) are staged through a pinned host mirror of the same size "
+          "by the engine; with host_mirror=False there is none, and only same-host peers reach "
+          "the tensor, over CUDA IPC (Unsupported where that path is impossible). Without CUDA "
+          "they raise Unsupported. Returns a Registration, which keeps the object alive. "
+          "Blocking, GIL released.")
       .def(
           "register_ptr",
-          [](PyEngine& e, uintptr_t ptr, uint64_t length, uint32_t group, py::object owner) {
+          [](PyEngine& e, uintptr_t ptr, uint64_t length, uint32_t group, py::object owner,
+             bool host_mirror) {
             auto pinned = PinnedMemory::from_pointer(ptr, length, std::move(owner));
             Result<Registration> r = [&] {
               py::gil_scoped_release nogil;
-              return e.engine().register_memory(pinned->ptr(), pinned->length(), group);
+              return e.engine().register_memory(pinned->ptr(), pinned->length(),
+                                                RegisterOptions{group, host_mirror});
             }();
             return std::make_unique<PyRegistration>(e.core(), std::move(pinned),
                                                     check(std::move(r)), group);
           },
           py::arg("ptr"), py::arg("length"), py::arg("group") = 0, py::arg("owner") = py::none(),
+          py::arg("host_mirror") = true,
           "Registers [ptr, ptr + length): raw memory the caller keeps valid (`owner` is kept "
-          "alive with the registration). Blocking, GIL released.")
+          "alive with the registration); host_mirror as for register(). Blocking, GIL "
+          "released.")
       .def(
           "unregister",
           [](PyEngine& e, py::handle what) {

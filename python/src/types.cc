@@ -168,6 +168,10 @@ void bind_types(py::module_& m) {
           "Whether the region is GPU memory its owner stages through pinned "
           "host memory (writes into it are copied to the GPU before their "
           "immediate counts).")
+      .def_property_readonly("ipc_only", &RemoteMemory::ipc_only,
+                             "Whether the region is GPU memory registered with "
+                             "host_mirror=False: no rails, only same-host peers reach it over "
+                             "CUDA IPC.")
       .def_property_readonly(
           "rails",
           [](const RemoteMemory& r) {
@@ -175,7 +179,8 @@ void bind_types(py::module_& m) {
             for (const auto& rail : r.rails()) out.append(py::make_tuple(rail.addr, rail.key));
             return out;
           },
-          "One (fabric address, key) pair per NIC, rail-aligned with the owner's NICs.")
+          "One (fabric address, key) pair per NIC, rail-aligned with the owner's NICs (none when "
+          "ipc_only).")
       .def(
           "__eq__",
           [](const RemoteMemory& a, py::handle other) -> py::object {
@@ -337,6 +342,9 @@ void bind_types(py::module_& m) {
                     "IPC path (same-host GPU peers).")
       .def_readonly("cuda_ipc_bytes", &GroupStats::cuda_ipc_bytes,
                     "Payload bytes the CUDA IPC path moved for them.")
+      .def_readonly("host_mirror_bytes", &GroupStats::host_mirror_bytes,
+                    "Pinned host memory now held by the staging mirrors of the group's "
+                    "registrations of GPU memory (none for host_mirror=False).")
       .def_readonly("nics", &GroupStats::nics, "A NicStats per NIC of the group.")
       .def_readonly("internal_work_requests_posted", &GroupStats::internal_work_requests_posted,
                     "Work requests of the engine's own messages among those posted.")

@@ -5,8 +5,9 @@
 //                 | (version 2) 16 bytes boot id | u64 netns | u64 pidns | u32 pid
 //                 | u64 start time | u64 instance
 //   RemoteMemory: u32 magic "FBLM" | u8 version | u64 base | u64 length
-//                 | u32 len + Address | u8 rails (= the address's NICs) | per rail: u64 addr, u64
-//                 key | (version 2) u64 staged region | (version 3) u8 has CUDA IPC (0 or 1)
+//                 | u32 len + Address | u8 rails (= the address's NICs; from version 4 also 0
+//                 when the descriptor has a CUDA IPC section) | per rail: u64 addr, u64 key
+//                 | (version 2) u64 staged region | (version 3) u8 has CUDA IPC (0 or 1)
 //                 | (when 1) 16 bytes GPU UUID | u64 IPC region (non-zero)
 #include "fabric/address.h"
 
@@ -214,7 +215,7 @@ bool operator==(const RemoteMemory& a, const RemoteMemory& b) {
 Bytes RemoteMemory::encode() const {
   detail::ByteWriter w;
   w.u32(kMemoryMagic);
-  w.u8(cuda_ipc() ? kVersion : 2);
+  w.u8(!cuda_ipc() ? 2 : ipc_only() ? 4 : 3);
   w.u64(base());
   w.u64(length());
   Bytes addr = owner().encode();
@@ -257,7 +258,8 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   if (!owner) return malformed(kWhat, owner.status().message());
   uint8_t count = 0;
   if (!r.u8(count)) return malformed(kWhat, "truncated before rail count");
-  if (count != owner->num_nics()) {
+  // Version 4: no rails at all for memory only CUDA IPC reaches (checked below).
+  if (count != owner->num_nics() && !(count == 0 && version >= 4)) {
     return malformed(kWhat,
                      fmt::format("{} rails for an owner with {} NICs", count, owner->num_nics()));
   }
@@ -286,6 +288,12 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   }
   if (r.remaining() != 0) {
     return malformed(kWhat, fmt::format("{} trailing bytes", r.remaining()));
+  }
+  if (count == 0 && !ipc) {
+    return malformed(kWhat, "no rails and no CUDA IPC section: nothing could reach the region");
+  }
+  if (count == 0 && staged != 0) {
+    return malformed(kWhat, "no rails for a staged region (its mirror has none)");
   }
   return RemoteMemory(std::move(*owner), base, length, std::move(rails), staged, ipc);
 }

@@ -173,7 +173,7 @@ Status EngineImpl::check_remote(const RemoteMemory& dst, uint32_t group,
   if (dst.empty()) return invalid(fmt::format("{}: the remote memory descriptor is empty", what));
   // A descriptor made by hand (not decoded, which checks this) must still be rail-aligned:
   // the plan indexes rails by the owner's NICs.
-  if (dst.rails().size() != dst.owner().num_nics()) {
+  if (dst.rails().size() != dst.owner().num_nics() && !dst.ipc_only()) {
     return invalid(
         fmt::format("{}: the remote memory descriptor has {} rails for an owner with {} "
                     "NIC(s)",
@@ -256,10 +256,12 @@ Status refused_on_worker(const char* call) {
 }
 }  // namespace
 
-Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uint32_t group) {
+Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length,
+                                                 const RegisterOptions& options) {
   if (engine::on_worker_thread()) return refused_on_worker("register_memory");
   auto lock = enter();
   if (!lock) return closed();
+  const uint32_t group = options.group;
   if (Status s = check_group(group); !s) return s;
   if (ptr == nullptr) return invalid("register_memory: null pointer");
   if (length == 0) return invalid("register_memory: zero length");
@@ -267,15 +269,23 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uin
     return invalid("register_memory: the range wraps around the address space");
   }
   // GPU memory: registered as it is where the group's NICs reach it (FI_HMEM); otherwise staged
-  // through a pinned host mirror of the same size, registered in its place.
+  // through a pinned host mirror of the same size, registered in its place, unless the caller
+  // asked for none (then only the CUDA IPC path reaches it).
   auto memory = cuda::classify(ptr, length);
   if (!memory) {
     return Status(memory.status().code(),
                   fmt::format("register_memory: {}", memory.status().message()));
   }
-  std::unique_ptr<cuda::HostBuffer> mirror;
   const bool direct = memory->kind == cuda::MemoryKind::kCuda && direct_[group];
-  if (memory->kind != cuda::MemoryKind::kHost && !direct) {
+  const bool wants_mirror = memory->kind != cuda::MemoryKind::kHost && !direct;
+  const bool ipc_only = wants_mirror && !options.host_mirror;
+  if (ipc_only && config_.cuda_ipc == Config::CudaIpc::kOff) {
+    return Status(ErrorCode::kUnsupported,
+                  "register_memory: host_mirror is false, but Config::cuda_ipc is off: the "
+                  "memory would be unreachable (this group stages GPU memory through a mirror)");
+  }
+  std::unique_ptr<cuda::HostBuffer> mirror;
+  if (wants_mirror && !ipc_only) {
     auto m = cuda::HostBuffer::allocate(*memory, length);
     if (!m) {
       return Status(m.status().code(),
@@ -284,38 +294,54 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length, uin
     }
     mirror = std::move(*m);
   }
+  // The CUDA IPC path: device memory is exported for same-host peers (docs/cuda-ipc.md).
+  std::optional<cuda::IpcExport> ipc;
+  std::string ipc_why;
+  if (memory->kind != cuda::MemoryKind::kHost && config_.cuda_ipc != Config::CudaIpc::kOff) {
+    auto exported = cuda::ipc_export(*memory, ptr, length);
+    if (exported) {
+      ipc = std::move(*exported);
+    } else {
+      ipc_why = exported.status().message();
+      detail::log().debug("register_memory: no CUDA IPC export: {}", ipc_why);
+    }
+  }
+  if (ipc_only && !ipc) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("register_memory: host_mirror is false, but CUDA cannot export the "
+                              "memory for the CUDA IPC path, so nothing could reach it: {}",
+                              ipc_why));
+  }
   std::byte* host = mirror ? mirror->data() : static_cast<std::byte*>(ptr);
   engine::Worker* w = workers_[group].get();
-  auto regs = w->call([&] { return w->register_on_all(host, length); });
-  if (!regs) return regs.status();
+  std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;
+  if (!ipc_only) {
+    auto r = w->call([&] { return w->register_on_all(host, length); });
+    if (!r) return r.status();
+    regs = std::move(*r);
+  }
 
   auto region = std::make_shared<LocalRegion>();
   region->id = (tag_ << kTagShift) | (next_region_.fetch_add(1) & kSeqMask);
   region->ptr = static_cast<std::byte*>(ptr);
-  region->host = host;
+  region->host = ipc_only ? nullptr : host;
   region->length = length;
   region->group = group;
   region->memory = *memory;
   region->worker = w;
-  region->regs = std::move(*regs);
+  region->regs = std::move(regs);
   region->mirror = std::move(mirror);
-  // The CUDA IPC path: device memory is exported for same-host peers (docs/cuda-ipc.md).
+  region->ipc = std::move(ipc);
+  region->ipc_why = std::move(ipc_why);
+  region->ipc_only = ipc_only;
   std::optional<RemoteMemory::CudaIpc> ipc_section;
-  if (memory->kind != cuda::MemoryKind::kHost && config_.cuda_ipc != Config::CudaIpc::kOff) {
-    auto exported = cuda::ipc_export(*memory, ptr, length);
-    if (exported) {
-      region->ipc = std::move(*exported);
-      ipc_section = RemoteMemory::CudaIpc{region->ipc->device, region->id};
-    } else {
-      region->ipc_why = exported.status().message();
-      detail::log().debug("register_memory: no CUDA IPC export: {}", region->ipc_why);
-    }
-  }
+  if (region->ipc) ipc_section = RemoteMemory::CudaIpc{region->ipc->device, region->id};
   std::vector<RemoteMemory::Rail> rails;
   for (const auto& r : region->regs) rails.push_back({r->remote_addr(), r->remote_key()});
   Registration out{MemoryHandle{region->id},
                    RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length,
                                 std::move(rails), region->staged() ? region->id : 0, ipc_section)};
+  if (region->mirror) stats_.mirror(group, static_cast<int64_t>(length));
   regions_.add(std::move(region));
   return out;
 }
@@ -333,6 +359,7 @@ Status EngineImpl::unregister_memory(MemoryHandle handle) {
           fmt::format("memory handle {:#x} is not registered (it was unregistered)", handle.id));
     }
   }
+  if (region->mirror) stats_.mirror(region->group, -static_cast<int64_t>(region->length));
   // Submitting threads' caches may still reach it (lookup_region): it is not theirs to take.
   region->unregistered.store(true, std::memory_order_release);
   // A barrier: the provider registrations are closed on the worker once no accepted transfer
@@ -448,7 +475,11 @@ const Address& TransferEngine::address(uint32_t group) const {
   return impl_->address(group);
 }
 Result<Registration> TransferEngine::register_memory(void* ptr, uint64_t length, uint32_t group) {
-  return impl_->register_memory(ptr, length, group);
+  return impl_->register_memory(ptr, length, RegisterOptions{.group = group});
+}
+Result<Registration> TransferEngine::register_memory(void* ptr, uint64_t length,
+                                                     const RegisterOptions& options) {
+  return impl_->register_memory(ptr, length, options);
 }
 Status TransferEngine::unregister_memory(MemoryHandle handle) {
   return impl_->unregister_memory(handle);

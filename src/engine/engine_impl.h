@@ -96,7 +96,7 @@ class EngineImpl {
     return g < addresses_.size() ? addresses_[g] : kNone;
   }
 
-  Result<Registration> register_memory(void* ptr, uint64_t length, uint32_t group);
+  Result<Registration> register_memory(void* ptr, uint64_t length, const RegisterOptions& options);
   Status unregister_memory(MemoryHandle handle);
   Result<PeerGroup> add_peer_group(std::vector<Address> peers);
   Status remove_peer_group(PeerGroup group);
@@ -185,7 +185,7 @@ class EngineImpl {
   bool remote_ok(const RemoteMemory& dst, uint32_t group) const {
     if (dst.empty()) return false;
     const Address& owner = dst.owner();
-    if (owner.empty() || dst.rails().size() != owner.num_nics()) return false;
+    if (owner.empty() || (dst.rails().size() != owner.num_nics() && !dst.ipc_only())) return false;
     const std::string& theirs = owner.provider();
     const std::string& ours = infos_[group].provider;
     if (theirs.size() != ours.size()) return false;
@@ -269,13 +269,11 @@ class EngineImpl {
     }
     return engine::choose_route(
         config_.cuda_ipc, addresses_[group].origin(), src.memory, src.ipc ? &*src.ipc : nullptr,
-        src.ipc_why, dst,
+        src.ipc_why, src.ipc_only, dst,
         [&src](const cuda::DeviceUuid& peer) { return cuda::ipc_reachable(src.memory, peer); });
   }
   static Status ipc_rejected(std::string_view what, const engine::IpcRoute& route) {
-    return Status(ErrorCode::kUnsupported,
-                  fmt::format("{}: Config::cuda_ipc is on, but the CUDA IPC path is impossible: {}",
-                              what, route.why));
+    return Status(ErrorCode::kUnsupported, fmt::format("{}: {}", what, route.why));
   }
 
   const Config config_;

@@ -5,19 +5,29 @@ namespace fabric::engine {
 
 IpcRoute choose_route(Config::CudaIpc mode, const Origin& self, const cuda::PointerInfo& src_memory,
                       const cuda::IpcExport* src_export, const std::string& src_why,
-                      const RemoteMemory& dst,
+                      bool src_ipc_only, const RemoteMemory& dst,
                       const std::function<bool(const cuda::DeviceUuid&)>& reachable) {
-  if (mode == Config::CudaIpc::kOff) return {IpcRoute::Kind::kFabric, "CUDA IPC is off"};
+  // What makes the path the only way, if anything: a side registered without a host mirror
+  // (only CUDA IPC reaches it), or the mode forced on.
+  const char* required =
+      dst.ipc_only()                 ? "the destination was registered without a host mirror "
+                                       "(RegisterOptions::host_mirror), so only the CUDA IPC path reaches it"
+      : src_ipc_only                 ? "the source was registered without a host mirror "
+                                       "(RegisterOptions::host_mirror), so only the CUDA IPC "
+                                       "path reads it"
+      : mode == Config::CudaIpc::kOn ? "Config::cuda_ipc is on"
+                                     : nullptr;
+  auto no = [&](std::string why) {
+    if (required == nullptr) return IpcRoute{IpcRoute::Kind::kFabric, std::move(why)};
+    return IpcRoute{IpcRoute::Kind::kRejected,
+                    std::string(required) + ", but the CUDA IPC path is impossible: " + why};
+  };
+  if (mode == Config::CudaIpc::kOff) return no("CUDA IPC is off");
   const bool src_device = src_memory.kind != cuda::MemoryKind::kHost;
   const bool dst_device = dst.cuda_ipc().has_value() || dst.staged_region() != 0;
   // Host to host: the fabric, whatever the mode (the path moves GPU memory only). The common
   // case of every submission: no reason spelled out (no allocation).
   if (!src_device && !dst_device) return {IpcRoute::Kind::kFabric, {}};
-  auto no = [&](std::string why) {
-    return IpcRoute{
-        mode == Config::CudaIpc::kOn ? IpcRoute::Kind::kRejected : IpcRoute::Kind::kFabric,
-        std::move(why)};
-  };
   if (!src_device) return no("the source is host memory");
   if (src_export == nullptr) return no("the source has no CUDA IPC export: " + src_why);
   if (!dst.cuda_ipc()) {

@@ -18,7 +18,8 @@ struct IpcRoute {
   enum class Kind : uint8_t {
     kFabric,    // as before: direct or staged over the group's NICs
     kIpc,       // the destination's owner copies from this engine's exported source
-    kRejected,  // Config::CudaIpc::kOn and the path is impossible: `why` says why
+    kRejected,  // the path is the only way (Config::CudaIpc::kOn, or a side registered without
+                // a host mirror) and it is impossible: `why` says both
   };
   Kind kind = Kind::kFabric;
   // For kRejected, and kFabric with GPU memory on a side: what rules the path out.
@@ -26,11 +27,12 @@ struct IpcRoute {
 };
 
 // `src_memory`: the source registration's memory; `src_export`: its CUDA IPC export, or null
-// with `src_why` saying why there is none; `self`: this engine's origin; `reachable`: whether
-// the source's GPU can copy to and from the GPU with the given UUID (cuda::ipc_reachable).
+// with `src_why` saying why there is none; `src_ipc_only`: the source has no host mirror (only
+// the path reads it); `self`: this engine's origin; `reachable`: whether the source's GPU can
+// copy to and from the GPU with the given UUID (cuda::ipc_reachable).
 IpcRoute choose_route(Config::CudaIpc mode, const Origin& self, const cuda::PointerInfo& src_memory,
                       const cuda::IpcExport* src_export, const std::string& src_why,
-                      const RemoteMemory& dst,
+                      bool src_ipc_only, const RemoteMemory& dst,
                       const std::function<bool(const cuda::DeviceUuid&)>& reachable);
 
 // Planning a transfer over the path: a range of `length` bytes from `src_offset` of the source

@@ -46,6 +46,12 @@ class StatsCounters {
     }
   }
 
+  // A staging mirror of `bytes` allocated (positive) or given back (negative) for `group`.
+  void mirror(uint32_t group, int64_t bytes) {
+    groups_[group].host_mirror_bytes.fetch_add(static_cast<uint64_t>(bytes),
+                                               std::memory_order_relaxed);
+  }
+
   // A receive handler of `group` that counts the messages it is given.
   std::function<void(std::span<const std::byte>)> receiving(
       uint32_t group, std::function<void(std::span<const std::byte>)> handler) {
@@ -69,6 +75,7 @@ class StatsCounters {
       out.messages_received = g.messages_received.load(r);
       out.cuda_ipc_transfers = g.cuda_ipc_transfers.load(r);
       out.cuda_ipc_bytes = g.cuda_ipc_bytes.load(r);
+      out.host_mirror_bytes = g.host_mirror_bytes.load(r);
     }
     return s;
   }
@@ -76,7 +83,7 @@ class StatsCounters {
  private:
   struct Group {
     std::atomic<uint64_t> transfers_submitted{0}, bytes_submitted{0}, messages_sent{0},
-        messages_received{0}, cuda_ipc_transfers{0}, cuda_ipc_bytes{0};
+        messages_received{0}, cuda_ipc_transfers{0}, cuda_ipc_bytes{0}, host_mirror_bytes{0};
   };
   size_t n_;
   std::unique_ptr<Group[]> groups_;

@@ -36,7 +36,7 @@ inline constexpr uint64_t kInternalTransfer = uint64_t{1} << 63;
 struct LocalRegion {
   uint64_t id = 0;
   std::byte* ptr = nullptr;
-  std::byte* host = nullptr;
+  std::byte* host = nullptr;  // what the NICs read and write: ptr, or the mirror (null: ipc_only)
   uint64_t length = 0;
   uint32_t group = 0;
   cuda::PointerInfo memory;
@@ -55,6 +55,10 @@ struct LocalRegion {
   // of regions (EngineImpl::lookup_region) may still reach it while transfers hold it, and must
   // not hand it to a new submission.
   std::atomic<bool> unregistered{false};
+
+  // Registered with RegisterOptions::host_mirror false on a group that stages GPU memory: no
+  // mirror, no provider registrations (regs empty, host null); only CUDA IPC moves it.
+  bool ipc_only = false;
 
   bool staged() const { return mirror != nullptr; }
   ~LocalRegion();

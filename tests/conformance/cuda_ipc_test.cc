@@ -18,13 +18,15 @@ struct DeviceBuffer {
   std::span<std::byte> bytes() const { return memory->contents(); }
 };
 
-std::unique_ptr<DeviceBuffer> make_device_buffer(TransferEngine& e, uint64_t n) {
+std::unique_ptr<DeviceBuffer> make_device_buffer(TransferEngine& e, uint64_t n,
+                                                 bool host_mirror = true) {
   auto b = std::make_unique<DeviceBuffer>();
   auto m = FakeDeviceBuffer::create(n);
   EXPECT_TRUE(m) << m.status().to_string();
   if (!m) return b;
   b->memory = std::move(*m);
-  auto r = e.register_memory(b->memory->device_ptr(), n);
+  auto r =
+      e.register_memory(b->memory->device_ptr(), n, RegisterOptions{.host_mirror = host_mirror});
   EXPECT_TRUE(r) << r.status().to_string();
   if (r) b->reg = *r;
   return b;
@@ -276,6 +278,141 @@ TEST_P(CudaIpcPath, TheOverrideForcesEitherWay) {
   EXPECT_NE(rejected.status().message().find("host memory"), std::string::npos)
       << rejected.status().to_string();
   EXPECT_EQ(never.calls(), 0);
+}
+
+// RegisterOptions::host_mirror false: no pinned mirror is allocated (the stats' gauge shows
+// it), the descriptor has no rails, and the path is the only way in and out: writes it can
+// carry arrive (single, paged, a scatter beside a fabric target), the others are refused at
+// submit naming the side without a mirror and why, and nothing is posted for them.
+TEST_P(CudaIpcPath, WithoutAHostMirrorOnlyThePathReachesTheMemory) {
+  constexpr uint64_t n = 1 << 20;
+  auto mirror_bytes = [](TransferEngine& e) { return e.stats().groups[0].host_mirror_bytes; };
+  auto mirrored = make_device_buffer(*b_, n);
+  EXPECT_EQ(mirror_bytes(*b_), n);
+  auto dst = make_device_buffer(*b_, n, /*host_mirror=*/false);
+  EXPECT_EQ(mirror_bytes(*b_), n) << "a mirror was allocated all the same";
+  EXPECT_TRUE(dst->reg.descriptor.ipc_only());
+  EXPECT_TRUE(dst->reg.descriptor.rails().empty());
+  auto decoded = RemoteMemory::decode(dst->reg.descriptor.encode());
+  ASSERT_TRUE(decoded) << decoded.status().to_string();
+  EXPECT_EQ(*decoded, dst->reg.descriptor);
+  auto src = make_device_buffer(*a_, n, /*host_mirror=*/false);
+  EXPECT_EQ(mirror_bytes(*a_), 0u);
+  fill_pattern(src->bytes().data(), n, 21);
+
+  // Single and paged writes, mirror-less on both ends.
+  Probe arrived = expect_data(100, src->bytes().subspan(0, 65536), dst->bytes().subspan(8, 65536));
+  Probe single;
+  ASSERT_TRUE(a_->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 8, 65536, 100, {}},
+                         single.callbacks()));
+  ASSERT_TRUE(single.wait()) << single.wait().to_string();
+  ASSERT_TRUE(arrived.wait());
+  const std::vector<uint32_t> src_pages = {3, 0, 7}, dst_pages = {10, 11, 2};
+  Probe paged;
+  ASSERT_TRUE(a_->submit(PagedWrite{src->reg.handle, dst->reg.descriptor, 4096, src_pages, 4096, 0,
+                                    dst_pages, 4096, 0, 101},
+                         paged.callbacks()));
+  ASSERT_TRUE(paged.wait()) << paged.wait().to_string();
+  EXPECT_TRUE(b_->wait_imm(101, 3, 20s));
+  for (size_t i = 0; i < src_pages.size(); ++i) {
+    EXPECT_EQ(0, std::memcmp(dst->bytes().data() + dst_pages[i] * 4096,
+                             src->bytes().data() + src_pages[i] * 4096, 4096))
+        << "page " << i;
+  }
+
+  // A scatter from a mirrored source to the mirror-less memory (the path) and to host memory
+  // (the fabric).
+  auto ec = TransferEngine::create(make_config(GetParam()));
+  ASSERT_TRUE(ec) << ec.status().to_string();
+  std::unique_ptr<TransferEngine> c = std::move(*ec);
+  auto host = make_buffer(*c, n);
+  auto msrc = make_device_buffer(*a_, n);
+  fill_pattern(msrc->bytes().data(), n, 22);
+  auto group = a_->add_peer_group({b_->address(), c->address()});
+  ASSERT_TRUE(group);
+  Probe scattered;
+  ASSERT_TRUE(
+      a_->submit(Scatter{msrc->reg.handle,
+                         *group,
+                         {{dst->reg.descriptor, 5000, 0, 0}, {host->reg.descriptor, 6000, 5000, 0}},
+                         102,
+                         Scatter::Sharding::kByBytes},
+                 scattered.callbacks()));
+  ASSERT_TRUE(scattered.wait()) << scattered.wait().to_string();
+  EXPECT_TRUE(c->wait_imm(102, 1, 20s));
+  EXPECT_TRUE(b_->wait_imm(102, 1, 20s));
+  EXPECT_EQ(0, std::memcmp(dst->bytes().data(), msrc->bytes().data(), 5000));
+  EXPECT_EQ(0, std::memcmp(host->bytes.data(), msrc->bytes().data() + 5000, 6000));
+
+  // What needs the fabric is refused at submit: host memory into the mirror-less destination,
+  // the mirror-less source into host memory (also in a scatter), and a peer with the path off.
+  auto host_src = make_buffer(*a_, n);
+  Config off = make_config(GetParam());
+  off.cuda_ipc = Config::CudaIpc::kOff;
+  auto eo = TransferEngine::create(off);
+  ASSERT_TRUE(eo) << eo.status().to_string();
+  auto off_src = make_device_buffer(**eo, n);
+  Probe never;
+  struct Refused {
+    const char* name;
+    Result<TransferId> got;
+    const char* why;
+  };
+  const Refused refused[] = {
+      {"host source",
+       a_->submit(SingleWrite{host_src->reg.handle, 0, dst->reg.descriptor, 0, 4096, 103, {}},
+                  never.callbacks()),
+       "the destination was registered without a host mirror"},
+      {"host destination",
+       a_->submit(SingleWrite{src->reg.handle, 0, host->reg.descriptor, 0, 4096, 103, {}},
+                  never.callbacks()),
+       "the source was registered without a host mirror"},
+      {"scatter",
+       a_->submit(Scatter{src->reg.handle,
+                          *group,
+                          {{dst->reg.descriptor, 10, 0, 0}, {host->reg.descriptor, 10, 0, 0}},
+                          103},
+                  never.callbacks()),
+       "scatter target 1: the source was registered without a host mirror"},
+      {"path off at the writer",
+       (*eo)->submit(SingleWrite{off_src->reg.handle, 0, dst->reg.descriptor, 0, 4096, 103, {}},
+                     never.callbacks()),
+       "CUDA IPC is off"},
+  };
+  for (const Refused& r : refused) {
+    SCOPED_TRACE(r.name);
+    ASSERT_FALSE(r.got);
+    EXPECT_EQ(r.got.status().code(), ErrorCode::kUnsupported);
+    EXPECT_NE(r.got.status().message().find(r.why), std::string::npos)
+        << r.got.status().to_string();
+  }
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(never.calls(), 0);
+  EXPECT_EQ(b_->imm_count(103), 0u);
+  EXPECT_EQ(c->imm_count(103), 0u);
+
+  // Registering without a mirror where the path is off is refused, naming why; host memory
+  // ignores the option.
+  auto fake = FakeDeviceBuffer::create(4096);
+  ASSERT_TRUE(fake);
+  auto no_way =
+      (*eo)->register_memory((*fake)->device_ptr(), 4096, RegisterOptions{.host_mirror = false});
+  ASSERT_FALSE(no_way);
+  EXPECT_EQ(no_way.status().code(), ErrorCode::kUnsupported);
+  EXPECT_NE(no_way.status().message().find("Config::cuda_ipc is off"), std::string::npos)
+      << no_way.status().to_string();
+  std::vector<std::byte> plain(4096);
+  auto host_reg =
+      a_->register_memory(plain.data(), plain.size(), RegisterOptions{.host_mirror = false});
+  ASSERT_TRUE(host_reg) << host_reg.status().to_string();
+  EXPECT_FALSE(host_reg->descriptor.ipc_only());
+  EXPECT_EQ(host_reg->descriptor.rails().size(), a_->address().num_nics());
+
+  // Unregistering gives the mirror back; the mirror-less registration had none to give.
+  ASSERT_TRUE(b_->unregister_memory(mirrored->reg.handle));
+  EXPECT_EQ(mirror_bytes(*b_), 0u);
+  ASSERT_TRUE(b_->unregister_memory(dst->reg.handle));
+  EXPECT_EQ(mirror_bytes(*b_), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, CudaIpcPath, ::testing::ValuesIn(all_backends()),

@@ -1,7 +1,7 @@
 // Fuzz target: RemoteMemory descriptors as they arrive from another process (raw bytes and
 // their hex form). Properties: decoding never crashes, a rejection names what is wrong, and an
-// accepted descriptor is consistent (rails = the owner's NICs, no wrap-around) and re-encodes to
-// bytes that decode to the same descriptor.
+// accepted descriptor is consistent (rails = the owner's NICs, or none for memory only CUDA IPC
+// reaches; no wrap-around) and re-encodes to bytes that decode to the same descriptor.
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -19,7 +19,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(desc.status().code() == fabric::ErrorCode::kInvalidArgument, "rejection code");
     FUZZ_CHECK(!desc.status().message().empty(), "a rejection names what is wrong");
   } else {
-    FUZZ_CHECK(desc->rails().size() == desc->owner().num_nics(), "one rail per owner NIC");
+    FUZZ_CHECK(desc->rails().size() == desc->owner().num_nics() ||
+                   (desc->ipc_only() && desc->staged_region() == 0),
+               "one rail per owner NIC, or none with a CUDA IPC section and no staged region");
     FUZZ_CHECK(desc->base() + desc->length() >= desc->base(), "region does not wrap");
     FUZZ_CHECK(!desc->owner().empty(), "an owner with NICs");
     auto again = RemoteMemory::decode(desc->encode());

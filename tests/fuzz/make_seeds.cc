@@ -142,6 +142,9 @@ int main(int argc, char** argv) {
   const RemoteMemory m3(shm2, 0x1000, 4096, {{0x1000, 3}, {0x1000, 4}}, 9,
                         RemoteMemory::CudaIpc{gpu, 0x1234});
   write(root / "descriptor", "shm_2rail_cuda_ipc", m3.encode());
+  // Version 4: GPU memory registered without a host mirror, no rails.
+  const RemoteMemory m4(shm2, 0x1000, 4096, {}, 0, RemoteMemory::CudaIpc{gpu, 0x1235});
+  write(root / "descriptor", "shm_ipc_only", m4.encode());
 
   engine::Commit commit;
   commit.transfer = 17;

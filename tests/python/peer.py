@@ -47,13 +47,13 @@ class PeerServer:
         self.buffers[name] = (array, reg)
         return bytes(reg.descriptor)
 
-    def alloc_cuda(self, name, size, seed=None):
+    def alloc_cuda(self, name, size, seed=None, host_mirror=True):
         """A CUDA tensor of `size` bytes (the pattern of `seed`, or zeros), registered."""
         import torch
 
         host = pattern(size, seed) if seed is not None else np.zeros(size, dtype=np.uint8)
         tensor = torch.from_numpy(host).to("cuda")
-        reg = self.engine.register(tensor)
+        reg = self.engine.register(tensor, host_mirror=host_mirror)
         self.buffers[name] = (tensor, reg)
         return bytes(reg.descriptor)
 

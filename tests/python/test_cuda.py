@@ -54,6 +54,29 @@ def test_cuda_tensors_take_the_cuda_ipc_path_with_no_code_change(engine, peer):
         assert after.cuda_ipc_bytes >= 1 << 20
 
 
+def test_tensors_without_a_host_mirror_move_over_cuda_ipc_only(engine, peer):
+    """host_mirror=False: no pinned mirror (the gauge stays), the descriptor has no rails, GPU to
+    GPU works over CUDA IPC, and a write that would need the fabric is refused."""
+    if engine.group_info().cuda_ipc == "off" or engine.group_info().gpu_memory != "staged":
+        pytest.skip("needs the CUDA IPC path on and a group that stages GPU memory")
+    before = engine.stats().groups[0].host_mirror_bytes
+    src = cuda_pattern(1 << 20, seed=13)
+    reg = engine.register(src, host_mirror=False)
+    assert reg.descriptor.ipc_only and reg.descriptor.rails == []
+    assert engine.stats().groups[0].host_mirror_bytes == before
+    dst = peer.call("alloc_cuda", "nomirror", 1 << 20, None, False)
+    assert fabric_lib.RemoteMemory(dst).ipc_only
+    engine.write(reg, dst, 1 << 20, imm=1600).wait(TIMEOUT)
+    assert peer.call("wait_imm", 1600, 1, TIMEOUT)
+    assert peer.call("read", "nomirror") == src.cpu().numpy().tobytes()
+    host = peer.call("alloc", "nomirror_host", 4096)
+    with pytest.raises(fabric_lib.Unsupported, match="without a host mirror"):
+        engine.write(reg, host, 4096)
+    with engine.register(np.zeros(4096, dtype=np.uint8)) as host_src:
+        with pytest.raises(fabric_lib.Unsupported, match="destination was registered without"):
+            engine.write(host_src, dst, 4096)
+
+
 @pytest.mark.parametrize("size", [1, 4097, (1 << 20) + 13, 32 << 20])
 def test_single_write_gpu_to_gpu(engine, peer, size):
     imm = 1000 + size % 997

@@ -76,6 +76,21 @@ def test_cuda_ipc_mode_in_config_info_and_stats():
         assert e.group_info().cuda_ipc == "off"
         g = e.stats().groups[0]
         assert g.cuda_ipc_transfers == 0 and g.cuda_ipc_bytes == 0
+        assert g.host_mirror_bytes == 0
+
+
+def test_host_mirror_false_leaves_host_memory_as_it_is():
+    """host_mirror=False concerns GPU memory on a staging group; host memory is registered on
+    the NICs as always (rails, no mirror), and the keyword is checked like any other."""
+    c = fabric_lib.Config(provider="tcp", nics=["lo"], cpu=fabric_lib.GroupConfig.CPU_NONE)
+    with fabric_lib.TransferEngine(c) as e:
+        buf = bytearray(8192)
+        with e.register(buf, host_mirror=False) as reg:
+            assert not reg.descriptor.ipc_only
+            assert len(reg.descriptor.rails) == len(e.group_info().nics)
+            assert e.stats().groups[0].host_mirror_bytes == 0
+        with pytest.raises(TypeError):
+            e.register(buf, host_mirror="no")
 
 
 def test_spins_in_effect_are_in_stats():

@@ -119,6 +119,8 @@ def test_scrape_shows_counters_moving_under_traffic(pair, endpoint):
             assert (metric + "_total", (("engine", name), ("group", "0"))) in first
     assert sample(first, "fabric_nic_up", engine="sender", group="0",
                   nic=a.group_info().nics[0]) == 1.0
+    # Host buffers: no staging mirror.
+    assert sample(first, "fabric_host_mirror_bytes", engine="sender", group="0") == 0.0
 
     transfers = [a.write(src, dst.descriptor, imm=IMM) for _ in range(WRITES)]
     for t in transfers:

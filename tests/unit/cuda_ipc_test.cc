@@ -44,6 +44,12 @@ RemoteMemory descriptor(const Origin& owner, std::optional<RemoteMemory::CudaIpc
   return RemoteMemory(a, 0x7000, 1 << 20, {{0x7000, 5}}, staged, ipc);
 }
 
+// GPU memory registered without a host mirror: no rails, only the CUDA IPC section.
+RemoteMemory ipc_only_descriptor(const Origin& owner) {
+  Address a("shm", {{Bytes(8, std::byte{1}), 0x1000, 1}}, owner);
+  return RemoteMemory(a, 0x7000, 1 << 20, {}, 0, RemoteMemory::CudaIpc{uuid(8), 42});
+}
+
 cuda::IpcExport cuda_export(uint8_t tag) {
   cuda::IpcExport e;
   e.kind = cuda::IpcExport::Kind::kCuda;
@@ -60,8 +66,8 @@ struct RouteCase {
   cuda::IpcExport exported = cuda_export(1);
   bool reachable = true;
   IpcRoute route(Config::CudaIpc mode, const cuda::PointerInfo& src, const cuda::IpcExport* e,
-                 const RemoteMemory& dst) const {
-    return engine::choose_route(mode, self, src, e, "CUDA refused it", dst,
+                 const RemoteMemory& dst, bool src_ipc_only = false) const {
+    return engine::choose_route(mode, self, src, e, "CUDA refused it", src_ipc_only, dst,
                                 [this](const cuda::DeviceUuid&) { return reachable; });
   }
 };
@@ -115,6 +121,42 @@ TEST(CudaIpcRoute, EachReasonAgainstThePathIsNamed) {
   // Host to host never involves the path, even forced on.
   EXPECT_EQ(c.route(Config::CudaIpc::kOn, host, nullptr, descriptor(c.peer, std::nullopt)).kind,
             Kind::kFabric);
+}
+
+// Memory registered without a host mirror has no fabric way: where the path is impossible the
+// write is rejected in every mode, naming the side without a mirror and the reason.
+TEST(CudaIpcRoute, MemoryWithoutAHostMirrorTakesThePathOrIsRejected) {
+  RouteCase c;
+  const RemoteMemory dst = ipc_only_descriptor(c.peer);
+  EXPECT_TRUE(dst.ipc_only());
+  EXPECT_FALSE(descriptor(c.peer, RemoteMemory::CudaIpc{uuid(8), 42}).ipc_only());
+  EXPECT_EQ(c.route(Config::CudaIpc::kAuto, c.gpu, &c.exported, dst).kind, Kind::kIpc);
+  Origin far = c.peer;
+  far.boot_id[0] ^= std::byte{1};
+  const cuda::PointerInfo host{};
+  struct Case {
+    const char* name;
+    IpcRoute route;
+    const char* why;
+  };
+  const Case cases[] = {
+      {"host source", c.route(Config::CudaIpc::kAuto, host, nullptr, dst), "host memory"},
+      {"other host", c.route(Config::CudaIpc::kAuto, c.gpu, &c.exported, ipc_only_descriptor(far)),
+       "another host"},
+      {"path off here", c.route(Config::CudaIpc::kOff, c.gpu, &c.exported, dst), "off"},
+      {"source without a mirror, destination staged",
+       c.route(Config::CudaIpc::kAuto, c.gpu, &c.exported, descriptor(c.peer, std::nullopt, 9),
+               /*src_ipc_only=*/true),
+       "no CUDA IPC section"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    EXPECT_EQ(k.route.kind, Kind::kRejected);
+    EXPECT_NE(k.route.why.find("without a host mirror"), std::string::npos) << k.route.why;
+    EXPECT_NE(k.route.why.find(k.why), std::string::npos) << k.route.why;
+  }
+  EXPECT_NE(cases[3].route.why.find("the source was registered"), std::string::npos);
+  EXPECT_NE(cases[0].route.why.find("the destination was registered"), std::string::npos);
 }
 
 TEST(CudaIpcRoute, TheDoubleMayStayInOneProcess) {
@@ -176,12 +218,46 @@ TEST(CudaIpcWire, DescriptorSectionRoundTripsAndOldVersionsStillDecode) {
   Bytes region0 = bytes;
   std::fill(region0.end() - 8, region0.end(), std::byte{0});
   Bytes future = bytes;
-  future[4] = std::byte{4};
+  future[4] = std::byte{5};
   for (const Bytes* b : {&bad_flag, &truncated, &region0, &future}) {
     auto r = RemoteMemory::decode(*b);
     ASSERT_FALSE(r);
     EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
     EXPECT_FALSE(r.status().message().empty());
+  }
+}
+
+// Version 4: a descriptor of memory only CUDA IPC reaches has no rails; one with rails keeps
+// version 3, and no rails without the section (or for a staged region) is malformed.
+TEST(CudaIpcWire, DescriptorsWithoutRailsAreVersion4AndNeedTheSection) {
+  const Origin o = origin(200, 2);
+  const RemoteMemory only = ipc_only_descriptor(o);
+  Bytes bytes = only.encode();
+  EXPECT_EQ(static_cast<uint8_t>(bytes[4]), 4);
+  auto back = RemoteMemory::decode(bytes);
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(*back, only);
+  EXPECT_TRUE(back->ipc_only());
+  EXPECT_TRUE(back->rails().empty());
+  // The same bytes claiming version 3: 0 rails for an owner with 1 NIC.
+  Bytes as_v3 = bytes;
+  as_v3[4] = std::byte{3};
+  // No section (flag 0, UUID and region dropped).
+  Bytes no_section(bytes.begin(), bytes.end() - 25);
+  no_section.push_back(std::byte{0});
+  // A staged region with no rails (the u64 before the flag).
+  Bytes staged = bytes;
+  staged[bytes.size() - 25 - 8] = std::byte{9};
+  const std::map<std::string, std::pair<const Bytes*, std::string>> bad = {
+      {"version 3", {&as_v3, "0 rails"}},
+      {"no section", {&no_section, "no rails and no CUDA IPC section"}},
+      {"staged", {&staged, "staged region"}}};
+  for (const auto& [name, b] : bad) {
+    SCOPED_TRACE(name);
+    auto r = RemoteMemory::decode(*b.first);
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(b.second), std::string::npos) << r.status().message();
   }
 }
 
