@@ -299,15 +299,19 @@ class InferenceWeights:
     ``"flip"`` mode, ``tensors()`` keeps returning the last complete version until then.
     It counts immediates ``imm_base + n`` (n counts prepares, never reused) and must own that
     range on its engine; it installs no handler on the engine.
+    ``host_mirror=False``: CUDA tensors are registered without a pinned host mirror (no pinned
+    memory the size of the model), so only training ranks on this host reach them, over CUDA
+    IPC; a push from another host then fails with Unsupported at its trainer.
     """
 
     def __init__(self, engine, rank, registry, *, group="weights", mode="flip",
-                 imm_base=0xA0000000, timeout=30.0):
+                 imm_base=0xA0000000, timeout=30.0, host_mirror=True):
         if mode not in ("flip", "in_place"):
             raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
                          f"mode must be 'flip' or 'in_place', not {mode!r}")
         self.engine, self.rank, self.registry = engine, rank, registry
         self.group, self.mode, self.timeout = group, mode, timeout
+        self.host_mirror = host_mirror
         self._imm_base, self._seq = imm_base, 0
         self._params = []  # _Param
         self._copies = {}  # name -> [tensor per copy]
@@ -364,7 +368,7 @@ class InferenceWeights:
         """Registers `buffer` (a contiguous tensor) once; tensors added later that lie inside
         it are written through this one registration (one memory region instead of one per
         tensor: fewer registrations, and for GPU memory one staging mirror, not thousands)."""
-        reg = self.engine.register(buffer)
+        reg = self.engine.register(buffer, host_mirror=self.host_mirror)
         start = buffer.data_ptr()
         self._arenas.append((start, start + buffer.numel() * buffer.element_size(),
                              len(self._regions)))
@@ -377,7 +381,7 @@ class InferenceWeights:
         for lo, hi, index in self._arenas:
             if lo <= start and end <= hi:
                 return index, start - lo
-        self._regions.append(self.engine.register(tensor))
+        self._regions.append(self.engine.register(tensor, host_mirror=self.host_mirror))
         return len(self._regions) - 1, 0
 
     def publish(self):
@@ -530,9 +534,9 @@ class _Ring:
     """The staging buffer: projected tensors taken first in, first out; a range is reused only
     once every write from it has completed."""
 
-    def __init__(self, engine, size, device):
+    def __init__(self, engine, size, device, host_mirror=True):
         self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        self.reg = engine.register(self.buffer)
+        self.reg = engine.register(self.buffer, host_mirror=host_mirror)
         self.size, self.head = size, 0
         self.live = collections.deque()  # (start, end, [Transfer])
         self.high_water = 0
@@ -577,16 +581,18 @@ class TrainerWeights:
     ``torch.distributed`` (the default process group unless `process_group`): every rank
     calls ``push`` for every version. Takes the engine's receive handler.
     ``max_temp_bytes`` bounds the staging memory of projected tensors (allocated on `device`).
+    ``host_mirror=False``: that staging memory, on a GPU, gets no pinned host mirror; only
+    inference ranks on this host are reached then (over CUDA IPC).
     """
 
     def __init__(self, engine, rank, world, registry, *, group="weights", num_nics=1,
                  max_temp_bytes=256 << 20, chunk_bytes=64 << 20, device="cpu",
-                 process_group=None, timeout=30.0):
+                 process_group=None, timeout=30.0, host_mirror=True):
         self.engine, self.rank, self.world, self.registry = engine, rank, world, registry
         self.group, self.num_nics, self.timeout = group, num_nics, timeout
         self.chunk_bytes, self.process_group = chunk_bytes, process_group
         self._shards = {}  # name -> (tensor, shape, box, replica)
-        self._ring = _Ring(engine, max_temp_bytes, device)
+        self._ring = _Ring(engine, max_temp_bytes, device, host_mirror)
         self._ready = {}  # version -> {inference rank: (imm, copy)}
         self._cond = threading.Condition()
         self._boxes = None  # all ranks' {name: (box, replica, shape)} for the gather

@@ -72,10 +72,11 @@ class Trainer:
         self.process.join(10)
 
 
-def inference_side(provider, directory, mode, device="cpu"):
+def inference_side(provider, directory, mode, device="cpu", host_mirror=True):
     engine = fabric_lib.TransferEngine(make_config(provider))
     registry = fabric_lib.FileRegistry(directory, lease_ttl=3.0, poll_interval=0.1)
-    inf = fw.InferenceWeights(engine, 0, registry, mode=mode, timeout=20.0)
+    inf = fw.InferenceWeights(engine, 0, registry, mode=mode, timeout=20.0,
+                              host_mirror=host_mirror)
     # "big" and its spare live in one registered arena (at offsets), the others alone.
     arena = torch.zeros(2 * 512 * 1024 * 2 + 64, dtype=torch.uint8, device=device)
     inf.add_arena(arena)
@@ -109,13 +110,13 @@ def provider(request):
 
 
 @contextlib.contextmanager
-def pushing(provider, tmp_path, mode, world=1, device="cpu", num_nics=1):
+def pushing(provider, tmp_path, mode, world=1, device="cpu", num_nics=1, host_mirror=True):
     """This process as the inference rank and `world` training processes (FSDP over gloo when
     world > 1), connected through a FileRegistry in tmp_path; tensors on `device` ("cuda": the
     trainer on GPU 0, the inference tensors on the last GPU)."""
     directory = str(tmp_path / "registry")
     last = f"cuda:{torch.cuda.device_count() - 1}" if device == "cuda" else "cpu"
-    engine, registry, inf = inference_side(provider, directory, mode, last)
+    engine, registry, inf = inference_side(provider, directory, mode, last, host_mirror)
     init = f"file://{tmp_path / 'dist-init'}"
     trainers = [Trainer(provider, directory, rank=r, world=world, init=init,
                         device="cuda:0" if device == "cuda" else "cpu", num_nics=num_nics)
@@ -174,6 +175,19 @@ def test_push_versions_bit_exact(provider, mode, device, tmp_path):
         with pytest.raises(fabric_lib.Closed, match="version 3"):
             pending.result(TIMEOUT)
         assert inf.version == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fabric_lib.HAS_CUDA,
+                    reason=NO_CUDA + " or fabric_lib was built without CUDA")
+def test_push_into_gpu_tensors_without_a_host_mirror(provider, tmp_path):
+    """host_mirror=False on the inference side: its CUDA tensors cost no pinned host memory,
+    and the trainer on this host pushes into them over CUDA IPC, bit-exact."""
+    with pushing(provider, tmp_path, "flip", device="cuda", host_mirror=False) as (inf, [trainer]):
+        assert inf.engine.stats().groups[0].host_mirror_bytes == 0
+        future = inf.prepare(1)
+        trainer.call("push", 1, 0)
+        assert future.result(TIMEOUT) == 1
+        expect_version(inf, 1)
 
 
 @pytest.mark.parametrize("mode", ["flip", "in_place"])

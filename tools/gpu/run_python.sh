@@ -1,7 +1,8 @@
 #!/bin/bash
 # On the GPU machine, from the repository root, after tools/gpu/bundle.sh ran on the build machine.
 # GPU machine: build the Python module against its python3 (3.12, PyTorch with CUDA), run the
-# pytest suite with CUDA tensors; also what Ubuntu's libfabric says about FI_HMEM.
+# pytest suite with CUDA tensors (or only TESTS="tests/python/test_x.py ...");
+# also what Ubuntu's libfabric says about FI_HMEM.
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:$LD_LIBRARY_PATH
 export PYTHONUNBUFFERED=1
 which c++ g++ python3; python3 --version; c++ --version | head -1
@@ -18,4 +19,4 @@ ls /usr/lib/x86_64-linux-gnu/libcurl.so.4 || echo "no libcurl.so.4 on this machi
 c++ -shared /tmp/obj/*.o .gpu/libfabrickvetcd.a .gpu/libfabrickv.a .gpu/libfabricweights.a .gpu/libfabriclib.a .gpu/libcudart_static.a -L.gpu/lib -L/usr/lib/x86_64-linux-gnu -l:libfabric.so.1 -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt -o /tmp/pkg/fabric_lib/_fabric_lib$EXT || exit 1
 PYTHONPATH=/tmp/pkg python3 -c "import fabric_lib, torch; print('HAS_CUDA', fabric_lib.HAS_CUDA, 'torch', torch.__version__, torch.cuda.is_available())"
 echo "== pytest =="
-PYTHONPATH=/tmp/pkg timeout -k 10 420 python3 -m pytest -v -rs -p no:cacheprovider tests/python > /tmp/pytest.log 2>&1; grep -E "test_cuda|test_register_cuda" /tmp/pytest.log; grep -E "FAILED|^E " /tmp/pytest.log | head -30; tail -5 /tmp/pytest.log
+PYTHONPATH=/tmp/pkg timeout -k 10 420 python3 -m pytest -v -rs -p no:cacheprovider ${TESTS:-tests/python} > /tmp/pytest.log 2>&1; grep -E "test_cuda|test_register_cuda" /tmp/pytest.log; grep -E "FAILED|^E " /tmp/pytest.log | head -30; tail -5 /tmp/pytest.log
