@@ -109,6 +109,20 @@ uint64_t combine_bytes(const Layout& layout, uint32_t rows) {
   return static_cast<uint64_t>(rows) * layout.combine_row_bytes;
 }
 
+namespace {
+uint64_t count_chunks(uint64_t bytes, uint64_t chunk_bytes) {
+  if (bytes == 0) return 0;
+  return chunk_bytes == 0 ? 1 : (bytes + chunk_bytes - 1) / chunk_bytes;
+}
+}  // namespace
+
+uint64_t round_chunk_count(const Layout& layout, bool combine, uint32_t value,
+                           uint64_t chunk_bytes) {
+  if (!combine) return count_chunks(dispatch_bytes(layout, value), chunk_bytes);
+  return count_chunks(4ull * value, chunk_bytes) +
+         count_chunks(combine_bytes(layout, value), chunk_bytes);
+}
+
 std::vector<Chunk> round_chunks(const Layout& layout, bool combine, uint32_t value,
                                 uint64_t chunk_bytes) {
   if (!combine) return split_chunks(dispatch_bytes(layout, value), chunk_bytes);
@@ -516,7 +530,7 @@ bool Proxy::receive_round(Peer& p, bool combine) {
     p.counts[k] = c;
     p.have_counts[k] = true;
     p.counts_seen_at[k] = std::chrono::steady_clock::now();
-    p.chunks[k] = round_chunks(a2a_, combine, c.value, options_.chunk_bytes).size();
+    p.chunks[k] = round_chunk_count(a2a_, combine, c.value, options_.chunk_bytes);
   }
   const uint64_t need = p.chunks[k];
   if (need > 0 && engine_->imm_count(data_imm) < need) {

@@ -183,6 +183,9 @@ struct ProxyLayout {
 // (`ids`) from 0, then the rows from 0. None for 0.
 std::vector<Chunk> round_chunks(const Layout& layout, bool combine, uint32_t value,
                                 uint64_t chunk_bytes);
+// round_chunks(...).size(), without building them (the receiving side's count per round).
+uint64_t round_chunk_count(const Layout& layout, bool combine, uint32_t value,
+                           uint64_t chunk_bytes);
 
 // The words as the host sees them: acquire loads and release stores on 64-bit words of the
 // control region (the GPU side uses ld.acquire.sys / st.release.sys on the same words).

@@ -143,6 +143,16 @@ TEST(EpSchedule, RoundChunksCoverTheIdsAndTheRows) {
   EXPECT_EQ(round_chunks(*l, true, 5, 1000),
             (std::vector<Chunk>{{0, 20, true}, {0, 1000}, {1000, 1000}, {2000, 560}}));
   EXPECT_EQ(round_chunks(*l, true, 5, 0), (std::vector<Chunk>{{0, 20, true}, {0, 2560}}));
+  // The receiver's count agrees with the sender's chunks, at every size and chunking.
+  for (uint64_t chunk : {0ull, 1ull, 7ull, 20ull, 512ull, 1000ull, 1ull << 20}) {
+    for (uint32_t v : {0u, 1u, 4u, 5u, 47u, 48u}) {
+      for (bool combine : {false, true}) {
+        EXPECT_EQ(round_chunk_count(*l, combine, v, chunk),
+                  round_chunks(*l, combine, v, chunk).size())
+            << "chunk " << chunk << ", value " << v << (combine ? ", combine" : ", dispatch");
+      }
+    }
+  }
   // The most a round can carry stays inside one peer's areas.
   for (uint64_t chunk : {0ull, 7ull, 1000ull, 1ull << 20}) {
     for (const Chunk& k : round_chunks(*l, true, p->combine_slots, chunk)) {
