@@ -216,6 +216,10 @@ struct Config {
   CudaIpc cuda_ipc = CudaIpc::kAuto;
   // CUDA streams the owner of a destination copies on (jobs are spread over them in turn).
   uint32_t cuda_ipc_streams = 4;
+  // The same-host transport (provider "shm", docs/shm.md): threads that copy one large incoming
+  // write together (parts of 256 KiB or more), the receiving worker included. 0: half the CPUs
+  // the process may run on, 1 to 8; 1: the worker alone. At most 64.
+  uint32_t shm_copy_threads = 0;
 
   // How long close() lets posted work requests finish before cancelling them.
   std::chrono::milliseconds close_timeout{2000};

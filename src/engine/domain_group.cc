@@ -24,7 +24,8 @@ Status open_nics(const Config& config, uint32_t g, bool gpu_direct, DomainGroup&
   out.info = GroupInfo{};
   out.direct = false;
   for (size_t i = 0; i < nics.size(); ++i) {
-    auto d = transport::open_domain({config.provider, config.verbs, gpu_direct}, nics[i]);
+    auto d = transport::open_domain(
+        {config.provider, config.verbs, gpu_direct, config.shm_copy_threads}, nics[i]);
     if (!d) {
       return Status(d.status().code(),
                     fmt::format("group {} NIC {}: {}", g, i, d.status().message()));

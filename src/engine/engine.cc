@@ -38,6 +38,10 @@ Result<std::unique_ptr<EngineImpl>> EngineImpl::create(const Config& config) {
   if (config.cq_batch == 0 || config.post_budget == 0) {
     return invalid("config.cq_batch and config.post_budget must be at least 1");
   }
+  if (config.shm_copy_threads > 64) {
+    return invalid(
+        fmt::format("config.shm_copy_threads is {}; at most 64", config.shm_copy_threads));
+  }
   if (config.max_wr_bytes == 0 || config.peer_timeout.count() <= 0) {
     return invalid("config.max_wr_bytes and config.peer_timeout must be positive");
   }

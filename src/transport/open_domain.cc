@@ -32,7 +32,7 @@ Result<std::unique_ptr<Domain>> open_domain(const TransportOptions& options,
 #endif
   }
   if (options.provider == kShmFabricProvider) {
-    auto d = ShmDomain::open(nic);
+    auto d = ShmDomain::open(nic, ShmDomain::kDefaultRingBytes, options.shm_copy_threads);
     if (!d) return d.status();
     return std::unique_ptr<Domain>(std::move(*d));
   }

@@ -27,6 +27,7 @@ struct TransportOptions {
   std::string provider;     // Config::provider
   VerbsConfig verbs;        // Config::verbs (the verbs backend only)
   bool gpu_direct = false;  // ask for GPU memory registration (FI_HMEM, or peer memory on verbs)
+  uint32_t shm_copy_threads = 0;  // Config::shm_copy_threads (the shm transport only)
 };
 
 Result<std::unique_ptr<Domain>> open_domain(const TransportOptions& options,

@@ -1,7 +1,14 @@
 // The same-host transport's Domain, two endpoints in this process driven by hand: writes through
 // the ring and through process_vm_readv, immediates counted after the bytes, stale keys failing
 // alone, unregister as a barrier, messages, back-pressure, a closed peer, and the region's file.
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <thread>
 
 #include <chrono>
 #include <fstream>
@@ -17,8 +24,8 @@ namespace {
 
 using Kind = Completion::Kind;
 
-std::unique_ptr<ShmDomain> open_domain(uint64_t ring = 4096) {
-  auto d = ShmDomain::open("shm", ring);
+std::unique_ptr<ShmDomain> open_domain(uint64_t ring = 4096, uint32_t copy_threads = 1) {
+  auto d = ShmDomain::open("shm", ring, copy_threads);
   EXPECT_TRUE(d) << d.status().to_string();
   return d ? std::move(*d) : nullptr;
 }
@@ -93,6 +100,102 @@ TEST(ShmDomain, WritesThroughTheRingThenThroughCmaWithImmediatesAfterTheBytes) {
   EXPECT_EQ(dst, second);
   EXPECT_EQ(p.imms(11), 1u);
   EXPECT_EQ(p.b->stats().cma_writes, 1u) << "process_vm_readv is refused here?";
+}
+
+// Large writes by process_vm_readv are cut into parts that several threads copy: the bytes land
+// exactly, the immediate comes after all of them, a small write stays with one thread, and a
+// part that cannot be read fails the whole write (no immediate).
+TEST(ShmDomain, LargeCmaWritesAreCopiedBySeveralThreads) {
+  Pair p;
+  p.b = open_domain(4096, /*copy_threads=*/4);
+  ASSERT_TRUE(p.b);
+  EXPECT_EQ(p.b->copy_threads(), 4u);
+  constexpr uint64_t kBig = (5ull << 20) + 13;
+  std::vector<std::byte> dst(kBig + 64);
+  auto reg = p.b->register_memory(dst.data(), dst.size());
+  ASSERT_TRUE(reg);
+  const PeerHandle peer = p.b_from_a();
+  const auto warm = pattern(4096, 3);  // through the ring; b checks CMA meanwhile
+  ASSERT_EQ(p.a->post_write(write(1, warm, peer, **reg, 0, 20)).kind, PostResult::Kind::kPosted);
+  ASSERT_TRUE(p.run_until([&] { return p.local(1) != nullptr; }));
+
+  const auto big = pattern(kBig, 4);
+  ASSERT_EQ(p.a->post_write(write(2, big, peer, **reg, 7, 21)).kind, PostResult::Kind::kPosted);
+  ASSERT_TRUE(p.run_until([&] { return p.local(2) != nullptr; }));
+  ASSERT_EQ(p.local(2)->error, ErrorCode::kOk) << p.local(2)->error_message;
+  EXPECT_EQ(0, std::memcmp(dst.data() + 7, big.data(), kBig));
+  EXPECT_EQ(p.imms(21), 1u);
+  ASSERT_EQ(p.b->stats().cma_writes, 1u) << "process_vm_readv is refused here?";
+  EXPECT_EQ(p.b->stats().cma_parallel_writes, 1u);
+
+  const auto small = pattern(300 << 10, 5);  // one part: under two of kMinPartBytes
+  ASSERT_EQ(p.a->post_write(write(3, small, peer, **reg, 0, 22)).kind, PostResult::Kind::kPosted);
+  ASSERT_TRUE(p.run_until([&] { return p.local(3) != nullptr; }));
+  EXPECT_EQ(p.local(3)->error, ErrorCode::kOk);
+  EXPECT_EQ(0, std::memcmp(dst.data(), small.data(), small.size()));
+  EXPECT_EQ(p.b->stats().cma_writes, 2u);
+  EXPECT_EQ(p.b->stats().cma_parallel_writes, 1u);
+
+  // A source whose last MiB is unmapped: that part fails, so the write does, and no
+  // immediate is counted.
+  const size_t map = 4 << 20;
+  void* m = ::mmap(nullptr, map, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  std::memset(m, 0x5a, map);
+  ASSERT_EQ(::munmap(static_cast<std::byte*>(m) + (3 << 20), 1 << 20), 0);
+  WriteRequest torn{4,    m, map, nullptr, peer, (*reg)->remote_addr(), (*reg)->remote_key(),
+                    true, 23};
+  ASSERT_EQ(p.a->post_write(torn).kind, PostResult::Kind::kPosted);
+  ASSERT_TRUE(p.run_until([&] { return p.local(4) != nullptr; }));
+  EXPECT_NE(p.local(4)->error, ErrorCode::kOk);
+  EXPECT_EQ(p.imms(23), 0u);
+  EXPECT_EQ(p.b->stats().cma_parallel_writes, 2u);
+  ::munmap(m, 3 << 20);
+}
+
+TEST(ParallelCopier, PartsByLengthAndThreads) {
+  shm::ParallelCopier four(4);
+  const uint64_t part = shm::ParallelCopier::kMinPartBytes;
+  EXPECT_EQ(four.parts_for(0), 1u);
+  EXPECT_EQ(four.parts_for(2 * part - 1), 1u);
+  EXPECT_EQ(four.parts_for(2 * part), 2u);
+  EXPECT_EQ(four.parts_for(4 * part), 4u);
+  EXPECT_EQ(four.parts_for(1ull << 30), 4u);
+  shm::ParallelCopier one(1);
+  EXPECT_EQ(one.parts_for(1ull << 30), 1u);
+  const uint32_t auto_threads = shm::ParallelCopier::default_threads();
+  EXPECT_GE(auto_threads, 1u);
+  EXPECT_LE(auto_threads, 8u);
+  EXPECT_EQ(shm::ParallelCopier(0).threads(), auto_threads);
+}
+
+// Every part runs exactly once per run, on whichever thread, many runs in a row (ThreadSanitizer
+// watches the hand-off); a failing part fails the run without skipping the others.
+TEST(ParallelCopier, EveryPartRunsOnceAndAFailureIsReported) {
+  shm::ParallelCopier copier(4);
+  constexpr uint32_t kParts = 7;
+  std::vector<std::atomic<int>> runs(kParts);
+  std::mutex mu;
+  std::set<std::thread::id> threads;
+  for (int round = 0; round < 2000; ++round) {
+    for (auto& r : runs) r.store(0);
+    const uint32_t fail = round % 3 == 0 ? static_cast<uint32_t>(round / 3) % kParts : kParts;
+    // The first rounds' parts take a while, so that the helpers take some of them.
+    const auto busy = round < 200 ? std::chrono::microseconds(50) : std::chrono::microseconds(0);
+    const bool ok = copier.run(kParts, [&](uint32_t i) {
+      const auto until = std::chrono::steady_clock::now() + busy;
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      runs[i].fetch_add(1);
+      std::lock_guard lock(mu);
+      threads.insert(std::this_thread::get_id());
+      return i != fail;
+    });
+    ASSERT_EQ(ok, fail == kParts) << "round " << round;
+    for (uint32_t i = 0; i < kParts; ++i) ASSERT_EQ(runs[i].load(), 1) << "round " << round;
+  }
+  EXPECT_GE(threads.size(), 2u) << "no helper ever took a part";
+  EXPECT_LE(threads.size(), 4u);
 }
 
 TEST(ShmDomain, StaleKeyFailsAloneAndUnregisterIsABarrier) {

@@ -261,6 +261,18 @@ void ShmDomain::on_ack(const Record& rec) {
   ready_.push_back(std::move(c));
 }
 
+bool ShmDomain::copy_from(uint32_t pid, uint64_t src, std::byte* dst, uint64_t length) {
+  const uint32_t parts = copier_->parts_for(length);
+  if (parts <= 1) return read_process(pid, src, dst, length);
+  ++stats_.cma_parallel_writes;
+  // Page-aligned parts, the last one shorter.
+  const uint64_t part = (length / parts + 4095) & ~uint64_t{4095};
+  return copier_->run(parts, [&](uint32_t i) {
+    const uint64_t at = static_cast<uint64_t>(i) * part;
+    return at >= length || read_process(pid, src + at, dst + at, std::min(part, length - at));
+  });
+}
+
 void ShmDomain::on_write(Inbound& in, const Record& rec, const std::byte* payload) {
   if ((rec.flags & shm::kFirst) != 0) {
     in.in_write = true;
@@ -273,7 +285,9 @@ void ShmDomain::on_write(Inbound& in, const Record& rec, const std::byte* payloa
   if (in.write_error == ErrorCode::kOk && rec.length > 0) {
     void* dst = reinterpret_cast<void*>(rec.addr);
     if ((rec.flags & shm::kCma) != 0) {
-      if (!read_process(in.pid, rec.src, dst, rec.length)) in.write_error = ErrorCode::kFabric;
+      if (!copy_from(in.pid, rec.src, static_cast<std::byte*>(dst), rec.length)) {
+        in.write_error = ErrorCode::kFabric;
+      }
       ++stats_.cma_writes;
     } else {
       std::memcpy(dst, payload, rec.length);

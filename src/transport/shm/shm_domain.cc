@@ -144,7 +144,8 @@ class ShmMemoryRegistration final : public MemoryRegistration {
   Erase erase_;
 };
 
-Result<std::unique_ptr<ShmDomain>> ShmDomain::open(const std::string& nic, uint64_t ring_bytes) {
+Result<std::unique_ptr<ShmDomain>> ShmDomain::open(const std::string& nic, uint64_t ring_bytes,
+                                                   uint32_t copy_threads) {
   if (!nic.empty() && nic != "shm") {
     return Status(ErrorCode::kNotFound,
                   fmt::format("the shm transport has one NIC, 'shm' (asked for '{}')", nic));
@@ -158,6 +159,7 @@ Result<std::unique_ptr<ShmDomain>> ShmDomain::open(const std::string& nic, uint6
   d->pid_ = self.pid;
   d->start_time_ = self.start_time;
   d->ring_bytes_ = ring_bytes;
+  d->copier_ = std::make_unique<shm::ParallelCopier>(copy_threads);
   d->name_ =
       fmt::format("{}{}.{:016x}.{}", kNamePrefix, d->pid_, random64(), g_next_index.fetch_add(1));
   const std::string path = "/" + d->name_;

@@ -19,6 +19,7 @@
 #include "common/fifo.h"
 #include "common/recycling_map.h"
 #include "transport/domain.h"
+#include "transport/shm/shm_copy.h"
 #include "transport/shm/shm_ring.h"
 
 namespace fabric::transport {
@@ -34,9 +35,12 @@ class ShmDomain final : public Domain {
   // The region's name prefix in /dev/shm (the full name adds pid, a random instance, an index).
   static constexpr const char* kNamePrefix = "fabric-shm.";
   // nic: "shm" or empty (the transport has one NIC per host; each open makes a new endpoint).
-  // ring_bytes: per inbound slot, a power of two (tests use small rings).
+  // ring_bytes: per inbound slot, a power of two (tests use small rings). copy_threads: threads
+  // that copy one large incoming write together, this endpoint's polling thread included
+  // (Config::shm_copy_threads; 0: the default of shm::ParallelCopier).
   static Result<std::unique_ptr<ShmDomain>> open(const std::string& nic,
-                                                 uint64_t ring_bytes = kDefaultRingBytes);
+                                                 uint64_t ring_bytes = kDefaultRingBytes,
+                                                 uint32_t copy_threads = 0);
   ~ShmDomain() override;
 
   static constexpr uint64_t kDefaultRingBytes = 512 << 10;
@@ -62,8 +66,10 @@ class ShmDomain final : public Domain {
   // bytes that came through the ring instead.
   struct Stats {
     uint64_t cma_writes = 0;
+    uint64_t cma_parallel_writes = 0;  // of those, copied by several threads
     uint64_t ring_write_bytes = 0;
   };
+  uint32_t copy_threads() const { return copier_->threads(); }
   const Stats& stats() const { return stats_; }
   // The region's name (without the leading '/').
   const std::string& region_name() const { return name_; }
@@ -93,6 +99,7 @@ class ShmDomain final : public Domain {
   void consume(uint32_t slot, Inbound& in, uint64_t& budget);
   void start_claim(uint32_t slot, Inbound& in, uint64_t word);
   void on_write(Inbound& in, const shm::Record& rec, const std::byte* payload);
+  bool copy_from(uint32_t pid, uint64_t src, std::byte* dst, uint64_t length);
   void on_send(Inbound& in, const shm::Record& rec, const std::byte* payload);
   void on_ack(const shm::Record& rec);
   void acknowledge(Inbound& in, uint64_t seq, ErrorCode code);
@@ -134,6 +141,7 @@ class ShmDomain final : public Domain {
   std::deque<RecvRequest> recvs_;                             // posted receives, in order
   std::deque<Bytes> unexpected_;                              // messages that came before a receive
   Fifo<Completion> ready_;  // completions poll() has yet to hand out
+  std::unique_ptr<shm::ParallelCopier> copier_;
   std::chrono::steady_clock::time_point now_{};
   Stats stats_;
 };
