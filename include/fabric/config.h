@@ -218,7 +218,8 @@ struct Config {
   uint32_t cuda_ipc_streams = 4;
   // The same-host transport (provider "shm", docs/shm.md): threads that copy one large incoming
   // write together (parts of 256 KiB or more), the receiving worker included. 0: half the CPUs
-  // the process may run on, 1 to 8; 1: the worker alone. At most 64.
+  // the process may run on, 1 to 8; 1: the worker alone. At most 64. Environment:
+  // FABRIC_SHM_COPY_THREADS.
   uint32_t shm_copy_threads = 0;
 
   // How long close() lets posted work requests finish before cancelling them.
@@ -229,7 +230,8 @@ struct Config {
 
   // Applies FABRIC_PROVIDER, FABRIC_NICS (comma-separated, group 0), FABRIC_CPU,
   // FABRIC_SPIN_US, FABRIC_IDLE_SLEEP_US, FABRIC_INFLIGHT_SPIN_US, FABRIC_CALLBACK_SPIN_US and
-  // FABRIC_WEIGHTED_SHARDING (0 or 1) and FABRIC_CUDA_IPC (auto, on or off).
+  // FABRIC_WEIGHTED_SHARDING (0 or 1), FABRIC_CUDA_IPC (auto, on or off) and
+  // FABRIC_SHM_COPY_THREADS (0 to 64).
   // Returns an error naming a malformed variable.
   Status apply_env_overrides();
 };

@@ -85,6 +85,10 @@ Status Config::apply_env_overrides() {
       wait_spin = std::chrono::microseconds(n);
     }
   }
+  if (const char* v = std::getenv("FABRIC_SHM_COPY_THREADS"); v && *v) {
+    if (Status s = parse_int("FABRIC_SHM_COPY_THREADS", v, 0, 64, n); !s) return s;
+    shm_copy_threads = static_cast<uint32_t>(n);
+  }
   if (const char* v = std::getenv("FABRIC_CALLBACKS_ON_WORKER"); v && *v) {
     if (Status s = parse_int("FABRIC_CALLBACKS_ON_WORKER", v, 0, 1, n); !s) return s;
     callbacks_on_worker = n != 0;

@@ -2,6 +2,7 @@
 #include <stdlib.h>
 
 #include "fabric/config.h"
+#include "fabric/engine.h"
 
 namespace fabric {
 namespace {
@@ -41,7 +42,8 @@ TEST(Config, EnvironmentValuesOutOfRangeAreRejected) {
        {Row{"FABRIC_CPU", "-3"}, Row{"FABRIC_CPU", "99999999999"}, Row{"FABRIC_SPIN_US", "-1"},
         Row{"FABRIC_IDLE_SLEEP_US", "-50"}, Row{"FABRIC_IDLE_SLEEP_US", "3600000001"},
         Row{"FABRIC_NICS", "lo,"}, Row{"FABRIC_NICS", ","}, Row{"FABRIC_SPIN_US", "12us"},
-        Row{"FABRIC_WEIGHTED_SHARDING", "2"}, Row{"FABRIC_WEIGHTED_SHARDING", "yes"}}) {
+        Row{"FABRIC_WEIGHTED_SHARDING", "2"}, Row{"FABRIC_WEIGHTED_SHARDING", "yes"},
+        Row{"FABRIC_SHM_COPY_THREADS", "65"}, Row{"FABRIC_SHM_COPY_THREADS", "-1"}}) {
     setenv(row.var, row.value, 1);
     Config c;
     Status s = c.apply_env_overrides();
@@ -55,6 +57,22 @@ TEST(Config, EnvironmentValuesOutOfRangeAreRejected) {
   ASSERT_TRUE(c.apply_env_overrides());
   EXPECT_EQ(c.groups[0].cpu, GroupConfig::kCpuNone);
   unsetenv("FABRIC_CPU");
+}
+
+TEST(Config, ShmCopyThreadsFromTheEnvironment) {
+  Config c;
+  EXPECT_EQ(c.shm_copy_threads, 0u);
+  setenv("FABRIC_SHM_COPY_THREADS", "6", 1);
+  ASSERT_TRUE(c.apply_env_overrides());
+  EXPECT_EQ(c.shm_copy_threads, 6u);
+  unsetenv("FABRIC_SHM_COPY_THREADS");
+  // Beyond 64 in a Config made by hand: create() names the field.
+  Config many;
+  many.shm_copy_threads = 65;
+  auto e = TransferEngine::create(many);
+  ASSERT_FALSE(e);
+  EXPECT_EQ(e.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("shm_copy_threads"), std::string::npos);
 }
 
 TEST(Config, WeightedShardingFromTheEnvironment) {
