@@ -217,8 +217,8 @@ struct Config {
   // CUDA streams the owner of a destination copies on (jobs are spread over them in turn).
   uint32_t cuda_ipc_streams = 4;
   // The same-host transport (provider "shm", docs/shm.md): threads that copy one large incoming
-  // write together (parts of 256 KiB or more), the receiving worker included. 0: half the CPUs
-  // the process may run on, 1 to 8; 1: the worker alone. At most 64. Environment:
+  // write together (2 MiB or more, in parts of 1 MiB or more), the receiving worker included. 0:
+  // half the CPUs the process may run on, 1 to 8; 1: the worker alone. At most 64. Environment:
   // FABRIC_SHM_COPY_THREADS.
   uint32_t shm_copy_threads = 0;
 

@@ -128,7 +128,7 @@ TEST(ShmDomain, LargeCmaWritesAreCopiedBySeveralThreads) {
   ASSERT_EQ(p.b->stats().cma_writes, 1u) << "process_vm_readv is refused here?";
   EXPECT_EQ(p.b->stats().cma_parallel_writes, 1u);
 
-  const auto small = pattern(300 << 10, 5);  // one part: under two of kMinPartBytes
+  const auto small = pattern(1 << 20, 5);  // one part: under two of kMinPartBytes
   ASSERT_EQ(p.a->post_write(write(3, small, peer, **reg, 0, 22)).kind, PostResult::Kind::kPosted);
   ASSERT_TRUE(p.run_until([&] { return p.local(3) != nullptr; }));
   EXPECT_EQ(p.local(3)->error, ErrorCode::kOk);

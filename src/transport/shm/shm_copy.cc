@@ -19,7 +19,7 @@ ParallelCopier::ParallelCopier(uint32_t threads)
 ParallelCopier::~ParallelCopier() {
   {
     std::lock_guard lock(mu_);
-    stop_.store(true);
+    stop_ = true;
   }
   wake_.notify_all();
   for (std::thread& t : helpers_) t.join();
@@ -38,23 +38,14 @@ void ParallelCopier::work(Job& job) {
 }
 
 void ParallelCopier::helper() {
-  uint64_t seen = generation_.load();
+  std::unique_lock lock(mu_);
+  uint64_t seen = generation_;
   for (;;) {
-    // The next job of a burst usually comes within microseconds: wait for it spinning first.
-    const auto until = std::chrono::steady_clock::now() + kSpin;
-    while (generation_.load(std::memory_order_acquire) == seen && !stop_.load() &&
-           std::chrono::steady_clock::now() < until) {
-    }
-    std::unique_lock lock(mu_);
-    if (generation_.load() == seen && !stop_.load()) {
-      ++sleepers_;
-      wake_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
-      --sleepers_;
-    }
-    if (stop_.load()) return;
-    seen = generation_.load();
+    wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+    if (stop_) return;
+    seen = generation_;
     Job* job = job_;
-    if (job == nullptr) continue;  // that job ended before this helper looked
+    if (job == nullptr) continue;  // that job ended before this helper woke
     ++active_;
     lock.unlock();
     work(*job);
@@ -71,7 +62,6 @@ bool ParallelCopier::run_erased(uint32_t parts, bool (*fn)(void*, uint32_t), voi
     for (uint32_t i = 0; i < parts; ++i) ok = fn(ctx, i) && ok;
     return ok;
   }
-  bool notify = false;
   Job job;
   job.fn = fn;
   job.ctx = ctx;
@@ -80,10 +70,9 @@ bool ParallelCopier::run_erased(uint32_t parts, bool (*fn)(void*, uint32_t), voi
     std::lock_guard lock(mu_);
     while (helpers_.size() + 1 < threads_) helpers_.emplace_back([this] { helper(); });
     job_ = &job;
-    generation_.fetch_add(1);
-    notify = sleepers_ > 0;
+    ++generation_;
   }
-  if (notify) wake_.notify_all();
+  wake_.notify_all();
   work(job);
   // Every part taken: wait for the helpers still copying one, then retire the job so that no
   // helper can pick it up after it is gone.

@@ -7,7 +7,6 @@
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -19,11 +18,10 @@ namespace fabric::transport::shm {
 
 class ParallelCopier {
  public:
-  // Parts smaller than this are not worth a thread's wake-up.
-  static constexpr uint64_t kMinPartBytes = 256 << 10;
-  // After a job, a helper spins this long for the next one before it sleeps: the large writes
-  // of a burst (a round of an all-to-all: hundreds of 1 MiB writes) then cost no wake-up each.
-  static constexpr std::chrono::microseconds kSpin{100};
+  // Parts smaller than this are not worth a thread's wake-up: on the H200 machine's host, 1 MiB
+  // writes cut into four parts of 256 KiB moved no faster than on one thread, and cost four
+  // times the CPU, where 16 MiB writes moved four times faster (docs/shm.md).
+  static constexpr uint64_t kMinPartBytes = 1 << 20;
 
   // `threads`: copiers in all, the caller included (1: the caller alone, no helper is started;
   // 0: the default, half the CPUs this process may run on, 1 to 8). Helpers start on the first
@@ -68,11 +66,9 @@ class ParallelCopier {
   std::condition_variable wake_;  // helpers: a new job, or stop
   std::condition_variable idle_;  // run(): the job's parts are done and no helper holds it
   Job* job_ = nullptr;
-  // Bumped under mu_ for each job; read without it by helpers spinning for the next one.
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<bool> stop_{false};
-  uint32_t active_ = 0;    // helpers working on job_
-  uint32_t sleepers_ = 0;  // helpers waiting on wake_ (run() notifies only when some are)
+  uint64_t generation_ = 0;  // bumped for each job
+  bool stop_ = false;
+  uint32_t active_ = 0;  // helpers working on job_
   std::vector<std::thread> helpers_;
 };
 
