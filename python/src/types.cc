@@ -553,6 +553,9 @@ void bind_config(py::module_& m) {
                      "Receive buffers each group keeps posted for the engine's own messages.")
       .def_readwrite("staging_chunk_bytes", &Config::staging_chunk_bytes,
                      "The staged GPU path's pipeline chunk.")
+      .def_readwrite("shm_copy_threads", &Config::shm_copy_threads,
+                     "shm transport: threads copying one large incoming write together (0: "
+                     "half the CPUs, 1 to 8; 1: the worker alone).")
       .def_readwrite("gpu_direct", &Config::gpu_direct,
                      "Let providers that reach GPU memory themselves (FI_HMEM) register it "
                      "directly; otherwise GPU memory is staged.")

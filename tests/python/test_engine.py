@@ -79,6 +79,17 @@ def test_cuda_ipc_mode_in_config_info_and_stats():
         assert g.host_mirror_bytes == 0
 
 
+def test_shm_copy_threads_is_a_config_field_checked_at_creation():
+    c = fabric_lib.Config(provider="shm", nics=["shm"], cpu=fabric_lib.GroupConfig.CPU_NONE)
+    assert c.shm_copy_threads == 0
+    c.shm_copy_threads = 4
+    with fabric_lib.TransferEngine(c) as e:
+        assert e.group_info().provider.startswith("shm")
+    c.shm_copy_threads = 65
+    with pytest.raises(fabric_lib.InvalidArgument, match="shm_copy_threads"):
+        fabric_lib.TransferEngine(c)
+
+
 def test_host_mirror_false_leaves_host_memory_as_it_is():
     """host_mirror=False concerns GPU memory on a staging group; host memory is registered on
     the NICs as always (rails, no mirror), and the keyword is checked like any other."""
