@@ -159,6 +159,9 @@ class RemoteMemory {
   // GPU memory registered without a host mirror (RegisterOptions::host_mirror false) on a group
   // that would have staged it: no rails, and only the CUDA IPC path reaches it.
   bool ipc_only() const { return data().rails.empty() && data().cuda_ipc.has_value(); }
+  // One rail per NIC of the owner, or none for ipc_only(): what a writer's plan needs (decode
+  // checks it; a descriptor made by hand may not hold it).
+  bool rails_fit_owner() const { return data().rails.size() == owner().num_nics() || ipc_only(); }
 
   friend bool operator==(const RemoteMemory& a, const RemoteMemory& b);
 

@@ -177,7 +177,7 @@ Status EngineImpl::check_remote(const RemoteMemory& dst, uint32_t group,
   if (dst.empty()) return invalid(fmt::format("{}: the remote memory descriptor is empty", what));
   // A descriptor made by hand (not decoded, which checks this) must still be rail-aligned:
   // the plan indexes rails by the owner's NICs.
-  if (dst.rails().size() != dst.owner().num_nics() && !dst.ipc_only()) {
+  if (!dst.rails_fit_owner()) {
     return invalid(
         fmt::format("{}: the remote memory descriptor has {} rails for an owner with {} "
                     "NIC(s)",

@@ -185,7 +185,7 @@ class EngineImpl {
   bool remote_ok(const RemoteMemory& dst, uint32_t group) const {
     if (dst.empty()) return false;
     const Address& owner = dst.owner();
-    if (owner.empty() || (dst.rails().size() != owner.num_nics() && !dst.ipc_only())) return false;
+    if (owner.empty() || !dst.rails_fit_owner()) return false;
     const std::string& theirs = owner.provider();
     const std::string& ours = infos_[group].provider;
     if (theirs.size() != ours.size()) return false;

@@ -257,8 +257,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
     // hold, in one expression (each descriptor accessor is a call: owner read once).
     if (!tg.dst.empty()) {
       const Address& owner = tg.dst.owner();
-      if ((tg.dst.rails().size() == owner.num_nics() || tg.dst.ipc_only()) &&
-          owner.provider() == provider && members.contains(owner) &&
+      if (tg.dst.rails_fit_owner() && owner.provider() == provider && members.contains(owner) &&
           engine::in_range(tg.src_offset, tg.length, src_length) &&
           engine::in_range(tg.dst_offset, tg.length, tg.dst.length())) {
         continue;

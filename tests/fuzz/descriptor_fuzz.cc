@@ -19,8 +19,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(desc.status().code() == fabric::ErrorCode::kInvalidArgument, "rejection code");
     FUZZ_CHECK(!desc.status().message().empty(), "a rejection names what is wrong");
   } else {
-    FUZZ_CHECK(desc->rails().size() == desc->owner().num_nics() ||
-                   (desc->ipc_only() && desc->staged_region() == 0),
+    FUZZ_CHECK(desc->rails_fit_owner() && (!desc->ipc_only() || desc->staged_region() == 0),
                "one rail per owner NIC, or none with a CUDA IPC section and no staged region");
     FUZZ_CHECK(desc->base() + desc->length() >= desc->base(), "region does not wrap");
     FUZZ_CHECK(!desc->owner().empty(), "an owner with NICs");

@@ -112,7 +112,7 @@ void write_ep_handles(const std::filesystem::path& dir, const Bytes& proxy) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
+  if (argc != 2 || argv[1][0] == '-') {  // not an option taken for a directory
     std::fprintf(stderr, "usage: fuzz_make_seeds DIR\n");
     return 2;
   }

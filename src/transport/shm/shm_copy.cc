@@ -1,15 +1,13 @@
 #include "transport/shm/shm_copy.h"
 
-#include <sched.h>
-
 #include <algorithm>
+
+#include "topology/topology.h"
 
 namespace fabric::transport::shm {
 
 uint32_t ParallelCopier::default_threads() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  const int cpus = static_cast<int>(topology::allowed_cpus().size());
   return static_cast<uint32_t>(std::clamp(cpus / 2, 1, 8));
 }
 

@@ -20,7 +20,7 @@ class ParallelCopier {
  public:
   // Parts smaller than this are not worth a thread's wake-up: on the H200 machine's host, 1 MiB
   // writes cut into four parts of 256 KiB moved no faster than on one thread, and cost four
-  // times the CPU, where 16 MiB writes moved four times faster (docs/shm.md).
+  // times the CPU, where 16 MiB writes moved 1.4 to 4.1 times faster (docs/shm.md).
   static constexpr uint64_t kMinPartBytes = 1 << 20;
 
   // `threads`: copiers in all, the caller included (1: the caller alone, no helper is started;
