@@ -64,6 +64,7 @@ struct Pair {
     for (const Completion& c : at_b) n += c.kind == Kind::kImm && c.imm == imm;
     return n;
   }
+  bool check_cma(PeerHandle peer, const MemoryRegistration& dst, uint64_t wr_id);
   PeerHandle b_from_a() {
     auto h = a->resolve_peer(b->endpoint_name());
     EXPECT_TRUE(h) << h.status().to_string();
@@ -75,6 +76,16 @@ WriteRequest write(uint64_t id, const std::vector<std::byte>& src, PeerHandle pe
                    const MemoryRegistration& dst, uint64_t offset, uint32_t imm) {
   return {id,   src.data(), src.size(), nullptr, peer, dst.remote_addr() + offset, dst.remote_key(),
           true, imm};
+}
+
+// One write through the ring, b checking meanwhile whether it can read a's memory: a's later
+// writes of 16 KiB or more to b travel by process_vm_readv.
+bool Pair::check_cma(PeerHandle peer, const MemoryRegistration& dst, uint64_t wr_id) {
+  const auto warm = pattern(4096, 3);
+  if (a->post_write(write(wr_id, warm, peer, dst, 0, 0)).kind != PostResult::Kind::kPosted) {
+    return false;
+  }
+  return run_until([&] { return local(wr_id) != nullptr; });
 }
 
 TEST(ShmDomain, WritesThroughTheRingThenThroughCmaWithImmediatesAfterTheBytes) {
@@ -115,9 +126,7 @@ TEST(ShmDomain, LargeCmaWritesAreCopiedBySeveralThreads) {
   auto reg = p.b->register_memory(dst.data(), dst.size());
   ASSERT_TRUE(reg);
   const PeerHandle peer = p.b_from_a();
-  const auto warm = pattern(4096, 3);  // through the ring; b checks CMA meanwhile
-  ASSERT_EQ(p.a->post_write(write(1, warm, peer, **reg, 0, 20)).kind, PostResult::Kind::kPosted);
-  ASSERT_TRUE(p.run_until([&] { return p.local(1) != nullptr; }));
+  ASSERT_TRUE(p.check_cma(peer, **reg, 1));
 
   const auto big = pattern(kBig, 4);
   ASSERT_EQ(p.a->post_write(write(2, big, peer, **reg, 7, 21)).kind, PostResult::Kind::kPosted);
@@ -151,6 +160,58 @@ TEST(ShmDomain, LargeCmaWritesAreCopiedBySeveralThreads) {
   EXPECT_EQ(p.imms(23), 0u);
   EXPECT_EQ(p.b->stats().cma_parallel_writes, 2u);
   ::munmap(m, 3 << 20);
+}
+
+// A window of writes by process_vm_readv is taken from the ring in one run and copied side by
+// side, though each is too small to be cut: each lands exactly with its immediate, and one that
+// fails (a source not mapped, a range beyond its registration) fails alone.
+TEST(ShmDomain, AWindowOfCmaWritesIsCopiedSideBySide) {
+  Pair p;
+  p.b = open_domain(4096, /*copy_threads=*/4);
+  ASSERT_TRUE(p.b);
+  constexpr size_t kWrites = 8;
+  constexpr size_t kSize = 1 << 20;  // one part each: under two of kMinPartBytes
+  std::vector<std::byte> dst(kWrites * kSize);
+  auto reg = p.b->register_memory(dst.data(), dst.size());
+  ASSERT_TRUE(reg);
+  const PeerHandle peer = p.b_from_a();
+  ASSERT_TRUE(p.check_cma(peer, **reg, 100));
+
+  // Reserved but unreadable (not unmapped: the next allocation could take its place).
+  void* gone = ::mmap(nullptr, kSize, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(gone, MAP_FAILED);
+  constexpr size_t kUnmapped = 3, kBeyond = 6;
+  std::vector<std::vector<std::byte>> src;
+  for (size_t i = 0; i < kWrites; ++i) {
+    src.push_back(pattern(kSize, static_cast<int>(10 + i)));
+    WriteRequest w = write(i, src[i], peer, **reg, i * kSize, static_cast<uint32_t>(200 + i));
+    if (i == kUnmapped) w.local = gone;
+    if (i == kBeyond) w.remote_addr += kSize + 1;  // runs past the registration's end
+    ASSERT_EQ(p.a->post_write(w).kind, PostResult::Kind::kPosted);
+  }
+  ASSERT_TRUE(p.run_until([&] {
+    for (size_t i = 0; i < kWrites; ++i) {
+      if (p.local(i) == nullptr) return false;
+    }
+    return true;
+  }));
+  for (size_t i = 0; i < kWrites; ++i) {
+    SCOPED_TRACE(i);
+    const uint32_t imm = static_cast<uint32_t>(200 + i);
+    if (i == kUnmapped || i == kBeyond) {
+      EXPECT_NE(p.local(i)->error, ErrorCode::kOk);
+      EXPECT_EQ(p.imms(imm), 0u);
+      continue;
+    }
+    EXPECT_EQ(p.local(i)->error, ErrorCode::kOk) << p.local(i)->error_message;
+    EXPECT_EQ(p.imms(imm), 1u);
+    EXPECT_EQ(0, std::memcmp(dst.data() + i * kSize, src[i].data(), kSize));
+  }
+  EXPECT_EQ(p.local(kBeyond)->error, ErrorCode::kRemoteAccess);
+  ASSERT_EQ(p.b->stats().cma_writes, kWrites - 1) << "process_vm_readv is refused here?";
+  // All eight were in the ring when b polled: the seven in range went to the copier together.
+  EXPECT_EQ(p.b->stats().cma_parallel_writes, kWrites - 1);
+  ::munmap(gone, kSize);
 }
 
 TEST(ParallelCopier, PartsByLengthAndThreads) {

@@ -164,6 +164,15 @@ TEST(ShmRing, MalformedRecordsAreReportedAndDropped) {
   r->bytes = 64;
   r->length = 100;  // payload claimed beyond the record
   EXPECT_EQ(reader.peek(out, data), RingReader::Next::kCorrupt);
+  // A write to be read from the writer's memory (kCma) that is not one whole record: its
+  // length must not be taken for bytes in the ring either.
+  r->kind = RecordKind::kWrite;
+  r->length = 10;
+  r->flags = kCma | kFirst;
+  EXPECT_EQ(reader.peek(out, data), RingReader::Next::kCorrupt);
+  r->flags = kCma | kFirst | kLast;
+  r->length = 1 << 20;
+  EXPECT_EQ(reader.peek(out, data), RingReader::Next::kRecord);
   reader.drop();
   EXPECT_EQ(reader.peek(out, data), RingReader::Next::kEmpty);
   // The ring still works after the drop.

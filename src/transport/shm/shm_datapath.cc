@@ -261,16 +261,77 @@ void ShmDomain::on_ack(const Record& rec) {
   ready_.push_back(std::move(c));
 }
 
-bool ShmDomain::copy_from(uint32_t pid, uint64_t src, std::byte* dst, uint64_t length) {
-  const uint32_t parts = copier_->parts_for(length);
-  if (parts <= 1) return read_process(pid, src, dst, length);
-  ++stats_.cma_parallel_writes;
-  // Page-aligned parts, the last one shorter.
-  const uint64_t part = (length / parts + 4095) & ~uint64_t{4095};
-  return copier_->run(parts, [&](uint32_t i) {
-    const uint64_t at = static_cast<uint64_t>(i) * part;
-    return at >= length || read_process(pid, src + at, dst + at, std::min(part, length - at));
-  });
+bool ShmDomain::whole_cma_write(const Record& rec) {
+  // RingReader::peek refuses a kCma write that is not first and last too.
+  return rec.kind == RecordKind::kWrite && (rec.flags & shm::kCma) != 0;
+}
+
+void ShmDomain::on_cma_writes(uint32_t slot, Inbound& in, Record rec, uint64_t& budget) {
+  // Writes by process_vm_readv are one record each (push_item): take the run of them at the
+  // head of this slot, up to the poll's budget, so that a window of writes is copied side by
+  // side rather than one after the other.
+  shm::SlotHeader* s = shm::slot_at(base_, ring_bytes_, slot);
+  cma_batch_.clear();
+  const std::byte* payload = nullptr;
+  for (;;) {
+    budget -= std::min(budget, rec.length + sizeof(Record));
+    in.in_write = false;  // a write of one record ends any chunked write left half done
+    cma_batch_.push_back({rec, check_access(rec.addr, rec.length, rec.key), false});
+    in.reader.pop(rec);
+    if (cma_batch_.size() == kMaxCmaBatch || budget == 0) break;
+    if (in.reader.peek(rec, payload) != shm::RingReader::Next::kRecord) break;
+    if (!whole_cma_write(rec) || rec.token != in.token ||
+        rec.token != shm::owner_token(load(s->owner))) {
+      break;  // for consume() to handle
+    }
+  }
+  copy_cma_batch(in.pid);
+  for (const CmaWrite& w : cma_batch_) {
+    if (w.tried) ++stats_.cma_writes;
+    if (w.error == ErrorCode::kOk && (w.rec.flags & shm::kHasImm) != 0) {
+      ready_.push_back(Completion{Completion::Kind::kImm, 0, w.rec.imm, 0, ErrorCode::kOk, {}});
+    }
+    acknowledge(in, w.rec.seq, w.error);
+  }
+}
+
+void ShmDomain::copy_cma_batch(uint32_t pid) {
+  // Each write is cut into page-aligned parts (one below 2 * kMinPartBytes); the parts of all
+  // the writes are shared among the copier's threads once they add up to two minimum parts.
+  // Smaller batches stay on this thread: a helper's wake-up would cost more than it saves.
+  std::vector<CmaPiece>& pieces = cma_pieces_;
+  pieces.clear();
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < cma_batch_.size(); ++i) {
+    const Record& rec = cma_batch_[i].rec;
+    if (cma_batch_[i].error != ErrorCode::kOk || rec.length == 0) continue;
+    cma_batch_[i].tried = true;
+    total += rec.length;
+    const uint32_t parts = copier_->parts_for(rec.length);
+    const uint64_t part = parts == 1 ? rec.length : (rec.length / parts + 4095) & ~uint64_t{4095};
+    auto* dst = reinterpret_cast<std::byte*>(rec.addr);
+    for (uint64_t at = 0; at < rec.length; at += part) {
+      pieces.push_back({rec.src + at, dst + at, std::min(part, rec.length - at), i});
+    }
+  }
+  cma_piece_ok_.assign(pieces.size(), 0);
+  auto copy = [&](uint32_t i) {
+    const CmaPiece& p = pieces[i];
+    cma_piece_ok_[i] = read_process(pid, p.src, p.dst, p.length) ? 1 : 0;
+    return true;
+  };
+  const bool parallel = total >= 2 * shm::ParallelCopier::kMinPartBytes && pieces.size() > 1 &&
+                        copier_->threads() > 1;
+  if (parallel) {
+    copier_->run(static_cast<uint32_t>(pieces.size()), copy);
+  } else {
+    for (uint32_t i = 0; i < pieces.size(); ++i) copy(i);
+  }
+  for (uint32_t i = 0; i < pieces.size(); ++i) {
+    if (cma_piece_ok_[i] == 0) cma_batch_[pieces[i].write].error = ErrorCode::kFabric;
+  }
+  if (!parallel) return;
+  for (const CmaWrite& w : cma_batch_) stats_.cma_parallel_writes += w.tried ? 1 : 0;
 }
 
 void ShmDomain::on_write(Inbound& in, const Record& rec, const std::byte* payload) {
@@ -283,16 +344,8 @@ void ShmDomain::on_write(Inbound& in, const Record& rec, const std::byte* payloa
   if (in.write_error == ErrorCode::kOk)
     in.write_error = check_access(rec.addr, rec.length, rec.key);
   if (in.write_error == ErrorCode::kOk && rec.length > 0) {
-    void* dst = reinterpret_cast<void*>(rec.addr);
-    if ((rec.flags & shm::kCma) != 0) {
-      if (!copy_from(in.pid, rec.src, static_cast<std::byte*>(dst), rec.length)) {
-        in.write_error = ErrorCode::kFabric;
-      }
-      ++stats_.cma_writes;
-    } else {
-      std::memcpy(dst, payload, rec.length);
-      stats_.ring_write_bytes += rec.length;
-    }
+    std::memcpy(reinterpret_cast<void*>(rec.addr), payload, rec.length);
+    stats_.ring_write_bytes += rec.length;
   }
   if ((rec.flags & shm::kLast) == 0) return;
   in.in_write = false;
@@ -396,6 +449,10 @@ void ShmDomain::consume(uint32_t slot, Inbound& in, uint64_t& budget) {
     }
     switch (rec.kind) {
       case RecordKind::kWrite:
+        if (whole_cma_write(rec)) {
+          on_cma_writes(slot, in, rec, budget);  // pops it and the writes it takes with it
+          continue;
+        }
         budget -= std::min(budget, rec.length + sizeof(Record));
         on_write(in, rec, payload);
         break;

@@ -36,8 +36,8 @@ class ShmDomain final : public Domain {
   static constexpr const char* kNamePrefix = "fabric-shm.";
   // nic: "shm" or empty (the transport has one NIC per host; each open makes a new endpoint).
   // ring_bytes: per inbound slot, a power of two (tests use small rings). copy_threads: threads
-  // that copy one large incoming write together, this endpoint's polling thread included
-  // (Config::shm_copy_threads; 0: the default of shm::ParallelCopier).
+  // that copy large incoming writes, or a window of them, together, this endpoint's polling thread
+  // included (Config::shm_copy_threads; 0: the default of shm::ParallelCopier).
   static Result<std::unique_ptr<ShmDomain>> open(const std::string& nic,
                                                  uint64_t ring_bytes = kDefaultRingBytes,
                                                  uint32_t copy_threads = 0);
@@ -65,7 +65,7 @@ class ShmDomain final : public Domain {
   // What came in so far: writes copied from the writer's memory (process_vm_readv) and write
   // bytes that came through the ring instead.
   struct Stats {
-    uint64_t cma_writes = 0;
+    uint64_t cma_writes = 0;           // with bytes, into a range their registration holds
     uint64_t cma_parallel_writes = 0;  // of those, copied by several threads
     uint64_t ring_write_bytes = 0;
   };
@@ -98,8 +98,12 @@ class ShmDomain final : public Domain {
   bool push_item(Remote& r, TxItem& item);
   void consume(uint32_t slot, Inbound& in, uint64_t& budget);
   void start_claim(uint32_t slot, Inbound& in, uint64_t word);
+  // Writes through the ring, in chunks (on_write); writes by process_vm_readv, a record each,
+  // taken in runs and copied side by side (on_cma_writes, copy_cma_batch).
   void on_write(Inbound& in, const shm::Record& rec, const std::byte* payload);
-  bool copy_from(uint32_t pid, uint64_t src, std::byte* dst, uint64_t length);
+  static bool whole_cma_write(const shm::Record& rec);
+  void on_cma_writes(uint32_t slot, Inbound& in, shm::Record rec, uint64_t& budget);
+  void copy_cma_batch(uint32_t pid);
   void on_send(Inbound& in, const shm::Record& rec, const std::byte* payload);
   void on_ack(const shm::Record& rec);
   void acknowledge(Inbound& in, uint64_t seq, ErrorCode code);
@@ -142,6 +146,21 @@ class ShmDomain final : public Domain {
   std::deque<Bytes> unexpected_;                              // messages that came before a receive
   Fifo<Completion> ready_;  // completions poll() has yet to hand out
   std::unique_ptr<shm::ParallelCopier> copier_;
+  struct CmaWrite {
+    shm::Record rec;
+    ErrorCode error;
+    bool tried;  // bytes to copy, and a range its registration holds
+  };
+  static constexpr size_t kMaxCmaBatch = 64;  // writes taken in one run
+  std::vector<CmaWrite> cma_batch_;           // the run being copied (reused)
+  struct CmaPiece {                           // a page-aligned part of one write of the run
+    uint64_t src;
+    std::byte* dst;
+    uint64_t length;
+    uint32_t write;  // its index in cma_batch_
+  };
+  std::vector<CmaPiece> cma_pieces_;
+  std::vector<uint8_t> cma_piece_ok_;  // one byte per piece, each set by the thread copying it
   std::chrono::steady_clock::time_point now_{};
   Stats stats_;
 };

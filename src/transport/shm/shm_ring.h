@@ -80,6 +80,8 @@ struct alignas(64) SlotHeader {
 };
 
 enum class RecordKind : uint8_t { kPad = 1, kWrite = 2, kSend = 3, kAck = 4 };
+// kCma: a write the receiver copies from the writer's memory, always one record (kFirst and
+// kLast too; the reader refuses one without).
 enum RecordFlags : uint8_t { kHasImm = 1, kFirst = 2, kLast = 4, kCma = 8 };
 
 // One record: this header, then `inline_bytes` of payload, padded to kRecordAlign.
