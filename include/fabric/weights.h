@@ -78,15 +78,17 @@ struct TrainerRank {
 enum class ProjectionKind : uint8_t {
   kIdentity = 0,     // the training parameter sources[0] as it is (same dtype, same shape)
   kConcat = 1,       // sources concatenated along `dim` (fused QKV, fused gate/up)
-  kFp8Quantize = 2,  // sources[0] (2-D, BF16) as FP8 e4m3, one scale per block x block tile
+  kFp8Quantize = 2,  // a 2-D BF16 input as FP8 e4m3, one scale per block x block tile
   kFp8Scale = 3,     // the float32 scales of that quantisation: [ceil(rows/b), ceil(cols/b)]
 };
+// The FP8 kinds' input is sources[0], or with several sources their concatenation along `dim`
+// (a fused FP8 gate/up: the fused BF16 tensor quantised, tiles straddling the seam included).
 std::string_view to_string(ProjectionKind kind);
 
 struct Projection {
   ProjectionKind kind = ProjectionKind::kIdentity;
   std::vector<std::string> sources;  // training parameter names; empty: the parameter's own name
-  uint32_t dim = 0;                  // kConcat: the dimension
+  uint32_t dim = 0;                  // with several sources: the dimension they are joined on
   uint32_t block = 128;              // kFp8*: the tile's rows and columns
   friend bool operator==(const Projection&, const Projection&) = default;
 };

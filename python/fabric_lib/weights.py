@@ -335,7 +335,8 @@ class InferenceWeights:
         """Registers `tensor` as this rank's part of parameter `name`: all of it (dim None) or
         the range [start, start + tensor.shape[dim]) of dimension `dim` of the global `shape`.
         `projection`: "identity", "concat" (of `sources` along `concat_dim`), "fp8_quantize"
-        (dtype "fp8_e4m3" in a uint8 tensor) or "fp8_scale" (f32, of source `sources[0]`).
+        (dtype "fp8_e4m3" in a uint8 tensor) or "fp8_scale" (f32): of the one source, or of
+        the concatenation of several along `concat_dim` (a fused FP8 gate/up).
         In flip mode `spare` is the second copy (allocated like `tensor` when None; ignored in
         place). InvalidArgument naming the parameter for a non-contiguous tensor, or one whose
         element size or element count does not match the declared dtype and slice."""
@@ -828,9 +829,12 @@ class TrainerWeights:
             return [(index, start, n, transfers)]
         # FP8: the weight and its scales come from one quantisation, into one ring range (so
         # neither half can be reused while the other is pending); both share its transfers.
+        # Several sources (a fused gate/up) are concatenated first, in a temporary tensor.
         partner = next((i for i, q in enumerate(self._params) if i != index and q[4] == sources
-                        and q[3] in ("fp8_quantize", "fp8_scale") and q[6] == block), None)
-        rows, cols = full[0].shape
+                        and q[3] in ("fp8_quantize", "fp8_scale") and q[6] == block
+                        and (len(sources) < 2 or q[5] == concat_dim)), None)
+        source = full[0] if len(full) == 1 else torch.cat(full, dim=concat_dim)
+        rows, cols = source.shape
         tiles = ((rows + block - 1) // block) * ((cols + block - 1) // block)
         other_n = tiles * 4 if kind == "fp8_quantize" else rows * cols
         start, transfers = self._stage(_align(n) + other_n, name)
@@ -839,7 +843,7 @@ class TrainerWeights:
         other = start + _align(n)
         other_view = self._ring.buffer[other : other + other_n]
         q, s = (view, other_view) if kind == "fp8_quantize" else (other_view, view)
-        _quantize_into(full[0], q.view(rows, cols), s.view(torch.float32).view(-1), block)
+        _quantize_into(source, q.view(rows, cols), s.view(torch.float32).view(-1), block)
         out = [(index, start, n, transfers)]
         if partner is not None and partner in self._entries:
             done.add(partner)

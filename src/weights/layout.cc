@@ -81,44 +81,46 @@ Result<Shape> projected_shape(std::string_view name, const Projection& projectio
                                                            name, to_string(projection.kind), what));
   };
   if (source_shapes.empty()) return bad("no sources");
+  // Several sources are concatenated along `dim` (kConcat's result; the FP8 kinds quantise it).
+  Shape input = source_shapes[0];
+  if (source_shapes.size() > 1) {
+    if (projection.kind == ProjectionKind::kIdentity) return bad("takes exactly one source");
+    const Shape& first = source_shapes[0];
+    if (projection.dim >= first.size()) {
+      return bad(
+          fmt::format("dim {} outside the sources' {} dimensions", projection.dim, first.size()));
+    }
+    input[projection.dim] = 0;
+    for (size_t i = 0; i < source_shapes.size(); ++i) {
+      const Shape& s = source_shapes[i];
+      bool same = s.size() == first.size();
+      for (size_t d = 0; same && d < s.size(); ++d) same = d == projection.dim || s[d] == first[d];
+      if (!same) {
+        return bad(
+            fmt::format("source {} has shape [{}], which does not stack with [{}] along dim {}", i,
+                        fmt::join(s, ", "), fmt::join(first, ", "), projection.dim));
+      }
+      input[projection.dim] += s[projection.dim];
+    }
+  } else if (projection.kind == ProjectionKind::kConcat && projection.dim >= input.size()) {
+    return bad(
+        fmt::format("dim {} outside the sources' {} dimensions", projection.dim, input.size()));
+  }
   switch (projection.kind) {
     case ProjectionKind::kIdentity:
-      if (source_shapes.size() != 1) return bad("takes exactly one source");
-      return source_shapes[0];
-    case ProjectionKind::kConcat: {
-      const Shape& first = source_shapes[0];
-      if (projection.dim >= first.size()) {
-        return bad(
-            fmt::format("dim {} outside the sources' {} dimensions", projection.dim, first.size()));
-      }
-      Shape out = first;
-      out[projection.dim] = 0;
-      for (size_t i = 0; i < source_shapes.size(); ++i) {
-        const Shape& s = source_shapes[i];
-        bool same = s.size() == first.size();
-        for (size_t d = 0; same && d < s.size(); ++d) {
-          same = d == projection.dim || s[d] == first[d];
-        }
-        if (!same) {
-          return bad(
-              fmt::format("source {} has shape [{}], which does not stack with [{}] "
-                          "along dim {}",
-                          i, fmt::join(s, ", "), fmt::join(first, ", "), projection.dim));
-        }
-        out[projection.dim] += s[projection.dim];
-      }
-      return out;
-    }
+    case ProjectionKind::kConcat:
+      return input;
     case ProjectionKind::kFp8Quantize:
     case ProjectionKind::kFp8Scale: {
-      if (source_shapes.size() != 1) return bad("takes exactly one source");
-      if (source_shapes[0].size() != 2) {
-        return bad(fmt::format("needs a 2-D source, got [{}]", fmt::join(source_shapes[0], ", ")));
+      if (input.size() != 2) {
+        return bad(fmt::format("needs a 2-D {}, got [{}]",
+                               source_shapes.size() > 1 ? "concatenation" : "source",
+                               fmt::join(input, ", ")));
       }
       if (projection.block == 0) return bad("block is 0");
-      if (projection.kind == ProjectionKind::kFp8Quantize) return source_shapes[0];
+      if (projection.kind == ProjectionKind::kFp8Quantize) return input;
       const uint64_t b = projection.block;
-      return Shape{(source_shapes[0][0] + b - 1) / b, (source_shapes[0][1] + b - 1) / b};
+      return Shape{(input[0] + b - 1) / b, (input[1] + b - 1) / b};
     }
   }
   return bad("unknown kind");

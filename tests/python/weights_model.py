@@ -18,6 +18,7 @@ TRAINING = {
     "v": ((16, 48), torch.bfloat16),
     "o": ((48, 32), torch.bfloat16),
     "up": ((301, 135), torch.bfloat16),  # an odd byte count in FP8: ring alignment
+    "gate": ((130, 135), torch.bfloat16),  # fused with up in FP8: tiles straddle the seam
     "norm": ((48,), torch.float32),
     "big": ((512, 1024), torch.bfloat16),
 }
@@ -36,7 +37,8 @@ def training_tensor(name, version, device="cpu"):
 
 def inference_layout():
     """(name, kwargs for InferenceWeights.add, local shape, dtype) of the one inference rank:
-    whole tensors, a fused QKV, a row-style slice of o (strided writes), FP8 up + scales."""
+    whole tensors, a fused QKV, a row-style slice of o (strided writes), FP8 up + scales, a
+    fused FP8 gate/up + scales (the concatenation quantised)."""
     return [
         ("embed", dict(), (64, 48), torch.bfloat16),
         ("qkv", dict(projection="concat", sources=["q", "k", "v"], concat_dim=0),
@@ -44,6 +46,10 @@ def inference_layout():
         ("o", dict(shape=(48, 32), dim=1, start=8), (48, 16), torch.bfloat16),
         ("up", dict(projection="fp8_quantize", dtype="fp8_e4m3"), (301, 135), torch.uint8),
         ("up.scale", dict(projection="fp8_scale", sources=["up"]), (3, 2), torch.float32),
+        ("gate_up", dict(projection="fp8_quantize", sources=["gate", "up"], concat_dim=0,
+                         dtype="fp8_e4m3"), (431, 135), torch.uint8),
+        ("gate_up.scale", dict(projection="fp8_scale", sources=["gate", "up"], concat_dim=0),
+         (4, 2), torch.float32),
         ("norm", dict(), (48,), torch.float32),
         ("big", dict(), (512, 1024), torch.bfloat16),
     ]
@@ -53,12 +59,15 @@ def reference(version, quantize):
     """What each inference tensor holds after push `version` (quantize: the FP8 reference)."""
     t = {n: training_tensor(n, version) for n in TRAINING}
     q, s = quantize(t["up"])
+    fused_q, fused_s = quantize(torch.cat([t["gate"], t["up"]], 0))
     return {
         "embed": t["embed"],
         "qkv": torch.cat([t["q"], t["k"], t["v"]], 0),
         "o": t["o"][:, 8:24].contiguous(),
         "up": q,
         "up.scale": s,
+        "gate_up": fused_q,
+        "gate_up.scale": fused_s,
         "norm": t["norm"],
         "big": t["big"],
     }

@@ -172,6 +172,56 @@ TEST(WeightsSchedule, ExpertsGoOnlyToTheRanksHoldingThem) {
   EXPECT_EQ(s2->bytes_from(0) + s2->bytes_from(1), 32u * 8 * 2);
 }
 
+// A fused FP8 gate/up: the FP8 kinds with several sources quantise their concatenation along
+// `dim` (the scales' tiles counted on the fused shape, straddling the seam), and the schedule
+// checks the fused shape against the inference side's.
+TEST(WeightsSchedule, Fp8OfAConcatenation) {
+  TrainerRank t{0, 1, {shard("gate", {200, 64}), shard("up", {200, 64})}};
+  const Projection weight{ProjectionKind::kFp8Quantize, {"gate", "up"}, 0, 128};
+  const Projection scales{ProjectionKind::kFp8Scale, {"gate", "up"}, 0, 128};
+  InferenceRank r{0,
+                  {param("gate_up", {400, 64}, {0, {200, 200}}, weight, DType::kFloat8E4M3),
+                   param("gate_up.scale", {4, 1}, {}, scales, DType::kFloat32)}};
+  auto s = compute_schedule({t}, {r});
+  ASSERT_TRUE(s) << s.status().to_string();
+  expect_exact_cover(*s, {r});
+  const auto& fused = s->params[static_cast<size_t>(s->find("gate_up"))];
+  EXPECT_EQ(fused.source_shapes, (std::vector<Shape>{{200, 64}, {200, 64}}));
+  EXPECT_EQ(fused.projection.dim, 0u);
+
+  // Joined on dim 1 instead: [200, 128], one tile row of scales fewer.
+  auto wide = projected_shape("gate_up", {ProjectionKind::kFp8Scale, {"gate", "up"}, 1, 128},
+                              {{200, 64}, {200, 64}});
+  ASSERT_TRUE(wide) << wide.status().to_string();
+  EXPECT_EQ(*wide, (Shape{2, 1}));
+  // Sources that do not stack, and a 3-D concatenation, are named.
+  auto odd = projected_shape("gate_up", weight, {{200, 64}, {200, 32}});
+  ASSERT_FALSE(odd);
+  EXPECT_NE(odd.status().message().find("'gate_up': fp8_quantize projection: source 1 has shape "
+                                        "[200, 32], which does not stack with [200, 64] along "
+                                        "dim 0"),
+            std::string::npos)
+      << odd.status().message();
+  auto cube = projected_shape("e", {ProjectionKind::kFp8Quantize, {"a", "b"}, 0, 128},
+                              {{2, 8, 8}, {2, 8, 8}});
+  ASSERT_FALSE(cube);
+  EXPECT_NE(cube.status().message().find("needs a 2-D concatenation, got [4, 8, 8]"),
+            std::string::npos)
+      << cube.status().message();
+  auto one =
+      projected_shape("w", {ProjectionKind::kIdentity, {"a", "b"}, 0, 128}, {{2, 8}, {2, 8}});
+  ASSERT_FALSE(one);
+  EXPECT_NE(one.status().message().find("identity projection: takes exactly one source"),
+            std::string::npos);
+  // A BF16 source beside a float32 one has no FP8 projection.
+  TrainerRank mixed{0, 1, {shard("gate", {200, 64}), shard("up", {200, 64}, {}, DType::kFloat32)}};
+  auto bad = compute_schedule({mixed}, {r});
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.status().message().find("'gate_up': dtype f32 -> fp8_e4m3 has no fp8_quantize"),
+            std::string::npos)
+      << bad.status().message();
+}
+
 // Each bad layout is refused with the parameter named.
 TEST(WeightsSchedule, BadLayoutsNameTheParameter) {
   const TrainerRank t{0, 1, {shard("w", {8, 8})}};
