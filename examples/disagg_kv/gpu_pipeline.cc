@@ -12,7 +12,9 @@
 // path (docs/cuda-ipc.md; NVLink between two GPUs). The decode process reports each request's
 // ready time (the steady clock is one clock for every process of a machine) and whether its
 // bytes were exact. Both processes take the engine's environment overrides (FABRIC_CUDA_IPC=off:
-// the staged path between them, for comparison).
+// the staged path between them, for comparison). With --no-host-mirror both caches are
+// registered without a pinned host mirror (RegisterOptions::host_mirror): only the CUDA IPC
+// path reaches them, and the table shows the pinned host memory the mirrors would have taken.
 #include <cuda_runtime.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -91,14 +93,15 @@ void write_line(int fd, const std::string& line) {
 // `in`, pulls every request, checks each one's bytes, and writes "id ready_ns ok" per request on
 // `out`, then "end".
 int decode_process(const KvLayout& L, const std::string& provider, int gpu, uint32_t requests,
-                   uint32_t n, uint32_t tp, int in, int out) {
+                   uint32_t n, uint32_t tp, bool host_mirror, int in, int out) {
   CUDA_OK(cudaSetDevice(gpu));
   auto de = create_engine(provider);
   if (!de) return fmt::print(stderr, "decode engine: {}\n", de.status().to_string()), 1;
   void* ddst = nullptr;
   CUDA_OK(cudaMalloc(&ddst, L.region_bytes()));
   CUDA_OK(cudaMemset(ddst, 0, L.region_bytes()));
-  auto dreg = (*de)->register_memory(ddst, L.region_bytes());
+  auto dreg =
+      (*de)->register_memory(ddst, L.region_bytes(), RegisterOptions{.host_mirror = host_mirror});
   if (!dreg) return fmt::print(stderr, "register: {}\n", dreg.status().to_string()), 1;
   auto decoder = KvDecoder::create(**de, L, *dreg);
   if (!decoder) return 1;
@@ -175,7 +178,17 @@ int main(int argc, char** argv) {
   app.add_option("--decode-gpu", decode_gpu,
                  "run the decode rank in a second process on this GPU (default: one process, "
                  "both ranks on GPU 0)");
+  bool no_host_mirror = false;
+  app.add_flag("--no-host-mirror", no_host_mirror,
+               "register both caches without a pinned host mirror (needs --decode-gpu: only the "
+               "CUDA IPC path reaches them)");
   CLI11_PARSE(app, argc, argv);
+  if (no_host_mirror && decode_gpu < 0) {
+    fmt::print(stderr,
+               "--no-host-mirror needs --decode-gpu: memory without a host mirror is "
+               "reached only by the CUDA IPC path, between two processes\n");
+    return 2;
+  }
 
   KvLayout L;
   L.num_layers = layers;
@@ -209,7 +222,8 @@ int main(int argc, char** argv) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // not left behind if this process dies
       close(down[1]);
       close(up[0]);
-      _exit(decode_process(L, provider, decode_gpu, requests, n, tp, down[0], up[1]));
+      _exit(decode_process(L, provider, decode_gpu, requests, n, tp, !no_host_mirror, down[0],
+                           up[1]));
     }
     close(down[0]);
     close(up[1]);
@@ -229,7 +243,8 @@ int main(int argc, char** argv) {
     to_decode = down[1];
     from_decode = up[0];
     side.thread = std::thread([&, in = down[0], out = up[1]] {
-      if (decode_process(L, provider, 0, requests, n, tp, in, out) != 0) write_line(out, "end");
+      if (decode_process(L, provider, 0, requests, n, tp, true, in, out) != 0)
+        write_line(out, "end");
       close(in);
       close(out);
     });
@@ -241,7 +256,8 @@ int main(int argc, char** argv) {
   }
   void* psrc = nullptr;
   CUDA_OK(cudaMalloc(&psrc, L.region_bytes()));
-  auto preg = (*pe)->register_memory(psrc, L.region_bytes());
+  auto preg = (*pe)->register_memory(psrc, L.region_bytes(),
+                                     RegisterOptions{.host_mirror = !no_host_mirror});
   if (!preg) {
     fmt::print("register: {}\n", preg.status().to_string());
     return 1;
@@ -379,6 +395,9 @@ int main(int argc, char** argv) {
              wall > 0 ? double(ttft.size()) * layers * layer_bytes * 8 / wall / 1e9 : 0, wall);
   fmt::print("| requests byte-exact / ended / submitted | {} / {} / {} |\n", ok, ttft.size(),
              requests);
+  fmt::print("| pinned host memory of mirrors, prefill rank | {:.1f} MiB (cache {:.1f} MiB) |\n",
+             double((*pe)->stats().groups[0].host_mirror_bytes) / (1 << 20),
+             double(L.region_bytes()) / (1 << 20));
   for (auto& w : watches) (*watchers)->unwatch(w).ignore();
   prefiller->reset();
   (*pe)->close();
