@@ -579,8 +579,10 @@ class TrainerWeights:
     ``add`` each local shard (its box of the global tensor), ``publish``, then ``connect``
     once (waits for every rank in the registry; rank 0 computes and publishes the schedule),
     then ``push(version)`` after each step. With ``world > 1`` the shards are gathered with
-    ``torch.distributed`` (the default process group unless `process_group`): every rank
-    calls ``push`` for every version. Takes the engine's receive handler.
+    ``torch.distributed`` (the default process group unless `process_group`; point-to-point
+    sends, so a GPU-tensor trainer needs NCCL): a rank scheduled to write a parameter receives
+    the other shards of its replica, and only those; every rank calls ``push`` for every
+    version. Takes the engine's receive handler.
     ``max_temp_bytes`` bounds the staging memory of projected tensors (allocated on `device`).
     ``host_mirror=False``: that staging memory, on a GPU, gets no pinned host mirror; only
     inference ranks on this host are reached then (over CUDA IPC).
@@ -674,7 +676,46 @@ class TrainerWeights:
                      self._shards.items()}
             self._boxes = [None] * self.world
             dist.all_gather_object(self._boxes, boxes, group=self.process_group)
+            self._plan_gathers(schedule)
         return schedule
+
+    def _plan_gathers(self, schedule):
+        """Who sends which shard to whom in each push, parameter by parameter in push order. A
+        rank scheduled to write a parameter needs each of its sources whole: it receives the
+        other shards of the replica it holds from their holders, point to point, unless it has
+        that source whole from the parameter before (an FP8 weight and its scales). Ranks that
+        write nothing of a parameter receive nothing for it, and ranks that hold none of it
+        (another pipeline stage, another replica) take no part."""
+        writers = collections.defaultdict(set)  # projected parameter -> ranks writing it
+        for r in range(self.world):
+            for e in schedule.entries(r):
+                writers[e[2]].add(r)
+        self._gathers = {}  # (parameter, source) -> ([(from, to, box)], shape, dtype)
+        self._reuse = {}  # (parameter, source) -> ranks holding it whole from the one before
+        have = {}  # source -> ranks holding it whole after the parameter before
+        for index, param in enumerate(self._params):
+            after = {}
+            for name in param[4]:
+                held = {r: b[name] for r, b in enumerate(self._boxes) if name in b}
+                before = have.get(name, set())
+                moves = []
+                for n in sorted(writers[index] - before):
+                    box, replica, shape, dtype = held[n]
+                    if box:  # a shard: the rest of its replica comes from the other holders
+                        moves += [(h, n, hb[0]) for h, hb in sorted(held.items())
+                                  if h != n and hb[1] == replica]
+                if moves:
+                    self._gathers[(index, name)] = (moves, shape, dtype)
+                self._reuse[(index, name)] = before
+                after[name] = before | writers[index]
+            have = after
+
+    def _global_rank(self, rank):
+        import torch.distributed as dist
+        if self.process_group is None:
+            return rank
+        get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
+        return get(self.process_group, rank)
 
     def _on_message(self, message):
         if len(message) != _READY.size:
@@ -699,38 +740,54 @@ class TrainerWeights:
                 self._cond.wait(left)
             return self._ready.pop(version)
 
-    def _gather_start(self, name):
-        """Starts gathering training parameter `name` (an asynchronous all-gather when it is
-        sharded over the process group); returns a function that waits for it and returns the
-        full tensor."""
-        shard, shape, box, _ = self._shards.get(name, (None, None, None, None))
+    def _gather_start(self, index, name, stats, current):
+        """Starts gathering training parameter `name` for projected parameter `index` as
+        _plan_gathers says (asynchronous sends and receives of its shards); returns a function
+        that waits for them and returns the whole tensor where this rank needs it (taken from
+        `current`, what the parameter before gathered, where the plan says so; else its own
+        shard, or None)."""
+        shard = self._shards.get(name, (None,))[0]
         if self.world == 1:
-            if shard is None or box:
+            if shard is None or self._shards[name][2]:
                 raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
                              f"training parameter '{name}': one rank holds only a shard of it")
             return lambda: shard
+        # What this rank returns without receiving: the source whole from the parameter before,
+        # or its own shard (whole, or unused here); what it sends is always its own shard.
+        result = current[name] if self.rank in self._reuse.get((index, name), ()) else shard
+        moves, shape, dtype = self._gathers.get((index, name), ((), None, None))
+        sends = [(to, box) for frm, to, box in moves if frm == self.rank]
+        recvs = [(frm, box) for frm, to, box in moves if to == self.rank]
+        if not sends and not recvs:
+            return lambda: result
         import torch.distributed as dist
-        holders = [(r, b[name]) for r, b in enumerate(self._boxes) if name in b]
-        if all(not b[0] for _, b in holders):  # whole wherever held: nothing to gather
-            return lambda: shard  # None on a rank that holds none: it is never its sender
-        _, replica, shape, dtype = holders[0][1]
-        mine = [(r, bx) for r, (bx, rep, _, _) in holders if rep == replica]
-        sizes = [_box_numel(bx, shape) for _, bx in mine]
         device = self._ring.buffer.device
-        flat = torch.zeros(max(sizes), dtype=dtype, device=device)
-        if shard is not None and self._boxes[self.rank][name][1] == replica:
-            flat[: shard.numel()] = shard.reshape(-1)
-        # As bytes: every backend all-gathers uint8 (gloo has no bfloat16).
-        parts = [torch.empty_like(flat).view(torch.uint8) for _ in range(self.world)]
-        work = dist.all_gather(parts, flat.view(torch.uint8), group=self.process_group,
-                               async_op=True)
+        # As bytes: every backend sends uint8 (gloo has no bfloat16).
+        mine = shard.contiguous().view(-1).view(torch.uint8)
+        size = torch.empty((), dtype=dtype).element_size()
+        bufs = [torch.empty(_box_numel(box, shape) * size, dtype=torch.uint8, device=device)
+                for _, box in recvs]
+        stats["gather_bytes"] += sum(b.numel() for b in bufs)
+        ops = [(dist.isend, mine, to) for to, _ in sends]
+        ops += [(dist.irecv, buf, frm) for (frm, _), buf in zip(recvs, bufs)]
+        if dist.get_backend(self.process_group) == "nccl":  # sends and receives in one group
+            works = dist.batch_isend_irecv([dist.P2POp(op, t, self._global_rank(peer),
+                                                       self.process_group)
+                                            for op, t, peer in ops])
+        else:
+            works = [op(t, self._global_rank(peer), group=self.process_group)
+                     for op, t, peer in ops]
+        box_of = self._boxes[self.rank][name][0]
 
         def finish():
-            work.wait()
+            for w in works:
+                w.wait()
+            if not recvs:
+                return result
             full = torch.empty(shape, dtype=dtype, device=device)
-            for (r, bx), n in zip(mine, sizes):
-                region = full[tuple(slice(s, s + ln) for s, ln in _full_box(bx, shape))]
-                region.copy_(parts[r].view(dtype)[:n].view(region.shape))
+            for box, t in [(box_of, mine)] + [(box, b) for (_, box), b in zip(recvs, bufs)]:
+                region = full[tuple(slice(s, s + ln) for s, ln in _full_box(box, shape))]
+                region.copy_(t.view(dtype).view(region.shape))
             return full
 
         return finish
@@ -739,13 +796,14 @@ class TrainerWeights:
         """Writes `version` of every parameter this rank is scheduled to send, once each target
         inference rank has prepared it. Blocks until every write completed; returns seconds per
         stage {'wait_ready', 'gather', 'project', 'post', 'drain', 'total'}, the bytes, the
+        bytes received from other training ranks ('gather_bytes'), the
         submissions ('writes': a scatter or a paged write counts once) and the staging
         high-water mark ('temp_high_water'). Projections are enqueued back to back and their
         writes posted in batches of about max_temp_bytes / 4 (one stream synchronisation per
         batch). on_param(name) runs after each parameter's writes are posted (progress; tests)."""
         t0 = time.perf_counter()
         stats = dict(wait_ready=0.0, gather=0.0, project=0.0, post=0.0, drain=0.0, bytes=0,
-                     writes=0)
+                     writes=0, gather_bytes=0)
         targets = {e[3] for es in self._entries.values() for e in es}
         ready = self._wait_ready(version, targets)
         stats["wait_ready"] = time.perf_counter() - t0
@@ -771,22 +829,25 @@ class TrainerWeights:
         self._ring.before_wait = flush
         try:
             done = set()
-            # Every rank gathers every parameter in the same order (the gather is collective),
-            # the next one's in flight while this one is projected and posted; only the ranks
-            # scheduled to send a parameter project and write it.
+            # Every rank walks every parameter in the same order, so that the two ends of each
+            # of the gather's sends meet; the next parameter's gather is in flight while this
+            # one is projected and posted; only the ranks scheduled to send a parameter project
+            # and write it.
             order = [i for i in range(len(self._params))
                      if self.world > 1 or self._entries.get(i)]
 
-            def start(k):
+            def start(k, current):
                 if k >= len(order):
-                    return []
-                return [self._gather_start(s) for s in self._params[order[k]][4]]
+                    return {}
+                return {s: self._gather_start(order[k], s, stats, current)
+                        for s in self._params[order[k]][4]}
 
-            following = start(0)
+            following = start(0, {})
             for k, index in enumerate(order):
                 t = time.perf_counter()
-                full = [finish() for finish in following]
-                following = start(k + 1)
+                current = {s: finish() for s, finish in following.items()}
+                full = [current[s] for s in self._params[index][4]]
+                following = start(k + 1, current)
                 stats["gather"] += time.perf_counter() - t
                 if index in done or not self._entries.get(index):
                     continue

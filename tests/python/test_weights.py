@@ -32,13 +32,13 @@ class Trainer:
     """The training process (weights_model.serve_trainer), driven over a pipe."""
 
     def __init__(self, provider, directory, max_temp_bytes=1 << 20, rank=0, world=1, init=None,
-                 device="cpu", num_nics=1):
+                 device="cpu", num_nics=1, stages=1, replicas=1):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=model.serve_trainer,
             args=(child, provider, directory, max_temp_bytes, rank, world, init, device,
-                  num_nics),
+                  num_nics, stages, replicas),
             daemon=True)
         self.process.start()
         child.close()
@@ -110,16 +110,19 @@ def provider(request):
 
 
 @contextlib.contextmanager
-def pushing(provider, tmp_path, mode, world=1, device="cpu", num_nics=1, host_mirror=True):
+def pushing(provider, tmp_path, mode, world=1, device="cpu", num_nics=1, host_mirror=True,
+            stages=1, replicas=1):
     """This process as the inference rank and `world` training processes (FSDP over gloo when
-    world > 1), connected through a FileRegistry in tmp_path; tensors on `device` ("cuda": the
-    trainer on GPU 0, the inference tensors on the last GPU)."""
+    world > 1, in `stages` pipeline stages or `replicas` HSDP replicas), connected through a FileRegistry in tmp_path;
+    tensors on `device` ("cuda": the trainer on GPU 0, the inference tensors on the last
+    GPU)."""
     directory = str(tmp_path / "registry")
     last = f"cuda:{torch.cuda.device_count() - 1}" if device == "cuda" else "cpu"
     engine, registry, inf = inference_side(provider, directory, mode, last, host_mirror)
     init = f"file://{tmp_path / 'dist-init'}"
     trainers = [Trainer(provider, directory, rank=r, world=world, init=init,
-                        device="cuda:0" if device == "cuda" else "cpu", num_nics=num_nics)
+                        device="cuda:0" if device == "cuda" else "cpu", num_nics=num_nics,
+                        stages=stages, replicas=replicas)
                 for r in range(world)]
     try:
         for t in trainers:
@@ -275,19 +278,51 @@ def test_two_nics_get_pinned_writes(provider, tmp_path):
         assert stats["writes"] == trainer.entries, "an entry was not its own pinned write"
 
 
+def push_all(inf, trainers, version=1):
+    """Every training rank pushes `version`; checks the result; returns their stats."""
+    future = inf.prepare(version)
+    for t in trainers:
+        t.conn.send(("push", (version, 0)))
+    stats = [t.reply() for t in trainers]
+    assert future.result(TIMEOUT) == version
+    expect_version(inf, version)
+    return stats
+
+
 def test_fsdp_trainers_gather_over_torch_distributed(tmp_path):
     """Two FSDP training processes (dim-0 shards of every parameter, gloo): each gathers with
     torch.distributed and sends its part of the schedule; the result is bit-exact."""
     with pushing("tcp", tmp_path, "flip", world=2) as (inf, trainers):
-        future = inf.prepare(1)
-        for t in trainers:
-            t.conn.send(("push", (1, 0)))
-        stats = [t.reply() for t in trainers]
-        assert future.result(TIMEOUT) == 1
-        expect_version(inf, 1)
+        stats = push_all(inf, trainers)
         total = sum(t.numel() * t.element_size() for t in inf.tensors().values())
         assert sum(s["bytes"] for s in stats) == total
         assert max(s["bytes"] for s in stats) <= total / 2 + (256 << 10), "unbalanced"
+
+
+@pytest.mark.parametrize("stages,replicas", [(2, 1), (1, 2)], ids=["pp2xfsdp2", "hsdp2xfsdp2"])
+def test_sharded_trainers_gather_only_what_their_writers_need(tmp_path, stages, replicas):
+    """Four training processes as two pipeline stages of two FSDP ranks (each stage holds its
+    own parameters), or as two HSDP replicas of two FSDP ranks: a rank receives, point to
+    point, only the other shard of its own replica of the sources of the parameters it writes,
+    never another stage's or replica's bytes (an all-gather over the four would bring it every
+    shard of every parameter); the result is bit-exact."""
+    with pushing("tcp", tmp_path, "flip", world=4, stages=stages, replicas=replicas) as (
+            inf, trainers):
+        stats = push_all(inf, trainers)
+        sources = {name: kw.get("sources") or [name]
+                   for name, kw, _, _ in model.inference_layout()}
+        for rank, (t, st) in enumerate(zip(trainers, stats)):
+            def missing(source):  # bytes of `source` outside this rank's shard
+                shape, dtype = model.TRAINING[source]
+                full = torch.empty(shape, dtype=dtype)
+                shard, _ = model.shard_of(source, full, rank % 2, 2)
+                return (full.numel() - shard.numel()) * full.element_size()
+            writes = t.call("sends")
+            assert writes, f"training rank {rank} writes nothing"
+            assert all(model.stage_of(s, stages) == rank // 2 % stages
+                       for w in writes for s in sources[w])
+            need = [sum(missing(s) for s in sources[w]) for w in writes]
+            assert max(need) <= st["gather_bytes"] <= sum(need), (rank, writes, st)
 
 
 def test_the_example_serves_each_new_version():

@@ -81,11 +81,19 @@ def shard_of(name, full, rank, world):
     return full[start:stop].clone(), box
 
 
+def stage_of(name, stages):
+    """The pipeline stage holding training parameter `name` (TRAINING's order cut in
+    `stages` runs: the sources of each projection stay on one stage)."""
+    return list(TRAINING).index(name) * stages // len(TRAINING)
+
+
 def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, init=None,
-                  device="cpu", num_nics=1):
+                  device="cpu", num_nics=1, stages=1, replicas=1):
     """A training process, driven over `conn`: one rank holding every parameter whole, or
-    rank `rank` of `world` FSDP ranks (torch.distributed over gloo, `init` a file://); its
-    tensors and staging on `device`; its engine's group with `num_nics` NICs."""
+    rank `rank` of `world` ranks (torch.distributed over gloo, `init` a file://) split into
+    `stages` pipeline stages or `replicas` HSDP replicas, each holding its parameters as
+    FSDP shards over its ranks; its tensors and staging on `device`; its engine's group with
+    `num_nics` NICs."""
     import sys
     from pathlib import Path
 
@@ -107,14 +115,18 @@ def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, in
                                     chunk_bytes=256 << 10, timeout=20.0, device=device,
                                     num_nics=num_nics)
         weights = {}
+        per_stage = world // stages // replicas  # FSDP ranks of one stage or replica
         for n in TRAINING:
+            if stage_of(n, stages) != rank // per_stage % stages:
+                continue
             full = training_tensor(n, 0, device)
             if world == 1:
                 weights[n] = full
                 trainer.add(n, full)
             else:
-                weights[n], box = shard_of(n, full, rank, world)
-                trainer.add(n, weights[n], shape=full.shape, box=box)
+                weights[n], box = shard_of(n, full, rank % per_stage, per_stage)
+                trainer.add(n, weights[n], shape=full.shape, box=box,
+                            replica=rank // per_stage // stages)
         trainer.publish()
     except Exception as e:
         conn.send(("error", type(e).__name__, str(e)))
@@ -131,11 +143,15 @@ def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, in
                 entries = trainer.connect(*args).entries(rank)
                 assert {e[1] for e in entries} == set(range(num_nics)), "a NIC has no entries"
                 conn.send(("ok", len(entries)))
+            elif method == "sends":  # the projected parameters this rank writes
+                names = {trainer.schedule.params[e[2]][0] for e in trainer.schedule.entries(rank)}
+                conn.send(("ok", sorted(names)))
             elif method == "push":  # a training step (new values in place), then the push
                 version, pause = args
                 for n, t in weights.items():
                     full = training_tensor(n, version, device)
-                    t.copy_(full if world == 1 else shard_of(n, full, rank, world)[0])
+                    t.copy_(full if world == 1 else shard_of(n, full, rank % per_stage,
+                                                             per_stage)[0])
                 stall = (lambda name: time.sleep(pause)) if pause else None
                 conn.send(("ok", trainer.push(version, on_param=stall)))
         except Exception as e:
