@@ -21,6 +21,15 @@ proxies' counters (AllToAll.proxy_stats) give the time split of the eager rounds
 proxy's posting, the writes' completion (engine and fabric) and the receive side's wait from the
 counts to the last chunk; the send and receive halves are timed apart as well.
 
+--deepep adds DeepEP's intranode kernels (a baseline built outside this tree by
+tools/gpu/build_deepep.sh, imported from PYTHONPATH) on the same tokens, routing and weights:
+"deepep dispatch" is its layout kernel and its dispatch of the fp8 tokens with their scales,
+top-k indices and weights; "deepep combine" its combine of one bf16 row per received token.
+DeepEP's combine takes the experts' outputs already reduced per token on each rank, so it moves
+at most one row per (token, rank) pair where fabric_lib.ep moves one per (token, expert) pair:
+fewer bytes, and the reduction over a rank's experts left to the caller. auto (the default):
+the rows when deep_ep imports, one node only.
+
 --devices lists each rank's GPU (default 0,1,...). Ranks sharing a GPU (0,0: the inter-node
 path on a one-GPU machine) time-slice it, so their times are upper bounds; NCCL refuses two
 ranks on one GPU, so then gloo aligns the ranks and the NCCL rows are left out.
@@ -72,7 +81,44 @@ def split_bytes(idx_all, world, per_token, per_pair):
     return send, back
 
 
-def bench_shape(rank, world, name, n, iters, warmup, nodes, device, nccl):
+def deepep_ops(world, dev, x, scales, idx, w, expected_tokens):
+    """DeepEP's dispatch and combine as ep_bench operations (see --deepep), and its buffer."""
+    import torch
+    import torch.distributed as dist
+
+    import deep_ep
+
+    hidden_bytes = HIDDEN * 2
+    d_cfg = deep_ep.Buffer.get_dispatch_config(world)
+    c_cfg = deep_ep.Buffer.get_combine_config(world)
+    nvl = max(d_cfg.get_nvl_buffer_size_hint(hidden_bytes, world),
+              c_cfg.get_nvl_buffer_size_hint(hidden_bytes, world))
+    buf = deep_ep.Buffer(dist.group.WORLD, nvl, 0)
+    topk = idx.to(torch.int64)
+    state = {}
+
+    def dispatch():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, EXPERTS)
+        recv, _, recv_w, _, handle, _ = buf.dispatch(
+            (x, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=d_cfg)
+        state.update(rows=recv[0].shape[0], handle=handle, weights=recv_w)
+
+    def combine():
+        buf.combine(state["y"], state["handle"], topk_weights=state["weights"], config=c_cfg)
+
+    dispatch()
+    torch.cuda.synchronize(dev)
+    if state["rows"] != expected_tokens:
+        raise RuntimeError(f"DeepEP dispatch delivered {state['rows']} tokens, the routing sends "
+                           f"{expected_tokens}")
+    state["y"] = torch.randn(state["rows"], HIDDEN, device=dev).to(torch.bfloat16)
+    combine()
+    torch.cuda.synchronize(dev)
+    return buf, {"deepep dispatch": [dispatch], "deepep combine": [combine]}
+
+
+def bench_shape(rank, world, name, n, iters, warmup, nodes, device, nccl, deepep):
     import torch
     import torch.distributed as dist
 
@@ -145,6 +191,12 @@ def bench_shape(rank, world, name, n, iters, warmup, nodes, device, nccl):
              ("ep dispatch (graph)", "ep combine (graph)")]
     if nccl:
         order.append(("nccl dispatch bytes", "nccl combine bytes"))
+    deepep_buffer = None
+    if deepep:
+        tokens_in = sum(send[s][rank] for s in range(world)) // token_bytes
+        deepep_buffer, more = deepep_ops(world, dev, x, scales, idx, w, tokens_in)
+        ops.update(more)
+        order.append(("deepep dispatch", "deepep combine"))
     results = {}
     for pair in order:
         times = {k: [] for k in pair}
@@ -170,6 +222,7 @@ def bench_shape(rank, world, name, n, iters, warmup, nodes, device, nccl):
         if pair[0] == "ep dispatch (eager)" and nodes and before is not None:
             results["proxy"] = proxy_split(before, a2a.proxy_stats())
     memory = getattr(a2a, "proxy_memory", "host" if nodes else "none")
+    del deepep_buffer
     a2a.close()
     mb = lambda v: round(v / 1e6, 3)
     results["bytes"] = {"dispatch_sent_MB": mb(sum(in_splits)), "combine_sent_MB": mb(sum(back_in)),
@@ -212,7 +265,7 @@ def worker(rank, world, port, args, queue):
                 nodes["proxy_memory"] = args.proxy_memory
         for name in args.shapes.split(","):
             report[name] = bench_shape(rank, world, name, SHAPES[name], args.iters, args.warmup,
-                                       nodes, devices[rank], nccl)
+                                       nodes, devices[rank], nccl, args.deepep_on)
         queue.put((rank, report))
     finally:
         dist.destroy_process_group()
@@ -234,6 +287,8 @@ def main():
     p.add_argument("--nics", default="lo", help="the proxies' NICs, comma-separated")
     p.add_argument("--proxy-memory", default="auto",
                    help="where the proxies' areas are: auto, host or gpu")
+    p.add_argument("--deepep", choices=("auto", "on", "off"), default="auto",
+                   help="DeepEP's rows: auto (when deep_ep imports, one node), on, off")
     p.add_argument("--devices", default="",
                    help="each rank's GPU, comma-separated (default 0,1,...; 0,0: one GPU)")
     args = p.parse_args()
@@ -241,6 +296,17 @@ def main():
                         else list(range(args.world)))
     if len(args.device_list) != args.world:
         p.error(f"--devices names {len(args.device_list)} GPUs for --world {args.world}")
+    args.deepep_on = False
+    if args.deepep != "off" and not args.gpus_per_node:
+        try:
+            import deep_ep  # noqa: F401
+
+            args.deepep_on = True
+        except ImportError as e:
+            if args.deepep == "on":
+                p.error(f"--deepep on: deep_ep does not import ({e}); tools/gpu/build_deepep.sh")
+    elif args.deepep == "on":
+        p.error("--deepep on: DeepEP's intranode kernels need one node (no --gpus-per-node)")
     if torch.cuda.device_count() <= max(args.device_list):
         print(f"needs GPU {max(args.device_list)}, torch sees {torch.cuda.device_count()}")
         return 77
@@ -253,7 +319,8 @@ def main():
     reports = dict(queue.get() for _ in range(args.world))
     where = (f", {args.gpus_per_node} GPU(s) per node, proxies over {args.provider} "
              f"({args.nics})" if args.gpus_per_node else ", one node")
-    print(f"# fabric_lib.ep vs NCCL all_to_all_single, {args.world} ranks on GPUs "
+    print(f"# fabric_lib.ep vs NCCL all_to_all_single{' and DeepEP' if args.deepep_on else ''}, "
+          f"{args.world} ranks on GPUs "
           f"{args.device_list}{where}, hidden {HIDDEN}, top-{TOP_K} of {EXPERTS} experts, fp8 "
           f"dispatch, bf16 combine, {args.iters} iterations")
     for shape in args.shapes.split(","):

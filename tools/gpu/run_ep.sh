@@ -2,7 +2,9 @@
 # fabric_lib.ep on a machine with two GPUs (kind nvidia-h200-x2), from the repository root, with
 # the bundle that tools/gpu/bundle.sh made in BUNDLE (default .gpu): builds the fabric_lib Python
 # module against that machine's python3 as run_cuda_ipc.sh does, runs tests/python/test_ep.py,
-# then bench/ep_bench.py (decode and prefill, fabric_lib.ep against NCCL all_to_all_single).
+# then bench/ep_bench.py (decode and prefill, fabric_lib.ep against NCCL all_to_all_single, and
+# against DeepEP's intranode kernels when .baselines/deepep-build holds the package that
+# tools/gpu/build_deepep.sh made: carry .baselines).
 # Logs go under OUT (default /tmp/ep-out). Every step runs under `timeout`, cut to what is left of
 # a 330-second budget (the bench keeps its last 60 s), so the whole stays under six minutes:
 # test_ep.py runs each two-rank scenario twice (one node, and two one-GPU nodes through the
@@ -39,7 +41,9 @@ grep -E "PASSED|FAILED|SKIPPED|ERROR|^E " "$OUT/test_ep.log" | head -60
 tail -3 "$OUT/test_ep.log"
 
 echo "== bench/ep_bench.py ($(elapsed)) =="
-PYTHONPATH=$PKG timeout -k 10 "$(left 0)" python3 bench/ep_bench.py --iters 200 --json "$OUT/ep_bench.json" \
+deepep=$([ -d .baselines/deepep-build/deep_ep ] && echo ":$ROOT/.baselines/deepep-build")
+[ -n "$deepep" ] && echo "(DeepEP from .baselines/deepep-build)"
+PYTHONPATH=$PKG$deepep timeout -k 10 "$(left 0)" python3 bench/ep_bench.py --iters 200 --json "$OUT/ep_bench.json" \
   >"$OUT/ep_bench.txt" 2>&1
 echo "bench exit $?"
 cat "$OUT/ep_bench.txt" | tail -40
