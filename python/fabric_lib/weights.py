@@ -654,6 +654,11 @@ class TrainerWeights:
             schedule = _read_schedule(self.registry, self.group, self.timeout)
         self.schedule = schedule
         self._params = schedule.params
+        # The push's order, the same on every rank: parameters by their sources, then by name,
+        # so that those made from the same training parameters (an FP8 weight and its scales,
+        # a fused gate/up and the up it holds) come one after another and share its gather.
+        self._push_order = sorted(range(len(self._params)),
+                                  key=lambda i: (list(self._params[i][4]), self._params[i][0]))
         # Each inference rank's descriptors by parameter name and copy.
         self._targets = {}
         for m in inference:
@@ -693,7 +698,8 @@ class TrainerWeights:
         self._gathers = {}  # (parameter, source) -> ([(from, to, box)], shape, dtype)
         self._reuse = {}  # (parameter, source) -> ranks holding it whole from the one before
         have = {}  # source -> ranks holding it whole after the parameter before
-        for index, param in enumerate(self._params):
+        for index in self._push_order:
+            param = self._params[index]
             after = {}
             for name in param[4]:
                 held = {r: b[name] for r, b in enumerate(self._boxes) if name in b}
@@ -833,8 +839,7 @@ class TrainerWeights:
             # of the gather's sends meet; the next parameter's gather is in flight while this
             # one is projected and posted; only the ranks scheduled to send a parameter project
             # and write it.
-            order = [i for i in range(len(self._params))
-                     if self.world > 1 or self._entries.get(i)]
+            order = [i for i in self._push_order if self.world > 1 or self._entries.get(i)]
 
             def start(k, current):
                 if k >= len(order):
