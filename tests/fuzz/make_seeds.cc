@@ -4,6 +4,7 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -12,6 +13,7 @@
 #include "ep_configs.h"
 #include "fabric/address.h"
 #include "fabric/weights.h"
+#include "transport/shm/shm_ring.h"
 
 using namespace fabric;
 
@@ -109,6 +111,41 @@ void write_ep_handles(const std::filesystem::path& dir, const Bytes& proxy) {
   }
 }
 
+// One slot of the shm transport as fuzz_shm_ring reads it: the head (u32), how far the tail is
+// ahead of it (u32), then the ring's 4096 bytes, written by the real RingWriter starting at
+// `start` (near the end: the records wrap, with a pad record).
+void write_shm_ring(const std::filesystem::path& dir, const std::string& name, uint32_t start) {
+  namespace shm = transport::shm;
+  constexpr uint64_t kRing = 4096;
+  alignas(64) std::array<std::byte, sizeof(shm::SlotHeader) + kRing> memory{};
+  auto* slot = new (memory.data()) shm::SlotHeader{};
+  slot->head = slot->tail = start;
+  shm::RingWriter writer(slot, kRing);
+  auto record = [](shm::RecordKind kind, uint8_t flags, uint64_t length) {
+    shm::Record r{};
+    r.kind = kind;
+    r.flags = flags;
+    r.token = 7;
+    r.seq = 1;
+    r.length = length;
+    r.total = length;
+    return r;
+  };
+  const std::array<char, 100> text{'h', 'i'};
+  writer.push(record(shm::RecordKind::kSend, shm::kFirst | shm::kLast, 100), text.data(), 100);
+  writer.push(record(shm::RecordKind::kWrite, shm::kFirst | shm::kHasImm, 64), text.data(), 64);
+  writer.push(record(shm::RecordKind::kWrite, shm::kLast, 10), text.data(), 10);
+  writer.push(record(shm::RecordKind::kWrite, shm::kCma | shm::kFirst | shm::kLast, 1 << 20),
+              nullptr, 0);
+  writer.push(record(shm::RecordKind::kAck, 0, 0), nullptr, 0);
+  Bytes out(8 + kRing);
+  const uint32_t ahead = static_cast<uint32_t>(slot->tail - start);
+  std::memcpy(out.data(), &start, 4);
+  std::memcpy(out.data() + 4, &ahead, 4);
+  std::memcpy(out.data() + 8, shm::ring_of(slot), kRing);
+  write(dir, name, out);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -186,5 +223,7 @@ int main(int argc, char** argv) {
 
   write_weights(root / "weights");
   write_ep_handles(root / "ep_handle", tcp1.encode());
+  write_shm_ring(root / "shm_ring", "records", 0);
+  write_shm_ring(root / "shm_ring", "records_wrapping", 4096 - 192);
   return 0;
 }

@@ -8,7 +8,7 @@ set -euo pipefail
 seconds=${1:?usage: run_fuzz.sh SECONDS [TARGET...]}
 shift
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(descriptor address messages config weights ep_handle)
+[ ${#targets[@]} -gt 0 ] || targets=(descriptor address messages config weights ep_handle shm_ring)
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$root/build-fuzz/bin
 mkdir -p "$root/build-fuzz/artifacts"

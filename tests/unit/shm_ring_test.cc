@@ -180,6 +180,29 @@ TEST(ShmRing, MalformedRecordsAreReportedAndDropped) {
   ASSERT_NO_FATAL_FAILURE(expect_next(reader, 2, 10));
 }
 
+// A claimer that died or broke mid-record can leave the shared tail anywhere, say one byte
+// before the ring's end (found by fuzz_shm_ring). The reader drops what does not parse, and
+// neither it nor the next claimer's writer reads or writes across the ring's end: both move on
+// to the next record boundary, so the next claimer's records arrive whole.
+TEST(ShmRing, AnUnalignedTailIsSkippedToTheNextRecordBoundary) {
+  Region region;
+  SlotHeader* slot = region.slot(5);
+  RingReader reader(slot, kRing);
+  store(slot->tail, uint64_t{kRing - 1});  // garbage published up to one byte before the end
+  Record out{};
+  const std::byte* data = nullptr;
+  EXPECT_EQ(reader.peek(out, data), RingReader::Next::kCorrupt);
+  reader.drop();
+  EXPECT_EQ(reader.peek(out, data), RingReader::Next::kEmpty);
+  RingWriter writer(slot, kRing);             // the next claimer
+  for (uint64_t seq = 1; seq <= 40; ++seq) {  // wraps the ring several times
+    ASSERT_TRUE(writer.push(record(seq, 200), payload(seq, 200).data(), 200)) << seq;
+    ASSERT_NO_FATAL_FAILURE(expect_next(reader, seq, 200));
+  }
+  EXPECT_EQ(load(slot->head) % kRecordAlign, 0u);
+  EXPECT_EQ(load(slot->tail), load(slot->head));
+}
+
 // A PID that no process has now: a child that exited and was reaped.
 uint32_t dead_pid() {
   const pid_t child = fork();

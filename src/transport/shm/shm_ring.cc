@@ -121,6 +121,12 @@ RingReader::Next RingReader::peek(Record& out, const std::byte*& payload) {
   while (head_ != tail) {
     const uint64_t avail = tail - head_;
     if (avail > size_) return Next::kCorrupt;
+    if (head_ % kRecordAlign != 0) {  // drop() took a tail left unaligned: records start after
+      if (align_record(head_) - head_ > avail) return Next::kCorrupt;
+      head_ = align_record(head_);
+      store(slot_->head, head_);
+      continue;
+    }
     const uint64_t pos = head_ & (size_ - 1);
     std::memcpy(&out, ring_ + pos, sizeof(out));
     if (out.bytes < sizeof(Record) || out.bytes % kRecordAlign != 0 || out.bytes > avail ||

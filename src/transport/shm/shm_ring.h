@@ -101,6 +101,13 @@ struct Record {
 };
 static_assert(sizeof(Record) == kRecordAlign);
 
+// Where records start: head and tail are multiples of kRecordAlign, unless a broken or dying
+// claimer left the tail elsewhere (the words are shared memory). Both ends then move on to the
+// next multiple, so no record is ever read or written across the ring's end.
+inline uint64_t align_record(uint64_t at) {
+  return (at + kRecordAlign - 1) & ~(kRecordAlign - 1);
+}
+
 inline uint64_t record_bytes(uint64_t payload) {
   return (sizeof(Record) + payload + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
 }
@@ -129,7 +136,10 @@ class RingWriter {
  public:
   RingWriter() = default;
   RingWriter(SlotHeader* slot, uint64_t ring_bytes)
-      : slot_(slot), ring_(ring_of(slot)), size_(ring_bytes), tail_(load(slot->tail)) {}
+      : slot_(slot),
+        ring_(ring_of(slot)),
+        size_(ring_bytes),
+        tail_(align_record(load(slot->tail))) {}
   bool valid() const { return slot_ != nullptr; }
   // Bytes a record may carry at most (a quarter of the ring).
   uint64_t max_payload() const { return size_ / 4 - sizeof(Record); }
