@@ -6,7 +6,8 @@
 #      in the same run;
 #   2. bench/ep_bench.py's inter-node path over shm on GPU 0 (two one-GPU "nodes"), prefill
 #      then decode (needs the GPU and builds the fabric_lib module; EP=0 skips it).
-# Logs go under OUT (default /tmp/shm-copy-out); every step runs under `timeout`.
+# Logs go under OUT (default /tmp/shm-copy-out); every step runs under `timeout`. REUSE_MODULE=1
+# keeps a module already built in /tmp/shm-copy-mod.
 set -u
 ROOT=$PWD
 OUT=${OUT:-/tmp/shm-copy-out}
@@ -27,7 +28,8 @@ for r in $(seq "$ROUNDS"); do for t in 1 0; do
 done; done
 [ "${EP:-1}" = 1 ] || exit 0
 echo "== the fabric_lib module ($(elapsed)) =="
-bash tools/gpu/build_module.sh /tmp/shm-copy-mod . .gpu/libfabriclib.a 240 >"$OUT/build_module.log" 2>&1
+[ -f /tmp/shm-copy-mod/fabric_lib/__init__.py ] && [ "${REUSE_MODULE:-0}" = 1 ] ||
+  bash tools/gpu/build_module.sh /tmp/shm-copy-mod . .gpu/libfabriclib.a 240 >"$OUT/build_module.log" 2>&1
 [ -f /tmp/shm-copy-mod/fabric_lib/__init__.py ] || { echo "no module"; tail -20 "$OUT/build_module.log"; exit 1; }
 for shape in prefill decode; do for r in $(seq "$ROUNDS"); do for t in 1 0; do
   iters=$([ $shape = prefill ] && echo 10 || echo 200)
