@@ -17,6 +17,9 @@ mode). In one run, on the same bytes:
   staged      the fabric path through host memory (Config.cuda_ipc = "off") over each of
               --staged-providers, on a smaller model (--staged-layers, --staged-experts)
 
+--devices 0,0 puts both processes on one GPU (a rehearsal where only one is lent: no NCCL row,
+the bound a copy within the GPU, and the two processes time-slice it).
+
 Medians of --iters. NCCL_NVLS_ENABLE=0 in every process. Prints a table; --json writes it.
 """
 
@@ -88,15 +91,27 @@ def checksum(t):
     return int((b * w).sum())
 
 
+def gpu_indices(args):
+    """The trainer's and the inference side's GPU indices (--devices)."""
+    return tuple(int(d) for d in args.devices.split(","))
+
+
 def devices(args):
-    """GPU 0 and GPU 1, or the CPU twice with --cpu (a smoke run of this script anywhere)."""
-    return ("cpu", "cpu") if args.cpu else ("cuda:0", "cuda:1")
+    """The two --devices (GPU 0 and GPU 1 by default), or the CPU twice with --cpu (a smoke run
+    of this script anywhere)."""
+    return ("cpu", "cpu") if args.cpu else tuple(f"cuda:{d}" for d in gpu_indices(args))
+
+
+def one_gpu(args):
+    """Both sides on one GPU (--devices 0,0): two processes time-slice it, NCCL refuses two
+    ranks on one device, and the bound is a copy within that GPU's memory."""
+    return not args.cpu and len(set(gpu_indices(args))) == 1
 
 
 def sync(args):
     if not args.cpu:
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
+        for d in set(gpu_indices(args)):
+            torch.cuda.synchronize(d)
 
 
 def config(provider, cuda_ipc):
@@ -107,7 +122,7 @@ def config(provider, cuda_ipc):
 def start(args, rank, provider, cuda_ipc, directory, nccl):
     """A bench process: its GPU, NCCL (or gloo) when the baselines run, engine, registry."""
     if not args.cpu:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(gpu_indices(args)[rank])
     if nccl:
         dist.init_process_group("gloo" if args.cpu else "nccl", init_method=nccl, rank=rank,
                                 world_size=2)
@@ -158,6 +173,16 @@ def trainer_main(conn, args, shape_args, provider, cuda_ipc, directory, group, n
                 elif name in arg:
                     out[name] = checksum(project(weights, name, kwargs)[0])
             conn.send(out)
+        elif cmd == "project":  # every projection alone, no writes: the GPU's projection rate
+            sync(args)
+            times = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                for name, kwargs, _, _ in layout:
+                    project(weights, name, kwargs)
+                sync(args)
+                times.append(time.perf_counter() - t)
+            conn.send(times)
         elif cmd == "bound":  # cudaMemcpyPeerAsync of `arg` bytes in 1 GiB pieces
             piece = min(arg, 1 << 30)
             a = torch.empty(piece, dtype=torch.uint8, device=dev0)
@@ -246,7 +271,8 @@ def inference_main(conn, args, shape_args, provider, cuda_ipc, directory, group,
 def run_phase(args, shape_args, provider, cuda_ipc, group, with_baselines):
     ctx = mp.get_context("spawn")
     directory = tempfile.mkdtemp(prefix="fabric-weights-", dir="/dev/shm")
-    nccl = f"file://{directory}/nccl-init" if with_baselines else None
+    # NCCL's broadcast needs two GPUs: with both sides on one there is no process group.
+    nccl = f"file://{directory}/nccl-init" if with_baselines and not one_gpu(args) else None
     pipes, procs = [], []
     for target in (trainer_main, inference_main):
         parent, child = ctx.Pipe()
@@ -285,12 +311,15 @@ def run_phase(args, shape_args, provider, cuda_ipc, group, with_baselines):
         out["verified"] = [n for n in sample if want[n] == got[n]]
         out["mismatched"] = [n for n in sample if want[n] != got[n]]
         if with_baselines:
+            tr.send(("project", None))
+            out["project_only_s"] = statistics.median(tr.recv())
             tr.send(("bound", int(out["push"]["bytes"])))
             out["bound_s"] = statistics.median(tr.recv())
-            tr.send(("broadcast", None))
-            inf.send(("broadcast", None))
-            out["broadcast_s"] = statistics.median(tr.recv())
-            inf.recv()
+            if nccl:
+                tr.send(("broadcast", None))
+                inf.send(("broadcast", None))
+                out["broadcast_s"] = statistics.median(tr.recv())
+                inf.recv()
         for p in pipes:
             p.send(("exit", None))
             p.recv()
@@ -322,11 +351,15 @@ def main():
     ap.add_argument("--staged-layers", type=int, default=1)
     ap.add_argument("--staged-experts", type=int, default=8)
     ap.add_argument("--json")
+    ap.add_argument("--devices", default="0,1",
+                    help="the trainer's GPU and the inference side's, e.g. 0,1; 0,0 puts both on "
+                         "one GPU (no NCCL row; the bound is a copy within that GPU)")
     ap.add_argument("--cpu", action="store_true",
                     help="both processes on the CPU, gloo for the broadcast: a smoke run")
     args = ap.parse_args()
-    if not args.cpu and torch.cuda.device_count() < 2:
-        print("weights_bench.py: needs two GPUs")
+    if not args.cpu and torch.cuda.device_count() <= max(gpu_indices(args)):
+        print(f"weights_bench.py: --devices {args.devices} needs "
+              f"{max(gpu_indices(args)) + 1} GPUs; this machine has {torch.cuda.device_count()}")
         return 2
     fp8 = not args.no_fp8
     shape = (args.layers, args.experts, args.hidden, args.inter, args.q_heads, args.kv_heads,
@@ -337,9 +370,12 @@ def main():
         rows.append(run_phase(args, small, provider, "off", "staged-" + provider, False))
     print(f"model: {args.layers} layers x {args.experts} experts "
           f"({'per-expert parameters' if args.per_expert else 'stacked per layer'}), "
-          f"{rows[0]['train_bytes'] / GB:.2f} GB BF16 on GPU 0; inference layout "
+          f"{rows[0]['train_bytes'] / GB:.2f} GB BF16 on {devices(args)[0]}; inference layout "
           f"{'FP8 experts' if fp8 else 'BF16'}, {rows[0]['inference_bytes_per_copy'] / GB:.2f} "
-          f"GB per copy x 2 (flip) on GPU 1; iters {args.iters} (medians)")
+          f"GB per copy x 2 (flip) on {devices(args)[1]}; iters {args.iters} (medians)")
+    if one_gpu(args):
+        print(f"both sides on {devices(args)[0]}: two processes time-slice the GPU; the bound is "
+              "a copy within its memory, and NCCL's broadcast (two ranks on one GPU) is not run")
     for r in rows:
         p = r["push"]
         gbs = p["bytes"] / p["total"] / GB
@@ -351,11 +387,17 @@ def main():
                 f"{p['post'] / max(1, p['writes']) * 1e6:.1f} us each)  verified "
                 f"{len(r['verified'])}/{len(r['verified']) + len(r['mismatched'])}")
         print(line)
+        if "project_only_s" in r:
+            print(f"     projection alone (every parameter, no writes) "
+                  f"{r['project_only_s'] * 1e3:8.1f} ms {r['train_bytes'] / r['project_only_s'] / GB:7.1f}"
+                  f" GB/s of BF16 in")
         if "bound_s" in r:
             b = p["bytes"] / r["bound_s"] / GB
-            c = p["bytes"] / r["broadcast_s"] / GB
-            print(f"     bound (cudaMemcpyPeerAsync, same bytes) {r['bound_s'] * 1e3:8.1f} ms "
+            what = "copy within the GPU" if one_gpu(args) else "cudaMemcpyPeerAsync"
+            print(f"     bound ({what}, same bytes) {r['bound_s'] * 1e3:8.1f} ms "
                   f"{b:7.1f} GB/s; push / bound = {gbs / b:.2f}")
+        if "broadcast_s" in r:
+            c = p["bytes"] / r["broadcast_s"] / GB
             print(f"     NCCL broadcast per tensor (pre-projected) {r['broadcast_s'] * 1e3:8.1f} ms"
                   f" {c:7.1f} GB/s; push / broadcast = {gbs / c:.2f}")
     if args.json:

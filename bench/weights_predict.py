@@ -35,8 +35,10 @@ def main():
         with open(args.json) as f:
             row = json.load(f)[0]  # the CUDA IPC phase: the projection runs on the GPU there
         push = row["push"]
-        # Projected bytes out are FP8 (1 B) for most of the model: BF16 in is about twice.
-        args.project_gbs = 2 * push["bytes"] / push["project"] / GB
+        if "project_only_s" in row:  # every projection timed alone on an otherwise idle GPU
+            args.project_gbs = row["train_bytes"] / row["project_only_s"] / GB
+        else:  # projected bytes out are FP8 (1 B) for most of the model: BF16 in about twice
+            args.project_gbs = 2 * push["bytes"] / push["project"] / GB
         args.post_us = push["post"] / max(1, push["writes"]) * 1e6
         source = f"measured ({args.json})"
     nic = args.nic_gbps / 8 * GB  # bytes/s per GPU
