@@ -163,7 +163,16 @@ def trainer_main(conn, args, shape_args, provider, cuda_ipc, directory, group, n
         cmd, arg = conn.recv()
         if cmd == "push":
             sync(args)
-            results = trainer.push(arg)
+            if args.profile and arg == args.iters + 1:  # the last push, under cProfile
+                import cProfile
+                import pstats
+                profile = cProfile.Profile()
+                results = profile.runcall(trainer.push, arg)
+                with open(args.profile, "a") as f:
+                    f.write(f"== trainer.push, {provider} cuda_ipc={cuda_ipc}\n")
+                    pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(25)
+            else:
+                results = trainer.push(arg)
             conn.send(results)
         elif cmd == "checksums":  # the projection, computed here independently of the push
             out = {}
@@ -351,6 +360,8 @@ def main():
     ap.add_argument("--staged-layers", type=int, default=1)
     ap.add_argument("--staged-experts", type=int, default=8)
     ap.add_argument("--json")
+    ap.add_argument("--profile", help="append a cProfile of the trainer's last push to this file "
+                    "(that push's times are then not representative; the medians include it)")
     ap.add_argument("--devices", default="0,1",
                     help="the trainer's GPU and the inference side's, e.g. 0,1; 0,0 puts both on "
                          "one GPU (no NCCL row; the bound is a copy within that GPU)")
@@ -381,7 +392,7 @@ def main():
         gbs = p["bytes"] / p["total"] / GB
         line = (f"{r['provider']:>4} cuda_ipc={r['cuda_ipc']:<4} push {p['total'] * 1e3:8.1f} ms "
                 f"{gbs:7.1f} GB/s  (project {p['project'] * 1e3:.1f}, post {p['post'] * 1e3:.1f}, "
-                f"drain {p['drain'] * 1e3:.1f}, wait_ready {p['wait_ready'] * 1e3:.1f} ms; "
+                f"wait_ring {p.get('wait_ring', 0) * 1e3:.1f}, drain {p['drain'] * 1e3:.1f}, wait_ready {p['wait_ready'] * 1e3:.1f} ms; "
                 f"inference prepare->complete {r['complete_s'] * 1e3:.1f} ms; temp high-water "
                 f"{p['temp_high_water'] / GB:.2f} GB; {p['writes']:.0f} submissions, "
                 f"{p['post'] / max(1, p['writes']) * 1e6:.1f} us each)  verified "

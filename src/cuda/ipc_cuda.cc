@@ -13,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
 
 #include "cuda/cuda_status.h"
 #include "cuda/ipc.h"
@@ -285,7 +286,9 @@ Result<IpcExport> cuda_ipc_export(int device, void* ptr, uint64_t length) {
   return e;
 }
 
-bool cuda_ipc_reachable(int device, const DeviceUuid& peer) {
+namespace {
+
+bool find_reachable(int device, const DeviceUuid& peer) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
     cudaGetLastError();
@@ -303,6 +306,21 @@ bool cuda_ipc_reachable(int device, const DeviceUuid& peer) {
     return can != 0;
   }
   return false;  // a GPU this process does not see
+}
+
+}  // namespace
+
+bool cuda_ipc_reachable(int device, const DeviceUuid& peer) {
+  // Asked for every destination of every submission on the path; a process's devices and
+  // their peer access do not change while it runs, so each pair is looked up once.
+  static std::mutex mu;
+  static std::map<std::pair<int, DeviceUuid>, bool> known;
+  std::lock_guard lock(mu);
+  const auto key = std::make_pair(device, peer);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  const bool reachable = find_reachable(device, peer);
+  known.emplace(key, reachable);
+  return reachable;
 }
 
 Result<std::byte*> cuda_ipc_open(const IpcExport& e, int device, const Origin& writer) {
