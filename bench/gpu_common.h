@@ -123,7 +123,7 @@ inline Peer spawn(const std::vector<std::string>& args) {
 
 inline uint64_t host_checksum(const void* dev, uint64_t len) {
   std::vector<uint8_t> host(len);
-  CUDA_OK(cudaMemcpy(host.data(), dev, len, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(host.data(), dev, len, cudaMemcpyDefault));  // device or host memory
   uint64_t sum = 1469598103934665603ull;
   for (uint8_t b : host) sum = (sum ^ b) * 1099511628211ull;
   return sum;

@@ -7,6 +7,11 @@
 //   --op pipeline  a kernel "computes" L layers (a timed spin), bumping a UvmWatcher after each;
 //                  the watcher callback ships that layer's pages to the peer. Reports how much of
 //                  the transfer time hides under compute.
+//   --op host-dst  GPU memory into host memory of the other process, three ways in one run:
+//                  into memory registered with RegisterOptions::gpu_copies (the owner's GPU
+//                  copies it down over CUDA IPC), into plain host memory (the staged path:
+//                  a pinned mirror, then the fabric), and a cudaMemcpyAsync into pinned memory
+//                  of this process (one copy's bound).
 //   --op nvlink    GPU to GPU over the CUDA IPC path (gpu_nvlink.cc): single writes of 4 KiB
 //                  to 1 GiB and paged writes against cudaMemcpyPeerAsync, and the latency of a
 //                  write with an immediate to the peer's callback (ping-pong).
@@ -57,6 +62,10 @@ int g_peer_gpu = 0;
 // --serve-on-worker: the serving process runs its callbacks on its worker
 // (Config::callbacks_on_worker), so a ping is answered without a thread hop.
 bool g_serve_on_worker = false;
+// --serve-host: the serving process's destination is host memory (pageable, as a user's
+// buffer is), registered with RegisterOptions::gpu_copies when --gpu-copies is given too.
+bool g_serve_host = false;
+bool g_gpu_copies = false;
 
 fabric::Config config_for(const std::string& provider) {
   fabric::Config c;
@@ -84,9 +93,16 @@ int serve(const std::string& provider, uint64_t bytes) {
   config.callbacks_on_worker = g_serve_on_worker;
   auto engine = must(fabric::TransferEngine::create(config), "engine");
   void* dst = nullptr;
-  CUDA_OK(cudaMalloc(&dst, bytes));
-  CUDA_OK(cudaMemset(dst, 0, bytes));
-  auto reg = must(engine->register_memory(dst, bytes), "register");
+  if (g_serve_host) {
+    dst = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+    std::memset(dst, 0, bytes);
+  } else {
+    CUDA_OK(cudaMalloc(&dst, bytes));
+    CUDA_OK(cudaMemset(dst, 0, bytes));
+  }
+  auto reg =
+      must(engine->register_memory(dst, bytes, fabric::RegisterOptions{.gpu_copies = g_gpu_copies}),
+           "register");
   std::printf("%s\n", reg.descriptor.to_hex().c_str());
   std::fflush(stdout);
   std::mutex mu;  // arrivals
@@ -133,7 +149,11 @@ int serve(const std::string& provider, uint64_t bytes) {
   }
   engine->set_unexpected_imm_handler(nullptr);
   engine->close();
-  cudaFree(dst);
+  if (g_serve_host) {
+    std::free(dst);
+  } else {
+    cudaFree(dst);
+  }
   return 0;
 }
 
@@ -151,6 +171,123 @@ std::vector<std::string> serve_args(const std::string& provider, uint64_t bytes,
   return args;
 }
 
+// --op host-dst: GPU 0 of this process into host memory of a serving process, registered for
+// the owner's GPU copies and plainly, against one cudaMemcpyAsync into pinned memory here.
+int run_host_dst(const std::string& provider, int iters) {
+  constexpr uint64_t kBuf = 64ull << 20;
+  auto engine = must(fabric::TransferEngine::create(config_for(provider)), "engine");
+  uint8_t* src = nullptr;
+  CUDA_OK(cudaMalloc(&src, kBuf));
+  CUDA_OK(launch_fill(src, kBuf, 4242, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  auto reg = must(engine->register_memory(src, kBuf), "register");
+  void* pinned = nullptr;
+  CUDA_OK(cudaHostAlloc(&pinned, kBuf, cudaHostAllocDefault));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<std::string> args = serve_args(provider, kBuf, false);
+  args.push_back("--serve-host");
+  Peer plain = spawn(args);
+  args.push_back("--gpu-copies");
+  Peer copies = spawn(args);
+  auto plain_dst = must(fabric::RemoteMemory::from_hex(plain.line()), "descriptor");
+  auto copies_dst = must(fabric::RemoteMemory::from_hex(copies.line()), "descriptor");
+  Waiter w;
+  std::printf(
+      "fabric-bench-gpu --op host-dst: provider %s, GPU 0 -> host memory of another "
+      "process; CUDA IPC %s; the destination's descriptor: gpu_copies %s\n",
+      engine->group_info().provider.c_str(), engine->group_info().cuda_ipc.c_str(),
+      copies_dst.cuda_ipc() && copies_dst.cuda_ipc()->host ? "yes" : "NO");
+  struct Row {
+    const char* name;
+    uint64_t size;   // per write
+    uint32_t count;  // writes in flight (a window), or pages of one paged write
+    bool paged;
+  };
+  const Row rows[] = {{"paged 4 KiB x 4096", 4096, 4096, true},
+                      {"paged 64 KiB x 512", 65536, 512, true},
+                      {"single 64 KiB x 64", 65536, 64, false},
+                      {"single 1 MiB x 32", 1 << 20, 32, false},
+                      {"single 32 MiB x 2", 32 << 20, 2, false}};
+  std::printf("\n%-22s %10s %14s %14s %14s %10s\n", "GPU -> host", "MiB", "gpu_copies GB/s",
+              "staged GB/s", "D2H pinned GB/s", "ratio");
+  for (const Row& row : rows) {
+    const uint64_t total = row.size * row.count;
+    std::vector<uint32_t> pages(row.paged ? row.count : 0);
+    std::iota(pages.begin(), pages.end(), 0);
+    std::shuffle(pages.begin(), pages.end(), std::mt19937(7));
+    auto run = [&](const fabric::RemoteMemory& dst) {
+      w.reset();
+      const auto t0 = Clock::now();
+      if (row.paged) {
+        must(engine->submit(fabric::PagedWrite{reg.handle, dst, row.size, pages, row.size, 0, pages,
+                                               row.size, 0, 3},
+                            w.callbacks()),
+             "submit");
+        w.wait(1);
+      } else {
+        for (uint32_t i = 0; i < row.count; ++i) {
+          must(
+              engine->submit(
+                  fabric::SingleWrite{reg.handle, i * row.size, dst, i * row.size, row.size, 3, {}},
+                  w.callbacks()),
+              "submit");
+        }
+        w.wait(row.count);
+      }
+      return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    auto run_base = [&] {
+      const auto t0 = Clock::now();
+      for (uint32_t i = 0; i < row.count; ++i) {
+        const uint64_t at = (row.paged ? pages[i] : i) * row.size;
+        CUDA_OK(cudaMemcpyAsync(static_cast<uint8_t*>(pinned) + at, src + at, row.size,
+                                cudaMemcpyDeviceToHost, stream));
+      }
+      CUDA_OK(cudaStreamSynchronize(stream));
+      return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    run(copies_dst);
+    run(plain_dst);
+    const uint64_t want = host_checksum(src, total);
+    if (copies.checksum(0, total) != want || plain.checksum(0, total) != want) {
+      std::fprintf(stderr, "verification failed: %s: a destination differs\n", row.name);
+      return 1;
+    }
+    std::vector<double> a, b, c;
+    for (int i = 0; i < iters; ++i) {  // interleaved
+      a.push_back(run(copies_dst));
+      b.push_back(run(plain_dst));
+      c.push_back(run_base());
+    }
+    const double ga = total / median(a) / 1e9, gb = total / median(b) / 1e9;
+    std::printf("%-22s %10.1f %14.2f %14.2f %14.2f %10.2f\n", row.name, total / 1048576.0, ga, gb,
+                total / median(c) / 1e9, ga / gb);
+  }
+  std::printf(
+      "(medians of %d interleaved runs; ratio: gpu_copies / staged; every row's bytes "
+      "checked in both destinations)\n",
+      iters);
+  const auto before = engine->stats().groups[0].cuda_ipc_transfers;
+  std::vector<uint32_t> pages(512);
+  std::iota(pages.begin(), pages.end(), 0);
+  w.reset();
+  must(engine->submit(
+           fabric::PagedWrite{reg.handle, copies_dst, 65536, pages, 65536, 0, pages, 65536, 0, 3},
+           w.callbacks()),
+       "submit");
+  w.wait(1);
+  std::printf(
+      "CUDA IPC transfers for one more paged write: %llu\n",
+      static_cast<unsigned long long>(engine->stats().groups[0].cuda_ipc_transfers - before));
+  plain.quit();
+  copies.quit();
+  engine->close();
+  cudaFree(src);
+  cudaFreeHost(pinned);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -160,7 +297,7 @@ int main(int argc, char** argv) {
   uint64_t bytes = 64ull << 20;
   int iters = 20, layers = 32;
   uint64_t layer_pages = 32;
-  app.add_option("--op", op, "staged, pipeline, all (both), or nvlink");
+  app.add_option("--op", op, "staged, pipeline, all (both), nvlink, or host-dst");
   app.add_option("--provider", provider, "libfabric provider (shm or tcp)");
   app.add_option("--iters", iters, "timed repetitions per row (median reported)");
   app.add_option("--layers", layers, "pipeline: layers");
@@ -171,6 +308,9 @@ int main(int argc, char** argv) {
   app.add_option("--peer-gpu", g_peer_gpu,
                  "the destination's GPU (default 0: both processes on one GPU)");
   app.add_option("--bytes", bytes, "internal: destination buffer size");
+  app.add_flag("--serve-host", g_serve_host, "internal: the destination is host memory");
+  app.add_flag("--gpu-copies", g_gpu_copies,
+               "internal: the host destination is registered with gpu_copies");
   app.add_flag("--serve-on-worker", g_serve_on_worker,
                "internal: the destination process runs callbacks on its worker");
   CLI11_PARSE(app, argc, argv);
@@ -181,6 +321,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "no CUDA device: fabric-bench-gpu runs on GPU machines only\n");
     return 2;
   }
+  if (op == "host-dst") return run_host_dst(provider, iters);
   if (op == "nvlink") {
     NvlinkSetup setup;
     setup.provider = provider;

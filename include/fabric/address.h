@@ -116,17 +116,21 @@ struct MemoryHandle {
 class RemoteMemory {
  public:
   // Version 2 added staged_region(), version 3 cuda_ipc(), version 4 descriptors without rails
-  // (ipc_only()); older versions still decode (not staged, no CUDA IPC section, rails). A
-  // descriptor is encoded in the oldest version that holds it (2 without a CUDA IPC section, 3
-  // with rails), so that engines built before keep reading it.
-  static constexpr uint8_t kVersion = 4;
+  // (ipc_only()), version 5 the section of host memory (CudaIpc::host); older versions still
+  // decode (not staged, no CUDA IPC section, rails). A descriptor is encoded in the oldest
+  // version that holds it (2 without a CUDA IPC section, 3 with rails, 4 without, 5 for host
+  // memory), so that engines built before keep reading it.
+  static constexpr uint8_t kVersion = 5;
 
   // The CUDA IPC section: the region is CUDA memory whose owner accepts writes from same-host
   // peers over CUDA IPC (docs/cuda-ipc.md). The writer names the region by `region`; the owner
-  // maps the writer's exported source and copies GPU to GPU.
+  // maps the writer's exported source and copies GPU to GPU. With `host`, the region is host
+  // memory registered with RegisterOptions::gpu_copies: the owner copies a same-host writer's
+  // GPU memory into it with the copy engines of GPU `device`.
   struct CudaIpc {
     std::array<std::byte, 16> device{};  // the owner's GPU (its UUID)
     uint64_t region = 0;                 // the owner's registration id (non-zero)
+    bool host = false;                   // host memory the GPU's copy engines fill
     friend bool operator==(const CudaIpc&, const CudaIpc&) = default;
   };
 

@@ -53,6 +53,16 @@ struct RegisterOptions {
   // kUnsupported, saying why. No effect on host memory or on a group that reaches GPU memory
   // itself (GroupInfo::gpu_memory "direct").
   bool host_mirror = true;
+  // Host memory only: same-host writers whose source is GPU memory write into it through this
+  // process's GPU copy engines over the CUDA IPC path (the owner maps the writer's GPU memory and
+  // copies it down in one cudaMemcpyAsync or kernel, instead of the writer staging it into
+  // pinned host memory and the fabric copying it again; docs/cuda-ipc.md). The memory is
+  // page-locked (cudaHostRegister: about 42 ms per GiB on the H200 machine's host) until it is
+  // unregistered, and the calling thread's current CUDA device does the copies. Registering
+  // fails with kUnsupported where Config::cuda_ipc is off or no CUDA device is in the process,
+  // and with kInvalidArgument for GPU memory. Writes from host memory into it, and from it,
+  // take the fabric as before.
+  bool gpu_copies = false;
 };
 
 // What a device group turned out to be, once opened.

@@ -39,4 +39,18 @@ class FakeDeviceBuffer {
   uint64_t size_;
 };
 
+// TEST DOUBLE for a GPU's copy engines filling host memory (RegisterOptions::gpu_copies), for
+// processes without a GPU. While one is alive, host memory registered with gpu_copies in a
+// process without a CUDA device is accepted as if this process's GPU were the double's: its
+// descriptor names the double's GPU, and writes from FakeDeviceBuffer memory of a same-host
+// peer are copied into it by the double's copier (memcpy, once the copies' fence completes)
+// instead of travelling over the fabric. Nothing is page-locked.
+class FakeCopyEngines {
+ public:
+  FakeCopyEngines();
+  ~FakeCopyEngines();
+  FakeCopyEngines(const FakeCopyEngines&) = delete;
+  FakeCopyEngines& operator=(const FakeCopyEngines&) = delete;
+};
+
 }  // namespace fabric::testing

@@ -695,17 +695,18 @@ void bind_engine(py::module_& m) {
       // --- memory ---
       .def(
           "register",
-          [](PyEngine& e, py::handle memory, uint32_t group, bool host_mirror) {
+          [](PyEngine& e, py::handle memory, uint32_t group, bool host_mirror, bool gpu_copies) {
             auto pinned = PinnedMemory::from_object(memory);
             Result<Registration> r = [&] {
               py::gil_scoped_release nogil;
               return e.engine().register_memory(pinned->ptr(), pinned->length(),
-                                                RegisterOptions{group, host_mirror});
+                                                RegisterOptions{group, host_mirror, gpu_copies});
             }();
             return std::make_unique<PyRegistration>(e.core(), std::move(pinned),
                                                     check(std::move(r)), group);
           },
           py::arg("memory"), py::arg("group") = 0, py::arg("host_mirror") = true,
+          py::arg("gpu_copies") = false,
           "Registers the memory of a NumPy array, a PyTorch tensor (CPU or CUDA), or any object "
           "with "
           "the buffer protocol or DLPack, on every NIC of `group`, for local reads and remote "
@@ -713,26 +714,29 @@ void bind_engine(py::module_& m) {
           "CUDA tensors (when HAS_CUDA) are staged through a pinned host mirror of the same size "
           "by the engine; with host_mirror=False there is none, and only same-host peers reach "
           "the tensor, over CUDA IPC (Unsupported where that path is impossible). Without CUDA "
-          "they raise Unsupported. Returns a Registration, which keeps the object alive. "
+          "they raise Unsupported. gpu_copies=True (host memory only): page-locked, and "
+          "same-host writers' CUDA tensors are copied into it by this process's current GPU over "
+          "CUDA IPC instead of the fabric (InvalidArgument for CUDA tensors, Unsupported without "
+          "a GPU or with cuda_ipc off). Returns a Registration, which keeps the object alive. "
           "Blocking, GIL released.")
       .def(
           "register_ptr",
           [](PyEngine& e, uintptr_t ptr, uint64_t length, uint32_t group, py::object owner,
-             bool host_mirror) {
+             bool host_mirror, bool gpu_copies) {
             auto pinned = PinnedMemory::from_pointer(ptr, length, std::move(owner));
             Result<Registration> r = [&] {
               py::gil_scoped_release nogil;
               return e.engine().register_memory(pinned->ptr(), pinned->length(),
-                                                RegisterOptions{group, host_mirror});
+                                                RegisterOptions{group, host_mirror, gpu_copies});
             }();
             return std::make_unique<PyRegistration>(e.core(), std::move(pinned),
                                                     check(std::move(r)), group);
           },
           py::arg("ptr"), py::arg("length"), py::arg("group") = 0, py::arg("owner") = py::none(),
-          py::arg("host_mirror") = true,
+          py::arg("host_mirror") = true, py::arg("gpu_copies") = false,
           "Registers [ptr, ptr + length): raw memory the caller keeps valid (`owner` is kept "
-          "alive with the registration); host_mirror as for register(). Blocking, GIL "
-          "released.")
+          "alive with the registration); host_mirror and gpu_copies as for register(). "
+          "Blocking, GIL released.")
       .def(
           "unregister",
           [](PyEngine& e, py::handle what) {

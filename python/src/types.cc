@@ -173,6 +173,10 @@ void bind_types(py::module_& m) {
                              "host_mirror=False: no rails, only same-host peers reach it over "
                              "CUDA IPC.")
       .def_property_readonly(
+          "gpu_copies", [](const RemoteMemory& r) { return r.cuda_ipc() && r.cuda_ipc()->host; },
+          "Whether the region is host memory registered with gpu_copies=True: same-host "
+          "writers' GPU memory is copied into it by its owner's GPU over CUDA IPC.")
+      .def_property_readonly(
           "rails",
           [](const RemoteMemory& r) {
             py::list out;

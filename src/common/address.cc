@@ -7,8 +7,9 @@
 //   RemoteMemory: u32 magic "FBLM" | u8 version | u64 base | u64 length
 //                 | u32 len + Address | u8 rails (= the address's NICs; from version 4 also 0
 //                 when the descriptor has a CUDA IPC section) | per rail: u64 addr, u64 key
-//                 | (version 2) u64 staged region | (version 3) u8 has CUDA IPC (0 or 1)
-//                 | (when 1) 16 bytes GPU UUID | u64 IPC region (non-zero)
+//                 | (version 2) u64 staged region | (version 3) u8 has CUDA IPC (0 or 1;
+//                 from version 5 also 2: host memory the owner's GPU copies into)
+//                 | (when 1 or 2) 16 bytes GPU UUID | u64 IPC region (non-zero)
 #include "fabric/address.h"
 
 #include <cstring>
@@ -215,7 +216,7 @@ bool operator==(const RemoteMemory& a, const RemoteMemory& b) {
 Bytes RemoteMemory::encode() const {
   detail::ByteWriter w;
   w.u32(kMemoryMagic);
-  w.u8(!cuda_ipc() ? 2 : ipc_only() ? 4 : 3);
+  w.u8(!cuda_ipc() ? 2 : cuda_ipc()->host ? 5 : ipc_only() ? 4 : 3);
   w.u64(base());
   w.u64(length());
   Bytes addr = owner().encode();
@@ -228,7 +229,7 @@ Bytes RemoteMemory::encode() const {
   }
   w.u64(staged_region());
   if (cuda_ipc()) {
-    w.u8(1);
+    w.u8(cuda_ipc()->host ? 2 : 1);
     w.bytes(cuda_ipc()->device);
     w.u64(cuda_ipc()->region);
   }
@@ -274,9 +275,12 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   std::optional<CudaIpc> ipc;
   if (version >= 3) {
     uint8_t has_ipc = 0;
-    if (!r.u8(has_ipc) || has_ipc > 1) return malformed(kWhat, "bad CUDA IPC flag");
-    if (has_ipc == 1) {
+    if (!r.u8(has_ipc) || has_ipc > (version >= 5 ? 2 : 1)) {
+      return malformed(kWhat, "bad CUDA IPC flag");
+    }
+    if (has_ipc != 0) {
       CudaIpc c;
+      c.host = has_ipc == 2;
       Bytes uuid;
       if (!r.bytes(c.device.size(), uuid) || !r.u64(c.region)) {
         return malformed(kWhat, "truncated CUDA IPC section");
@@ -294,6 +298,9 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   }
   if (count == 0 && staged != 0) {
     return malformed(kWhat, "no rails for a staged region (its mirror has none)");
+  }
+  if (ipc && ipc->host && (count == 0 || staged != 0)) {
+    return malformed(kWhat, "a CUDA IPC section of host memory needs rails and no staged region");
   }
   return RemoteMemory(std::move(*owner), base, length, std::move(rails), staged, ipc);
 }

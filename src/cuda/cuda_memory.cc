@@ -78,9 +78,10 @@ class CudaCopier final : public Copier {
     if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
       return cuda_error("cudaSetDevice", err);
     }
-    if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
+    // Default: the destination may be host memory registered for GPU copies.
+    if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_);
         err != cudaSuccess) {
-      return cuda_error("cudaMemcpyAsync (device to device)", err);
+      return cuda_error("cudaMemcpyAsync (from device memory)", err);
     }
     return Status::ok();
   }
@@ -199,6 +200,39 @@ Result<std::byte*> cuda_host_alloc(uint64_t bytes) {
 
 void cuda_host_free(std::byte* p) {
   cudaFreeHost(p);
+}
+
+Result<PointerInfo> cuda_pin_for_copies(void* ptr, uint64_t length) {
+  if (!probe_cuda()) {
+    return Status(ErrorCode::kUnsupported, "no CUDA device in this process");
+  }
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    return cuda_error("cudaGetDevice", err);
+  }
+  // The owner's copy kernels store small ranges through the host address itself.
+  int host_pointers = 0;
+  if (cudaError_t err = cudaDeviceGetAttribute(
+          &host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem, device);
+      err != cudaSuccess) {
+    return cuda_error("cudaDeviceGetAttribute", err);
+  }
+  if (host_pointers == 0) {
+    return Status(ErrorCode::kUnsupported,
+                  fmt::format("CUDA device {} cannot use the host address of registered memory "
+                              "in kernels",
+                              device));
+  }
+  if (cudaError_t err =
+          cudaHostRegister(ptr, length, cudaHostRegisterPortable | cudaHostRegisterMapped);
+      err != cudaSuccess) {
+    return cuda_error(fmt::format("cudaHostRegister of {} bytes at {}", length, ptr), err);
+  }
+  return PointerInfo{MemoryKind::kCuda, device};
+}
+
+void cuda_unpin_for_copies(void* ptr) {
+  if (cudaError_t err = cudaHostUnregister(ptr); err != cudaSuccess) cudaGetLastError();
 }
 
 Result<void*> cuda_device_alloc(uint64_t bytes) {

@@ -18,6 +18,12 @@ Result<std::byte*> cuda_host_alloc(uint64_t) {
 
 void cuda_host_free(std::byte*) {}
 
+Result<PointerInfo> cuda_pin_for_copies(void*, uint64_t) {
+  return Status(ErrorCode::kUnsupported, "fabric-lib was built without CUDA");
+}
+
+void cuda_unpin_for_copies(void*) {}
+
 Result<void*> cuda_device_alloc(uint64_t) {
   return Status(ErrorCode::kUnsupported, "fabric-lib was built without CUDA");
 }

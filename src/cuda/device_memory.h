@@ -33,6 +33,15 @@ Result<PointerInfo> classify(const void* ptr, uint64_t length);
 // Whether CUDA device memory can exist in this process (built with CUDA and a device present).
 bool cuda_available();
 
+// Host memory that a GPU's copy engines fill over the CUDA IPC path (RegisterOptions::gpu_copies,
+// docs/cuda-ipc.md): page-locks [ptr, ptr + length) and returns the device that copies into it,
+// the calling thread's current CUDA device (the double's, while a testing::FakeCopyEngines
+// lives in a process without CUDA). Errors: kUnsupported (no CUDA device in this process, or one
+// whose kernels cannot use the host address of registered memory), CUDA's refusal of the range.
+Result<PointerInfo> pin_for_copies(void* ptr, uint64_t length);
+// Undoes pin_for_copies (nothing to undo for the double).
+void unpin_for_copies(const PointerInfo& device, void* ptr);
+
 // Pinned host memory (page-locked, so DMA engines can copy to and from it at full speed):
 // cudaHostAlloc for CUDA devices, plain aligned memory for the test double.
 class HostBuffer {
@@ -100,6 +109,9 @@ using CopierFactory = std::function<Result<std::unique_ptr<Copier>>(const Pointe
 // The CUDA implementation (cuda_memory.cc, or a stub without CUDA).
 Result<PointerInfo> classify_cuda(const void* ptr, uint64_t length);
 Result<std::byte*> cuda_host_alloc(uint64_t bytes);
+Result<PointerInfo> cuda_pin_for_copies(void* ptr, uint64_t length);
+void cuda_unpin_for_copies(void* ptr);
+bool fake_copy_engines();  // a testing::FakeCopyEngines is alive
 void cuda_host_free(std::byte* p);
 Result<std::unique_ptr<Copier>> make_cuda_copier(int device);
 // Device memory on the current CUDA device (the direct path's probe).

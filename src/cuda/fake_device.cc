@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -128,7 +129,9 @@ class FakeCopier final : public Copier {
     return Status::ok();
   }
   Status copy_device(std::byte* dst, const std::byte* src, uint64_t bytes) override {
+    // The destination may be host memory registered for GPU copies (testing::FakeCopyEngines).
     std::byte* to = backing_of(dst, bytes);
+    if (to == nullptr && backing_of(dst, 1) == nullptr) to = dst;
     std::byte* from = backing_of(src, bytes);
     if (to == nullptr || from == nullptr) {
       return Status(ErrorCode::kInvalidArgument,
@@ -265,6 +268,29 @@ void ipc_close(const IpcExport& e, const Origin& writer) {
   }
 }
 
+namespace {
+std::atomic<int> g_fake_copy_engines{0};
+}  // namespace
+
+bool fake_copy_engines() {
+  return g_fake_copy_engines.load() > 0;
+}
+
+Result<PointerInfo> pin_for_copies(void* ptr, uint64_t length) {
+  if (!cuda_available() && fake_copy_engines()) return PointerInfo{MemoryKind::kFake, 0};
+  return cuda_pin_for_copies(ptr, length);
+}
+
+void unpin_for_copies(const PointerInfo& device, void* ptr) {
+  if (device.kind == MemoryKind::kCuda) cuda_unpin_for_copies(ptr);
+}
+
+Result<DeviceUuid> device_uuid(const PointerInfo& device) {
+  if (device.kind == MemoryKind::kFake) return DeviceUuid{};
+  if (device.kind == MemoryKind::kCuda) return cuda_device_uuid(device.device);
+  return Status(ErrorCode::kInternal, "host memory has no GPU");
+}
+
 Result<std::unique_ptr<Copier>> make_fake_copier() {
   return std::unique_ptr<Copier>(new FakeCopier());
 }
@@ -321,4 +347,16 @@ Result<std::unique_ptr<Copier>> Copier::create(const PointerInfo& device) {
 }
 
 }  // namespace cuda
+
+namespace testing {
+
+FakeCopyEngines::FakeCopyEngines() {
+  cuda::g_fake_copy_engines.fetch_add(1);
+}
+
+FakeCopyEngines::~FakeCopyEngines() {
+  cuda::g_fake_copy_engines.fetch_sub(1);
+}
+
+}  // namespace testing
 }  // namespace fabric

@@ -53,10 +53,14 @@ bool ipc_reachable(const PointerInfo& local, const DeviceUuid& peer);
 Result<std::byte*> ipc_open(const IpcExport& e, const PointerInfo& into, const Origin& writer);
 void ipc_close(const IpcExport& e, const Origin& writer);
 
+// The UUID of the GPU `device` names (all zero for the double's).
+Result<DeviceUuid> device_uuid(const PointerInfo& device);
+
 // The CUDA implementation (ipc_cuda.cc, or ipc_stub.cc without CUDA) and the double's
 // (fake_device.cc).
 Result<IpcExport> cuda_ipc_export(int device, void* ptr, uint64_t length);
 bool cuda_ipc_reachable(int device, const DeviceUuid& peer);
+Result<DeviceUuid> cuda_device_uuid(int device);
 Result<std::byte*> cuda_ipc_open(const IpcExport& e, int device, const Origin& writer);
 void cuda_ipc_close(const IpcExport& e, const Origin& writer);
 Result<IpcExport> fake_ipc_export(void* ptr, uint64_t length);

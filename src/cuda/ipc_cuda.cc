@@ -286,6 +286,10 @@ Result<IpcExport> cuda_ipc_export(int device, void* ptr, uint64_t length) {
   return e;
 }
 
+Result<DeviceUuid> cuda_device_uuid(int device) {
+  return uuid_of(device);
+}
+
 namespace {
 
 bool find_reachable(int device, const DeviceUuid& peer) {

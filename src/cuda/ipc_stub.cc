@@ -11,6 +11,10 @@ bool cuda_ipc_reachable(int, const DeviceUuid&) {
   return false;
 }
 
+Result<DeviceUuid> cuda_device_uuid(int) {
+  return Status(ErrorCode::kUnsupported, "fabric-lib was built without CUDA");
+}
+
 Result<std::byte*> cuda_ipc_open(const IpcExport&, int, const Origin&) {
   return Status(ErrorCode::kUnsupported, "fabric-lib was built without CUDA");
 }

@@ -288,6 +288,16 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length,
                   "register_memory: host_mirror is false, but Config::cuda_ipc is off: the "
                   "memory would be unreachable (this group stages GPU memory through a mirror)");
   }
+  if (options.gpu_copies && memory->kind != cuda::MemoryKind::kHost) {
+    return invalid(
+        "register_memory: gpu_copies is for host memory; GPU memory takes the CUDA IPC path "
+        "without it");
+  }
+  if (options.gpu_copies && config_.cuda_ipc == Config::CudaIpc::kOff) {
+    return Status(ErrorCode::kUnsupported,
+                  "register_memory: gpu_copies needs the CUDA IPC path, and Config::cuda_ipc is "
+                  "off");
+  }
   std::unique_ptr<cuda::HostBuffer> mirror;
   if (wants_mirror && !ipc_only) {
     auto m = cuda::HostBuffer::allocate(*memory, length);
@@ -316,12 +326,33 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length,
                               "memory for the CUDA IPC path, so nothing could reach it: {}",
                               ipc_why));
   }
+  // Host memory for the GPU's copy engines: page-locked, and named by its GPU's UUID.
+  std::optional<cuda::PointerInfo> copy_engines;
+  std::optional<cuda::DeviceUuid> copy_uuid;
+  if (options.gpu_copies) {
+    auto pinned = cuda::pin_for_copies(ptr, length);
+    if (!pinned) {
+      return Status(pinned.status().code(),
+                    fmt::format("register_memory: gpu_copies: {}", pinned.status().message()));
+    }
+    auto uuid = cuda::device_uuid(*pinned);
+    if (!uuid) {
+      cuda::unpin_for_copies(*pinned, ptr);
+      return Status(uuid.status().code(),
+                    fmt::format("register_memory: gpu_copies: {}", uuid.status().message()));
+    }
+    copy_engines = *pinned;
+    copy_uuid = *uuid;
+  }
   std::byte* host = mirror ? mirror->data() : static_cast<std::byte*>(ptr);
   engine::Worker* w = workers_[group].get();
   std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;
   if (!ipc_only) {
     auto r = w->call([&] { return w->register_on_all(host, length); });
-    if (!r) return r.status();
+    if (!r) {
+      if (copy_engines) cuda::unpin_for_copies(*copy_engines, ptr);
+      return r.status();
+    }
     regs = std::move(*r);
   }
 
@@ -338,8 +369,10 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length,
   region->ipc = std::move(ipc);
   region->ipc_why = std::move(ipc_why);
   region->ipc_only = ipc_only;
+  region->copy_engines = copy_engines;
   std::optional<RemoteMemory::CudaIpc> ipc_section;
   if (region->ipc) ipc_section = RemoteMemory::CudaIpc{region->ipc->device, region->id};
+  if (copy_uuid) ipc_section = RemoteMemory::CudaIpc{*copy_uuid, region->id, /*host=*/true};
   std::vector<RemoteMemory::Rail> rails;
   for (const auto& r : region->regs) rails.push_back({r->remote_addr(), r->remote_key()});
   Registration out{MemoryHandle{region->id},

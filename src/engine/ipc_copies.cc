@@ -37,7 +37,7 @@ void IpcCopies::start(CommitJob& job, Clock::time_point now) {
   const Commit& c = job.commit;
   const IpcSource& src = *c.ipc;
   job.region = regions_ ? regions_->find(c.region) : nullptr;
-  if (!job.region || job.region->worker != self_ || !job.region->ipc) {
+  if (!job.region || job.region->worker != self_ || !job.region->ipc_destination()) {
     refuse(job, Status(ErrorCode::kRemoteAccess,
                        fmt::format("CUDA IPC destination region {:#x} is not registered on this "
                                    "group (was it unregistered?)",
@@ -67,7 +67,10 @@ void IpcCopies::start(CommitJob& job, Clock::time_point now) {
         std::make_unique<IpcImports>(mapper_ ? std::move(mapper_) : IpcImports::cuda_mapper(),
                                      options_.idle_timeout, options_.max_mappings);
   }
-  auto lease = imports_->map(writer->origin(), src.exported, region.memory, now);
+  // GPU memory is copied into by its own GPU; host memory registered for GPU copies by the
+  // GPU it named.
+  const cuda::PointerInfo& device = region.ipc_device();
+  auto lease = imports_->map(writer->origin(), src.exported, device, now);
   if (!lease) {
     refuse(job,
            Status(lease.status().code(), fmt::format("mapping the writer's CUDA IPC export: {}",
@@ -78,17 +81,17 @@ void IpcCopies::start(CommitJob& job, Clock::time_point now) {
   // Into this pass's batch for the destination's GPU (a new one on the next copier in turn).
   Batch* batch = nullptr;
   for (Batch* b : open_) {
-    if (b->device.kind == region.memory.kind && b->device.device == region.memory.device) batch = b;
+    if (b->device.kind == device.kind && b->device.device == device.device) batch = b;
   }
   if (batch == nullptr) {
-    auto copier = copiers_.get(region.memory);
+    auto copier = copiers_.get(device);
     if (!copier) {
       refuse(job, copier.status());
       return;
     }
     auto owned = std::make_unique<Batch>();
     batch = owned.get();
-    batch->device = region.memory;
+    batch->device = device;
     batch->copier = *copier;
     batches_.emplace(batch, std::move(owned));
     open_.push_back(batch);

@@ -24,7 +24,10 @@ IpcRoute choose_route(Config::CudaIpc mode, const Origin& self, const cuda::Poin
   };
   if (mode == Config::CudaIpc::kOff) return no("CUDA IPC is off");
   const bool src_device = src_memory.kind != cuda::MemoryKind::kHost;
-  const bool dst_device = dst.cuda_ipc().has_value() || dst.staged_region() != 0;
+  // Host memory registered with RegisterOptions::gpu_copies has a section too: its owner's
+  // GPU copies a same-host writer's GPU memory into it.
+  const bool dst_device =
+      (dst.cuda_ipc().has_value() && !dst.cuda_ipc()->host) || dst.staged_region() != 0;
   // Host to host: the fabric, whatever the mode (the path moves GPU memory only). The common
   // case of every submission: no reason spelled out (no allocation).
   if (!src_device && !dst_device) return {IpcRoute::Kind::kFabric, {}};

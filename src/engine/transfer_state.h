@@ -59,6 +59,14 @@ struct LocalRegion {
   // Registered with RegisterOptions::host_mirror false on a group that stages GPU memory: no
   // mirror, no provider registrations (regs empty, host null); only CUDA IPC moves it.
   bool ipc_only = false;
+  // Host memory registered with RegisterOptions::gpu_copies: the GPU whose copy engines fill it
+  // from same-host writers' GPU memory (the CUDA IPC path); page-locked until the region goes.
+  std::optional<cuda::PointerInfo> copy_engines;
+
+  // The device that maps a writer's export and copies into the region over the CUDA IPC path.
+  const cuda::PointerInfo& ipc_device() const { return copy_engines ? *copy_engines : memory; }
+  // Whether the CUDA IPC path may copy into the region.
+  bool ipc_destination() const { return ipc.has_value() || copy_engines.has_value(); }
 
   bool staged() const { return mirror != nullptr; }
   ~LocalRegion();

@@ -31,6 +31,13 @@ constexpr auto kMaxInflightBlock = std::chrono::milliseconds(1);
 }  // namespace
 
 LocalRegion::~LocalRegion() {
+  if (copy_engines) {  // unlocked once the NICs let go, before unregister_memory returns
+    on_released = [released = std::move(on_released), device = *copy_engines,
+                   p = ptr](const Status& s) {
+      cuda::unpin_for_copies(device, p);
+      if (released) released(s);
+    };
+  }
   if (worker != nullptr && !regs.empty()) {
     worker->release(std::move(regs), std::move(mirror), std::move(on_released));
   } else if (on_released) {

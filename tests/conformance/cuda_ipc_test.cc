@@ -280,6 +280,126 @@ TEST_P(CudaIpcPath, TheOverrideForcesEitherWay) {
   EXPECT_EQ(never.calls(), 0);
 }
 
+// RegisterOptions::gpu_copies: host memory that the owner's GPU copy engines fill from a
+// same-host writer's GPU memory (the double's copier here, under FakeCopyEngines, which copies
+// only once the fence completes, so an immediate counted early would see the bytes missing).
+// GPU sources take the path; host sources, and writes from that memory, keep the fabric.
+TEST_P(CudaIpcPath, HostMemoryRegisteredForGpuCopiesIsFilledByTheOwnersGpu) {
+  FakeCopyEngines copy_engines;
+  constexpr uint64_t n = (uint64_t{1} << 20) + 4096 * 8;
+  std::vector<std::byte> host(n);
+  auto reg = b_->register_memory(host.data(), n, RegisterOptions{.gpu_copies = true});
+  ASSERT_TRUE(reg) << reg.status().to_string();
+  const RemoteMemory& dst = reg->descriptor;
+  ASSERT_TRUE(dst.cuda_ipc());
+  EXPECT_TRUE(dst.cuda_ipc()->host);
+  EXPECT_FALSE(dst.rails().empty());
+  auto back = RemoteMemory::decode(dst.encode());
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(*back, dst);
+
+  auto src = make_device_buffer(*a_, n);
+  fill_pattern(src->bytes().data(), n, 31);
+  uint32_t imm = 700;
+  for (uint64_t len : {uint64_t{1}, uint64_t{4097}, (uint64_t{1} << 20) + 13}) {
+    SCOPED_TRACE(::testing::Message() << len << " bytes");
+    std::fill(host.begin(), host.end(), std::byte{0});
+    Probe arrived = expect_data(imm, src->bytes().subspan(7, len), std::span(host).subspan(3, len));
+    const uint64_t before = ipc_transfers();
+    Probe done;
+    ASSERT_TRUE(
+        a_->submit(SingleWrite{src->reg.handle, 7, dst, 3, len, imm, {}}, done.callbacks()));
+    ASSERT_TRUE(done.wait()) << done.wait().to_string();
+    Status landed = arrived.wait();
+    ASSERT_TRUE(landed) << landed.to_string();
+    EXPECT_EQ(0, std::memcmp(host.data() + 3, src->bytes().data() + 7, len));
+    EXPECT_EQ(host[2], std::byte{0});
+    EXPECT_EQ(host[3 + len], std::byte{0}) << "written past the range";
+    EXPECT_EQ(ipc_transfers(), before + 1);
+    ++imm;
+  }
+  // Pages in a shuffled order, one arrival each.
+  std::vector<uint32_t> src_pages(64), dst_pages(64);
+  std::iota(src_pages.begin(), src_pages.end(), 0u);
+  std::iota(dst_pages.begin(), dst_pages.end(), 0u);
+  std::shuffle(dst_pages.begin(), dst_pages.end(), std::mt19937(5));
+  Probe paged;
+  ASSERT_TRUE(a_->submit(
+      PagedWrite{src->reg.handle, dst, 4096, src_pages, 4096, 0, dst_pages, 4096, 0, imm},
+      paged.callbacks()));
+  ASSERT_TRUE(paged.wait()) << paged.wait().to_string();
+  EXPECT_TRUE(b_->wait_imm(imm, 64, 20s));
+  for (size_t i = 0; i < src_pages.size(); ++i) {
+    ASSERT_EQ(0, std::memcmp(host.data() + dst_pages[i] * 4096,
+                             src->bytes().data() + src_pages[i] * 4096, 4096))
+        << "page " << i;
+  }
+  // Host memory into it, and from it: the fabric.
+  auto host_src = make_buffer(*a_, 8192);
+  fill_pattern(host_src->bytes.data(), 8192, 32);
+  const uint64_t before = ipc_transfers();
+  Probe from_host;
+  ASSERT_TRUE(a_->submit(SingleWrite{host_src->reg.handle, 0, dst, 100, 8192, {}, {}},
+                         from_host.callbacks()));
+  ASSERT_TRUE(from_host.wait()) << from_host.wait().to_string();
+  EXPECT_EQ(0, std::memcmp(host.data() + 100, host_src->bytes.data(), 8192));
+  auto host_dst = make_buffer(*a_, 8192);
+  Probe from_it;
+  ASSERT_TRUE(b_->submit(SingleWrite{reg->handle, 100, host_dst->reg.descriptor, 0, 8192, {}, {}},
+                         from_it.callbacks()));
+  ASSERT_TRUE(from_it.wait()) << from_it.wait().to_string();
+  EXPECT_EQ(0, std::memcmp(host_dst->bytes.data(), host_src->bytes.data(), 8192));
+  EXPECT_EQ(ipc_transfers(), before);
+
+  // Unregistered: a write over the path fails at the owner, and no byte lands.
+  ASSERT_TRUE(b_->unregister_memory(reg->handle));
+  std::fill(host.begin(), host.end(), std::byte{0});
+  Probe late;
+  ASSERT_TRUE(
+      a_->submit(SingleWrite{src->reg.handle, 0, dst, 0, 65536, imm + 1, {}}, late.callbacks()));
+  Status failed = late.wait();
+  EXPECT_EQ(failed.code(), ErrorCode::kRemoteAccess) << failed.to_string();
+  EXPECT_EQ(b_->imm_count(imm + 1), 0u);
+  EXPECT_TRUE(std::all_of(host.begin(), host.end(), [](std::byte b) { return b == std::byte{0}; }));
+}
+
+// RegisterOptions::gpu_copies where it cannot work: each refusal names what is wrong, and
+// leaves nothing registered.
+TEST_P(CudaIpcPath, GpuCopiesIsRefusedWhereItCannotWork) {
+  std::vector<std::byte> host(4096);
+  auto dev = FakeDeviceBuffer::create(4096);
+  ASSERT_TRUE(dev) << dev.status().to_string();
+  {
+    FakeCopyEngines copy_engines;
+    auto on_device =
+        b_->register_memory((*dev)->device_ptr(), 4096, RegisterOptions{.gpu_copies = true});
+    ASSERT_FALSE(on_device);
+    EXPECT_EQ(on_device.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(on_device.status().message().find("gpu_copies is for host memory"), std::string::npos)
+        << on_device.status().to_string();
+    Config off = make_config(GetParam());
+    off.cuda_ipc = Config::CudaIpc::kOff;
+    auto eo = TransferEngine::create(off);
+    ASSERT_TRUE(eo) << eo.status().to_string();
+    auto path_off = (*eo)->register_memory(host.data(), 4096, RegisterOptions{.gpu_copies = true});
+    ASSERT_FALSE(path_off);
+    EXPECT_EQ(path_off.status().code(), ErrorCode::kUnsupported);
+    EXPECT_NE(path_off.status().message().find("Config::cuda_ipc is off"), std::string::npos)
+        << path_off.status().to_string();
+  }
+  if (!b_->group_info().cuda) {  // no GPU and no double: nothing could copy into it
+    auto none = b_->register_memory(host.data(), 4096, RegisterOptions{.gpu_copies = true});
+    ASSERT_FALSE(none);
+    EXPECT_EQ(none.status().code(), ErrorCode::kUnsupported);
+    EXPECT_NE(none.status().message().find("no CUDA device"), std::string::npos)
+        << none.status().to_string();
+  }
+  // The same memory registers plainly afterwards (nothing was left behind).
+  auto plain = b_->register_memory(host.data(), 4096);
+  ASSERT_TRUE(plain) << plain.status().to_string();
+  EXPECT_FALSE(plain->descriptor.cuda_ipc());
+}
+
 // RegisterOptions::host_mirror false: no pinned mirror is allocated (the stats' gauge shows
 // it), the descriptor has no rails, and the path is the only way in and out: writes it can
 // carry arrive (single, paged, a scatter beside a fabric target), the others are refused at

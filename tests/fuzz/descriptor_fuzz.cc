@@ -21,6 +21,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else {
     FUZZ_CHECK(desc->rails_fit_owner() && (!desc->ipc_only() || desc->staged_region() == 0),
                "one rail per owner NIC, or none with a CUDA IPC section and no staged region");
+    FUZZ_CHECK(!desc->cuda_ipc() || !desc->cuda_ipc()->host ||
+                   (!desc->rails().empty() && desc->staged_region() == 0),
+               "a host memory section comes with rails and no staged region");
     FUZZ_CHECK(desc->base() + desc->length() >= desc->base(), "region does not wrap");
     FUZZ_CHECK(!desc->owner().empty(), "an owner with NICs");
     auto again = RemoteMemory::decode(desc->encode());

@@ -182,6 +182,10 @@ int main(int argc, char** argv) {
   // Version 4: GPU memory registered without a host mirror, no rails.
   const RemoteMemory m4(shm2, 0x1000, 4096, {}, 0, RemoteMemory::CudaIpc{gpu, 0x1235});
   write(root / "descriptor", "shm_ipc_only", m4.encode());
+  // Version 5: host memory registered with gpu_copies (rails, and the section's host flag).
+  const RemoteMemory m5(shm2, 0x1000, 4096, {{0x1000, 3}, {0x1000, 4}}, 0,
+                        RemoteMemory::CudaIpc{gpu, 0x1236, /*host=*/true});
+  write(root / "descriptor", "shm_2rail_gpu_copies", m5.encode());
 
   engine::Commit commit;
   commit.transfer = 17;

@@ -41,9 +41,9 @@ class PeerServer:
     def address(self):
         return bytes(self.engine.address)
 
-    def alloc(self, name, size, seed=None):
+    def alloc(self, name, size, seed=None, gpu_copies=False):
         array = pattern(size, seed) if seed is not None else np.zeros(size, dtype=np.uint8)
-        reg = self.engine.register(array)
+        reg = self.engine.register(array, gpu_copies=gpu_copies)
         self.buffers[name] = (array, reg)
         return bytes(reg.descriptor)
 

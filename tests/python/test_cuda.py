@@ -77,6 +77,30 @@ def test_tensors_without_a_host_mirror_move_over_cuda_ipc_only(engine, peer):
             engine.write(host_src, dst, 4096)
 
 
+@pytest.mark.parametrize("size", [4097, 32 << 20])
+def test_cuda_tensor_into_host_memory_registered_for_gpu_copies(engine, peer, size):
+    """gpu_copies=True at the peer: its GPU copies this process's CUDA tensor into its host
+    memory over CUDA IPC (counted as a CUDA IPC transfer), the immediate after the bytes; a host
+    source into the same memory keeps the fabric."""
+    if engine.group_info().cuda_ipc == "off":
+        pytest.skip("needs the CUDA IPC path on")
+    dst = peer.call("alloc", f"gpucopies{size}", size + 64, None, True)
+    assert fabric_lib.RemoteMemory(dst).gpu_copies
+    src = cuda_pattern(size, seed=size + 1)
+    before = engine.stats().groups[0].cuda_ipc_transfers
+    with engine.register(src) as reg:
+        peer.call("expect", 1700, 1)
+        engine.write(reg, dst, size, dst_offset=64, imm=1700).wait(TIMEOUT)
+        assert peer.call("wait_expect", 1700, TIMEOUT)
+    got = peer.call("read", f"gpucopies{size}")
+    assert got[64:] == src.cpu().numpy().tobytes() and got[:64] == bytes(64)
+    assert engine.stats().groups[0].cuda_ipc_transfers == before + 1
+    with engine.register(pattern(4096, 9)) as host_src:
+        engine.write(host_src, dst, 4096).wait(TIMEOUT)
+    assert peer.call("read", f"gpucopies{size}")[:4096] == pattern(4096, 9).tobytes()
+    assert engine.stats().groups[0].cuda_ipc_transfers == before + 1
+
+
 @pytest.mark.parametrize("size", [1, 4097, (1 << 20) + 13, 32 << 20])
 def test_single_write_gpu_to_gpu(engine, peer, size):
     imm = 1000 + size % 997

@@ -104,7 +104,23 @@ def test_host_mirror_false_leaves_host_memory_as_it_is():
             e.register(buf, host_mirror="no")
 
 
-def test_spins_in_effect_are_in_stats():
+def test_gpu_copies_is_refused_without_a_gpu_naming_why():
+    """gpu_copies=True asks this process's GPU to copy into host memory: without one (CI) it
+    raises Unsupported saying so, and the memory registers plainly afterwards."""
+    c = fabric_lib.Config(provider="tcp", nics=["lo"], cpu=fabric_lib.GroupConfig.CPU_NONE)
+    with fabric_lib.TransferEngine(c) as e:
+        if e.group_info().cuda:
+            pytest.skip("this process has a CUDA device: tests/python/test_cuda.py covers it")
+        buf = bytearray(8192)
+        with pytest.raises(fabric_lib.Unsupported, match="gpu_copies.*(no CUDA device|without CUDA)"):
+            e.register(buf, gpu_copies=True)
+        with e.register(buf) as reg:
+            assert not reg.descriptor.gpu_copies
+        with pytest.raises(TypeError):
+            e.register(buf, gpu_copies="yes")
+
+
+
     import os
     c = fabric_lib.Config(provider="tcp", nics=["lo"], cpu=fabric_lib.GroupConfig.CPU_NONE)
     auto = datetime.timedelta(microseconds=50) if len(os.sched_getaffinity(0)) >= 8 \

@@ -147,8 +147,8 @@ TEST(Codec, DescriptorWithRailCountUnlikeItsOwnerIsRejected) {
 // Bad-input table (docs/bad-input.md): a descriptor of a version this build does not read.
 TEST(Codec, DescriptorVersionAndMagicAreChecked) {
   Bytes b = RemoteMemory(sample_address(1), 0, 100, {{0, 1}}).encode();
-  // Version 4 is current (descriptors without rails).
-  for (uint8_t version : {0, 5, 255}) {
+  // Version 5 is current (the CUDA IPC section of host memory).
+  for (uint8_t version : {0, 6, 255}) {
     Bytes wrong = b;
     wrong[4] = std::byte{version};
     auto r = RemoteMemory::decode(wrong);

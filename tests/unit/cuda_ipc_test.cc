@@ -123,6 +123,27 @@ TEST(CudaIpcRoute, EachReasonAgainstThePathIsNamed) {
             Kind::kFabric);
 }
 
+// Host memory registered with RegisterOptions::gpu_copies: a same-host GPU source takes the
+// path (the owner's GPU copies into it), host sources keep the fabric in every mode.
+TEST(CudaIpcRoute, HostMemoryWithGpuCopiesTakesThePathFromGpuSourcesOnly) {
+  RouteCase c;
+  const RemoteMemory dst = descriptor(c.peer, RemoteMemory::CudaIpc{uuid(8), 42, /*host=*/true});
+  EXPECT_EQ(c.route(Config::CudaIpc::kAuto, c.gpu, &c.exported, dst).kind, Kind::kIpc);
+  EXPECT_EQ(c.route(Config::CudaIpc::kOn, c.gpu, &c.exported, dst).kind, Kind::kIpc);
+  const cuda::PointerInfo host{};
+  for (auto mode : {Config::CudaIpc::kAuto, Config::CudaIpc::kOn, Config::CudaIpc::kOff}) {
+    const IpcRoute r = c.route(mode, host, nullptr, dst);
+    EXPECT_EQ(r.kind, Kind::kFabric);
+    if (mode != Config::CudaIpc::kOff) {
+      EXPECT_TRUE(r.why.empty()) << r.why;
+    }
+  }
+  c.reachable = false;  // the owner's GPU is not the source's, nor reachable from it
+  const IpcRoute far = c.route(Config::CudaIpc::kAuto, c.gpu, &c.exported, dst);
+  EXPECT_EQ(far.kind, Kind::kFabric);
+  EXPECT_NE(far.why.find("peer access"), std::string::npos) << far.why;
+}
+
 // Memory registered without a host mirror has no fabric way: where the path is impossible the
 // write is rejected in every mode, naming the side without a mirror and the reason.
 TEST(CudaIpcRoute, MemoryWithoutAHostMirrorTakesThePathOrIsRejected) {
@@ -218,7 +239,7 @@ TEST(CudaIpcWire, DescriptorSectionRoundTripsAndOldVersionsStillDecode) {
   Bytes region0 = bytes;
   std::fill(region0.end() - 8, region0.end(), std::byte{0});
   Bytes future = bytes;
-  future[4] = std::byte{5};
+  future[4] = std::byte{6};
   for (const Bytes* b : {&bad_flag, &truncated, &region0, &future}) {
     auto r = RemoteMemory::decode(*b);
     ASSERT_FALSE(r);
@@ -252,6 +273,49 @@ TEST(CudaIpcWire, DescriptorsWithoutRailsAreVersion4AndNeedTheSection) {
       {"version 3", {&as_v3, "0 rails"}},
       {"no section", {&no_section, "no rails and no CUDA IPC section"}},
       {"staged", {&staged, "staged region"}}};
+  for (const auto& [name, b] : bad) {
+    SCOPED_TRACE(name);
+    auto r = RemoteMemory::decode(*b.first);
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(b.second), std::string::npos) << r.status().message();
+  }
+}
+
+// Host memory registered with RegisterOptions::gpu_copies: rails, no staged region, and a
+// section with the host flag (flag byte 2), which only version 5 holds.
+TEST(CudaIpcWire, HostMemorySectionsAreVersion5AndNeedRails) {
+  const Origin o = origin(200, 2);
+  Address a("shm", {{Bytes(8, std::byte{1}), 0x1000, 1}}, o);
+  const RemoteMemory host(a, 0x7000, 1 << 20, {{0x7000, 5}}, 0,
+                          RemoteMemory::CudaIpc{uuid(8), 42, /*host=*/true});
+  Bytes bytes = host.encode();
+  EXPECT_EQ(static_cast<uint8_t>(bytes[4]), 5);
+  EXPECT_EQ(static_cast<uint8_t>(bytes[bytes.size() - 25]), 2);  // the flag before UUID, region
+  auto back = RemoteMemory::decode(bytes);
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(*back, host);
+  EXPECT_TRUE(back->cuda_ipc()->host);
+  EXPECT_FALSE(back->ipc_only());
+  // A GPU section with rails is still version 3, flag 1.
+  const RemoteMemory gpu(a, 0x7000, 1 << 20, {{0x7000, 5}}, 0, RemoteMemory::CudaIpc{uuid(8), 42});
+  EXPECT_EQ(static_cast<uint8_t>(gpu.encode()[4]), 3);
+  // Flag 2 claimed by version 4; flag 3; a host section without rails; one with a staged region.
+  Bytes as_v4 = bytes;
+  as_v4[4] = std::byte{4};
+  Bytes flag3 = bytes;
+  flag3[bytes.size() - 25] = std::byte{3};
+  Bytes no_rails =
+      RemoteMemory(a, 0x7000, 1 << 20, {}, 0, RemoteMemory::CudaIpc{uuid(8), 42}).encode();
+  no_rails[4] = std::byte{5};
+  no_rails[no_rails.size() - 25] = std::byte{2};
+  Bytes staged = bytes;
+  staged[bytes.size() - 25 - 8] = std::byte{9};
+  const std::map<std::string, std::pair<const Bytes*, std::string>> bad = {
+      {"version 4", {&as_v4, "bad CUDA IPC flag"}},
+      {"flag 3", {&flag3, "bad CUDA IPC flag"}},
+      {"no rails", {&no_rails, "host memory needs rails"}},
+      {"staged", {&staged, "host memory needs rails and no staged region"}}};
   for (const auto& [name, b] : bad) {
     SCOPED_TRACE(name);
     auto r = RemoteMemory::decode(*b.first);
