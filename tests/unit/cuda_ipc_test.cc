@@ -250,6 +250,19 @@ TEST(CudaIpcWire, DescriptorSectionRoundTripsAndOldVersionsStillDecode) {
 
 // Version 4: a descriptor of memory only CUDA IPC reaches has no rails; one with rails keeps
 // version 3, and no rails without the section (or for a staged region) is malformed.
+// Malformed descriptors by name: their bytes, and what the refusal must say.
+using Refusals = std::map<std::string, std::pair<const Bytes*, std::string>>;
+
+void expect_refused(const Refusals& bad) {
+  for (const auto& [name, b] : bad) {
+    SCOPED_TRACE(name);
+    auto r = RemoteMemory::decode(*b.first);
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(b.second), std::string::npos) << r.status().message();
+  }
+}
+
 TEST(CudaIpcWire, DescriptorsWithoutRailsAreVersion4AndNeedTheSection) {
   const Origin o = origin(200, 2);
   const RemoteMemory only = ipc_only_descriptor(o);
@@ -269,17 +282,10 @@ TEST(CudaIpcWire, DescriptorsWithoutRailsAreVersion4AndNeedTheSection) {
   // A staged region with no rails (the u64 before the flag).
   Bytes staged = bytes;
   staged[bytes.size() - 25 - 8] = std::byte{9};
-  const std::map<std::string, std::pair<const Bytes*, std::string>> bad = {
-      {"version 3", {&as_v3, "0 rails"}},
-      {"no section", {&no_section, "no rails and no CUDA IPC section"}},
-      {"staged", {&staged, "staged region"}}};
-  for (const auto& [name, b] : bad) {
-    SCOPED_TRACE(name);
-    auto r = RemoteMemory::decode(*b.first);
-    ASSERT_FALSE(r);
-    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(r.status().message().find(b.second), std::string::npos) << r.status().message();
-  }
+  const Refusals bad = {{"version 3", {&as_v3, "0 rails"}},
+                        {"no section", {&no_section, "no rails and no CUDA IPC section"}},
+                        {"staged", {&staged, "staged region"}}};
+  expect_refused(bad);
 }
 
 // Host memory registered with RegisterOptions::gpu_copies: rails, no staged region, and a
@@ -311,18 +317,11 @@ TEST(CudaIpcWire, HostMemorySectionsAreVersion5AndNeedRails) {
   no_rails[no_rails.size() - 25] = std::byte{2};
   Bytes staged = bytes;
   staged[bytes.size() - 25 - 8] = std::byte{9};
-  const std::map<std::string, std::pair<const Bytes*, std::string>> bad = {
-      {"version 4", {&as_v4, "bad CUDA IPC flag"}},
-      {"flag 3", {&flag3, "bad CUDA IPC flag"}},
-      {"no rails", {&no_rails, "host memory needs rails"}},
-      {"staged", {&staged, "host memory needs rails and no staged region"}}};
-  for (const auto& [name, b] : bad) {
-    SCOPED_TRACE(name);
-    auto r = RemoteMemory::decode(*b.first);
-    ASSERT_FALSE(r);
-    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(r.status().message().find(b.second), std::string::npos) << r.status().message();
-  }
+  const Refusals bad = {{"version 4", {&as_v4, "bad CUDA IPC flag"}},
+                        {"flag 3", {&flag3, "bad CUDA IPC flag"}},
+                        {"no rails", {&no_rails, "host memory needs rails"}},
+                        {"staged", {&staged, "host memory needs rails and no staged region"}}};
+  expect_refused(bad);
 }
 
 engine::Commit ipc_commit() {
