@@ -187,8 +187,13 @@ def trainer_main(conn, args, shape_args, provider, cuda_ipc, directory, group, n
             times = []
             for _ in range(args.iters):
                 t = time.perf_counter()
+                fp8 = []  # quantised together, as the push does (quantize_fp8_many)
                 for name, kwargs, _, _ in layout:
-                    project(weights, name, kwargs)
+                    if kwargs.get("projection") == "fp8_quantize":
+                        fp8.append(weights[name])
+                    else:
+                        project(weights, name, kwargs)
+                fw.quantize_fp8_many(fp8)
                 sync(args)
                 times.append(time.perf_counter() - t)
             conn.send(times)

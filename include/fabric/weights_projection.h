@@ -46,6 +46,17 @@ Status concat_cpu(const std::vector<std::span<const std::byte>>& sources,
 // kUnsupported in a build without CUDA; a launch error is kInternal with CUDA's message.
 Status quantize_fp8_blocks_cuda(const void* bf16, uint64_t rows, uint64_t cols, uint32_t block,
                                 void* out, float* scales, void* stream);
+// Several matrices' quantisations in as few launches as it takes (64 matrices a launch): the
+// same bytes as quantize_fp8_blocks_cuda on each, for the many small parameters of a model
+// stored one expert per tensor, where one launch per matrix costs more than its work.
+struct Fp8Matrix {
+  const void* bf16;  // rows x cols raw bf16 bits, device memory
+  uint64_t rows = 0, cols = 0;
+  void* out;      // rows * cols bytes of e4m3
+  float* scales;  // fp8_scale_shape's elements
+};
+Status quantize_fp8_blocks_cuda_many(std::span<const Fp8Matrix> matrices, uint32_t block,
+                                     void* stream);
 // True in builds with the CUDA kernel.
 bool has_cuda_projections();
 

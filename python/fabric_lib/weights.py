@@ -56,6 +56,7 @@ from ._fabric_lib import (
 )
 
 __all__ = ["InferenceWeights", "TrainerWeights", "Version", "WeightSchedule", "quantize_fp8",
+           "quantize_fp8_many",
            "fp8_reference"]
 
 _DTYPES = {
@@ -242,6 +243,46 @@ def quantize_fp8(src, block=128):
                          dtype=torch.float32, device=src.device)
     _quantize_into(src, out, scales, block)
     return out, scales
+
+
+def quantize_fp8_many(sources, block=128):
+    """quantize_fp8 of each BF16 2-D tensor of `sources`: for CUDA tensors the kernel runs over
+    them in few launches (64 matrices a launch, on the current stream), which costs far less
+    than a launch each when they are many and small. Returns [(e4m3 uint8, f32 scales)]."""
+    outs = []
+    for src in sources:
+        rows, cols = src.shape
+        outs.append((torch.empty((rows, cols), dtype=torch.uint8, device=src.device),
+                     torch.empty(((rows + block - 1) // block, (cols + block - 1) // block),
+                                 dtype=torch.float32, device=src.device)))
+    _quantize_many([(s, q, sc) for s, (q, sc) in zip(sources, outs)], block)
+    return outs
+
+
+def _quantize_many(jobs, block):
+    """[(bf16 source, e4m3 out, f32 scales)] quantised: CUDA ones grouped (sources made
+    contiguous; sizes, dtypes and devices checked here, since the kernel takes pointers), CPU
+    ones one by one."""
+    cuda_jobs = collections.defaultdict(list)  # device -> [(source kept alive, pointers...)]
+    for src, out, scales in jobs:
+        if not src.is_cuda:
+            _quantize_into(src, out, scales, block)
+            continue
+        src = src.contiguous()
+        rows, cols = src.shape
+        tiles = ((rows + block - 1) // block) * ((cols + block - 1) // block)
+        if (src.dtype != torch.bfloat16 or out.device != src.device
+                or scales.device != src.device or not out.is_contiguous()
+                or not scales.is_contiguous() or out.numel() * out.element_size() != rows * cols
+                or scales.numel() * scales.element_size() != tiles * 4):
+            raise _error(InvalidArgument, _ext.ErrorCode.INVALID_ARGUMENT,
+                         "quantize_fp8: a bf16 source on the GPU of its out and scales, sized "
+                         "rows x cols bytes and one f32 per tile")
+        cuda_jobs[src.device].append((src, (src.data_ptr(), rows, cols, out.data_ptr(),
+                                            scales.data_ptr())))
+    for device, group in cuda_jobs.items():
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _ext._weights_quantize_fp8_many([j for _, j in group], block, stream)
 
 
 def _quantize_into(src, out, scales, block):
@@ -850,6 +891,7 @@ class TrainerWeights:
         batch = []  # (param index, ring start, bytes, its transfers, to fill) not posted yet
         batch_limit = max(1, self._ring.size // 4)
         batch_bytes = [0]  # bytes of `batch`
+        self._pending_fp8, self._pending_fp8_bytes = [], 0  # FP8 projections not launched yet
 
         flush_s = [0.0]  # time in flush(), which counts its own stages
 
@@ -858,6 +900,7 @@ class TrainerWeights:
                 return
             t_flush = time.perf_counter()
             t = t_flush
+            self._quantize_pending()
             if self._ring.buffer.is_cuda:
                 torch.cuda.current_stream(self._ring.buffer.device).synchronize()
             stats["project"] += time.perf_counter() - t
@@ -954,12 +997,34 @@ class TrainerWeights:
         other = start + _align(n)
         other_view = self._ring.buffer[other : other + other_n]
         q, s = (view, other_view) if kind == "fp8_quantize" else (other_view, view)
-        _quantize_into(source, q.view(rows, cols), s.view(torch.float32).view(-1), block)
+        self._quantize_later(source, q.view(rows, cols), s.view(torch.float32).view(-1), block)
         out = [(index, start, n, transfers)]
         if partner is not None and partner in self._entries:
             done.add(partner)
             out.append((partner, other, other_n, transfers))
         return out
+
+    def _quantize_later(self, source, out, scales, block):
+        """Queues an FP8 projection into the ring, launched with the others by
+        _quantize_pending: at the next flush (before its stream synchronisation), or once 64
+        are queued or their sources hold an eighth of max_temp_bytes (sources gathered or
+        concatenated for this push stay alive until then). On the CPU it runs at once."""
+        if not source.is_cuda:
+            _quantize_into(source, out, scales, block)
+            return
+        self._pending_fp8.append((source, out, scales, block))
+        self._pending_fp8_bytes += source.numel() * source.element_size()
+        if len(self._pending_fp8) >= 64 or self._pending_fp8_bytes >= self._ring.size // 8:
+            self._quantize_pending()
+
+    def _quantize_pending(self):
+        by_block = collections.defaultdict(list)
+        for source, out, scales, block in self._pending_fp8:
+            by_block[block].append((source, out, scales))
+        self._pending_fp8.clear()
+        self._pending_fp8_bytes = 0
+        for block, jobs in by_block.items():
+            _quantize_many(jobs, block)
 
     def _post(self, batch, ready, stats):
         """Submits the writes of a batch of projected parameters: contiguous entries as one

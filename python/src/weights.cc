@@ -187,6 +187,27 @@ void bind_weights(py::module_& m) {
       py::arg("block") = 128, py::arg("stream") = 0,
       "BF16 -> FP8 e4m3 with one f32 scale per block x block tile (DeepSeek-V3 format): the CPU "
       "reference for host memory, the CUDA kernel (enqueued on `stream`) for device memory.");
+  m.def(
+      "_weights_quantize_fp8_many",
+      [](const std::vector<std::tuple<uintptr_t, uint64_t, uint64_t, uintptr_t, uintptr_t>>& jobs,
+         uint32_t block, uintptr_t stream) {
+        std::vector<Fp8Matrix> matrices;
+        matrices.reserve(jobs.size());
+        for (const auto& [in, rows, cols, out, scales] : jobs) {
+          if (in == 0 || out == 0 || scales == 0) {
+            throw StatusError{
+                Status(ErrorCode::kInvalidArgument, "quantize_fp8_many: a null pointer")};
+          }
+          matrices.push_back({reinterpret_cast<const void*>(in), rows, cols,
+                              reinterpret_cast<void*>(out), reinterpret_cast<float*>(scales)});
+        }
+        py::gil_scoped_release nogil;
+        check(quantize_fp8_blocks_cuda_many(matrices, block, reinterpret_cast<void*>(stream)));
+      },
+      py::arg("jobs"), py::arg("block"), py::arg("stream"),
+      "Internal: the FP8 kernel over many CUDA matrices in few launches. `jobs`: (bf16 pointer, "
+      "rows, cols, e4m3 pointer, f32 scales pointer) of device memory the caller checked "
+      "(fabric_lib.weights.quantize_fp8_many does).");
   m.attr("_WEIGHTS_HAS_CUDA") = has_cuda_projections();
 }
 

@@ -29,12 +29,12 @@ __device__ __forceinline__ uint8_t quantize_one(float x, float scale) {
   return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
 }
 
-__global__ void __launch_bounds__(kQuantThreads)
-    quantize_fp8_blocks(const __nv_bfloat16* __restrict__ in, uint64_t rows, uint64_t cols,
-                        uint32_t block, uint64_t tile_cols, bool vectorised,
-                        __nv_fp8_storage_t* __restrict__ out, float* __restrict__ scales) {
+// One tile of one matrix, by one block of kQuantThreads threads.
+__device__ __forceinline__ void quantize_tile(const __nv_bfloat16* __restrict__ in, uint64_t rows,
+                                              uint64_t cols, uint32_t block, uint64_t tile_cols,
+                                              bool vectorised, __nv_fp8_storage_t* __restrict__ out,
+                                              float* __restrict__ scales, uint64_t tile) {
   __shared__ float warp_max[kQuantThreads / 32];
-  const uint64_t tile = blockIdx.x;
   const uint64_t r0 = tile / tile_cols * block, c0 = tile % tile_cols * block;
   const uint32_t h = static_cast<uint32_t>(min(static_cast<uint64_t>(block), rows - r0));
   const uint32_t w = static_cast<uint32_t>(min(static_cast<uint64_t>(block), cols - c0));
@@ -83,6 +83,50 @@ __global__ void __launch_bounds__(kQuantThreads)
       }
     }
   }
+}
+
+__global__ void __launch_bounds__(kQuantThreads)
+    quantize_fp8_blocks(const __nv_bfloat16* __restrict__ in, uint64_t rows, uint64_t cols,
+                        uint32_t block, uint64_t tile_cols, bool vectorised,
+                        __nv_fp8_storage_t* __restrict__ out, float* __restrict__ scales) {
+  quantize_tile(in, rows, cols, block, tile_cols, vectorised, out, scales, blockIdx.x);
+}
+
+// Several matrices in one launch (the many small projections of a model stored per expert):
+// their tiles numbered one after another, each block finds its matrix by its first tile. The
+// table travels as the kernel's parameter (kMaxGroupJobs x 48 bytes, under the 4 KiB limit).
+constexpr int kMaxGroupJobs = 64;
+
+struct GroupJob {
+  const __nv_bfloat16* in;
+  __nv_fp8_storage_t* out;
+  float* scales;
+  uint64_t rows, cols;
+  uint32_t tile_cols;  // ceil(cols / block)
+  uint32_t vectorised;
+};
+
+struct GroupTable {
+  GroupJob jobs[kMaxGroupJobs];
+  uint64_t first_tile[kMaxGroupJobs + 1];  // job j's tiles: [first_tile[j], first_tile[j + 1])
+  uint32_t count;
+};
+
+__global__ void __launch_bounds__(kQuantThreads)
+    quantize_fp8_group(const __grid_constant__ GroupTable table, uint32_t block) {
+  const uint64_t tile = blockIdx.x;
+  uint32_t lo = 0, hi = table.count;  // the last job whose first tile is at or before `tile`
+  while (hi - lo > 1) {
+    const uint32_t mid = (lo + hi) / 2;
+    if (table.first_tile[mid] <= tile) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  const GroupJob& j = table.jobs[lo];
+  quantize_tile(j.in, j.rows, j.cols, block, j.tile_cols, j.vectorised != 0, j.out, j.scales,
+                tile - table.first_tile[lo]);
 }
 
 }  // namespace fabric::weights::device

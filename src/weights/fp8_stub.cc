@@ -8,6 +8,11 @@ Status quantize_fp8_blocks_cuda(const void*, uint64_t, uint64_t, uint32_t, void*
                 "quantize_fp8_blocks_cuda: this build of fabric-lib has no CUDA");
 }
 
+Status quantize_fp8_blocks_cuda_many(std::span<const Fp8Matrix>, uint32_t, void*) {
+  return Status(ErrorCode::kUnsupported,
+                "quantize_fp8_blocks_cuda_many: this build of fabric-lib has no CUDA");
+}
+
 bool has_cuda_projections() {
   return false;
 }

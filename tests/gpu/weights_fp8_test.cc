@@ -88,5 +88,66 @@ TEST(WeightsFp8Cuda, KernelMatchesTheCpuReferenceBitForBit) {
 #endif
 }
 
+// quantize_fp8_blocks_cuda_many: 150 matrices of mixed shapes (three launches of at most 64,
+// vectorised rows and element-by-element ones side by side, an empty one skipped) give the
+// CPU reference's bytes and scales, each in its own place.
+TEST(WeightsFp8Cuda, GroupedLaunchesMatchTheCpuReferenceForEveryMatrix) {
+  if (!has_cuda_projections()) GTEST_SKIP() << "this build has no CUDA (FABRIC_WITH_CUDA off)";
+#ifdef FABRIC_WITH_CUDA
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    GTEST_SKIP() << "no CUDA device here";
+  }
+  const uint64_t shapes[][2] = {{128, 128}, {300, 517}, {1, 7}, {256, 264}, {129, 8}, {0, 5}};
+  constexpr uint32_t kBlock = 128;
+  struct One {
+    uint64_t rows, cols, tiles;
+    std::vector<uint16_t> in;
+    void *d_in = nullptr, *d_out = nullptr, *d_scales = nullptr;
+  };
+  std::vector<One> all(150);
+  std::vector<Fp8Matrix> matrices;
+  for (size_t i = 0; i < all.size(); ++i) {
+    One& o = all[i];
+    o.rows = shapes[i % 6][0];
+    o.cols = shapes[i % 6][1];
+    const Shape t = fp8_scale_shape(o.rows, o.cols, kBlock);
+    o.tiles = t[0] * t[1];
+    o.in = random_bf16(o.rows * o.cols, 1000 + i);
+    ASSERT_EQ(cudaMalloc(&o.d_in, o.in.size() * 2 + 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&o.d_out, o.rows * o.cols + 1), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&o.d_scales, o.tiles * 4 + 4), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(o.d_in, o.in.data(), o.in.size() * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemset(o.d_out, 0xee, o.rows * o.cols + 1), cudaSuccess);
+    matrices.push_back({o.d_in, o.rows, o.cols, o.d_out, static_cast<float*>(o.d_scales)});
+  }
+  Status s = quantize_fp8_blocks_cuda_many(matrices, kBlock, nullptr);
+  ASSERT_TRUE(s) << s.to_string();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (size_t i = 0; i < all.size(); ++i) {
+    One& o = all[i];
+    SCOPED_TRACE(testing::Message() << "matrix " << i << ": " << o.rows << " x " << o.cols);
+    const uint64_t n = o.rows * o.cols;
+    std::vector<uint8_t> want(n), got(n + 1);
+    std::vector<float> want_scales(o.tiles), got_scales(o.tiles);
+    ASSERT_TRUE(quantize_fp8_blocks_cpu(o.in, o.rows, o.cols, kBlock, want, want_scales));
+    ASSERT_EQ(cudaMemcpy(got.data(), o.d_out, n + 1, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_scales.data(), o.d_scales, o.tiles * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(got[n], 0xee) << "written past the matrix";
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), n), 0) << "bytes differ";
+    EXPECT_EQ(std::memcmp(got_scales.data(), want_scales.data(), o.tiles * 4), 0)
+        << "scales differ";
+    cudaFree(o.d_in);
+    cudaFree(o.d_out);
+    cudaFree(o.d_scales);
+  }
+  EXPECT_EQ(quantize_fp8_blocks_cuda_many(matrices, 0, nullptr).code(),
+            ErrorCode::kInvalidArgument);
+#endif
+}
+
 }  // namespace
 }  // namespace fabric::weights
