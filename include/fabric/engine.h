@@ -60,8 +60,11 @@ struct RegisterOptions {
   // page-locked (cudaHostRegister: about 42 ms per GiB on the H200 machine's host) until it is
   // unregistered, and the calling thread's current CUDA device does the copies. Registering
   // fails with kUnsupported where Config::cuda_ipc is off or no CUDA device is in the process,
-  // and with kInvalidArgument for GPU memory. Writes from host memory into it, and from it,
-  // take the fabric as before.
+  // and with kInvalidArgument for GPU memory and for a range that overlaps, without being
+  // equal to, one another gpu_copies registration of the process page-locked (the same range
+  // registered again shares its page-lock). Memory CUDA already holds page-locked (cudaHostAlloc,
+  // torch's pin_memory) is used as it is: its owner must keep it locked while it is registered.
+  // Writes from host memory into it, and from it, take the fabric as before.
   bool gpu_copies = false;
 };
 

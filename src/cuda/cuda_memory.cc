@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <deque>
+#include <map>
 #include <mutex>
 
 #include "cuda/copy_kernels.h"
@@ -202,6 +203,24 @@ void cuda_host_free(std::byte* p) {
   cudaFreeHost(p);
 }
 
+namespace {
+
+// Host ranges this process page-locked for gpu_copies registrations, by first byte.
+struct Pin {
+  uint64_t length;
+  uint32_t users;
+};
+std::mutex& pins_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<uintptr_t, Pin>& pins_by_start() {
+  static std::map<uintptr_t, Pin> pins;
+  return pins;
+}
+
+}  // namespace
+
 Result<PointerInfo> cuda_pin_for_copies(void* ptr, uint64_t length) {
   if (!probe_cuda()) {
     return Status(ErrorCode::kUnsupported, "no CUDA device in this process");
@@ -223,15 +242,47 @@ Result<PointerInfo> cuda_pin_for_copies(void* ptr, uint64_t length) {
                               "in kernels",
                               device));
   }
+  // The same range registered again shares the first page-lock (counted); a range that
+  // overlaps another one this process locked is refused (CUDA would refuse it, and unlocking
+  // one would unlock part of the other); memory CUDA already holds page-locked (cudaHostAlloc,
+  // torch's pin_memory, someone else's cudaHostRegister) is used as it is and never unlocked
+  // here: whoever locked it must keep it locked while it is registered.
+  const auto start = reinterpret_cast<uintptr_t>(ptr);
+  std::lock_guard lock(pins_mu());
+  auto& pins = pins_by_start();
+  if (auto it = pins.find(start); it != pins.end() && it->second.length == length) {
+    ++it->second.users;
+    return PointerInfo{MemoryKind::kCuda, device};
+  }
+  for (const auto& [s, pin] : pins) {
+    if (s < start + length && start < s + pin.length) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("{} bytes at {} overlap {} bytes at {:#x} that another "
+                                "gpu_copies registration page-locked: register the same range, "
+                                "or ranges apart",
+                                length, ptr, pin.length, s));
+    }
+  }
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, ptr) == cudaSuccess && attr.type == cudaMemoryTypeHost) {
+    return PointerInfo{MemoryKind::kCuda, device};  // page-locked already, not by us
+  }
+  cudaGetLastError();
   if (cudaError_t err =
           cudaHostRegister(ptr, length, cudaHostRegisterPortable | cudaHostRegisterMapped);
       err != cudaSuccess) {
     return cuda_error(fmt::format("cudaHostRegister of {} bytes at {}", length, ptr), err);
   }
+  pins.emplace(start, Pin{length, 1});
   return PointerInfo{MemoryKind::kCuda, device};
 }
 
 void cuda_unpin_for_copies(void* ptr) {
+  std::lock_guard lock(pins_mu());
+  auto& pins = pins_by_start();
+  auto it = pins.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it == pins.end() || --it->second.users > 0) return;  // not ours, or still used
+  pins.erase(it);
   if (cudaError_t err = cudaHostUnregister(ptr); err != cudaSuccess) cudaGetLastError();
 }
 

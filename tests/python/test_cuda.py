@@ -101,6 +101,35 @@ def test_cuda_tensor_into_host_memory_registered_for_gpu_copies(engine, peer, si
     assert engine.stats().groups[0].cuda_ipc_transfers == before + 1
 
 
+def test_gpu_copies_of_pinned_and_twice_registered_host_memory(engine, peer):
+    """gpu_copies on memory torch already page-locked (used as it is), on one array registered
+    twice (the page-lock shared: unregistering one keeps the other's), and on a range that
+    overlaps it (refused, naming the overlap). The peer's CUDA tensor is copied into each."""
+    if engine.group_info().cuda_ipc == "off":
+        pytest.skip("needs the CUDA IPC path on")
+    n = 1 << 20
+    peer.call("alloc_cuda", "gcsrc", n, 41)
+    want = pattern(n, 41).tobytes()
+    pinned = torch.zeros(n, dtype=torch.uint8).pin_memory()
+    with engine.register(pinned, gpu_copies=True) as reg:
+        assert reg.descriptor.gpu_copies
+        peer.call("write", "gcsrc", bytes(reg.descriptor), n, 0, 0, 1800)
+        assert engine.wait_imm(1800, 1, TIMEOUT)
+        assert pinned.numpy().tobytes() == want
+    host = np.zeros(n, dtype=np.uint8)
+    first = engine.register(host, gpu_copies=True)
+    second = engine.register(host, gpu_copies=True)
+    with pytest.raises(fabric_lib.InvalidArgument, match="overlap"):
+        engine.register(host[4096:], gpu_copies=True)
+    first.unregister()
+    peer.call("write", "gcsrc", bytes(second.descriptor), n, 0, 0, 1801)
+    assert engine.wait_imm(1801, 1, TIMEOUT)
+    assert host.tobytes() == want
+    second.unregister()
+    with engine.register(host, gpu_copies=True) as again:  # locked afresh after both went
+        assert again.descriptor.gpu_copies
+
+
 @pytest.mark.parametrize("size", [1, 4097, (1 << 20) + 13, 32 << 20])
 def test_single_write_gpu_to_gpu(engine, peer, size):
     imm = 1000 + size % 997
