@@ -252,6 +252,7 @@ Result<Schedule> Schedule::decode(std::span<const std::byte> bytes) {
   s.num_trainers = f.u32("num_trainers");
   s.num_inference = f.u32("num_inference");
   const uint32_t n = f.count("params", 30);
+  std::vector<uint64_t> param_bytes;
   for (uint32_t i = 0; f.ok() && i < n; ++i) {
     ScheduledParam p;
     f.tensor("param", p.name, p.dtype, p.shape);
@@ -268,6 +269,12 @@ Result<Schedule> Schedule::decode(std::span<const std::byte> bytes) {
     }
     // Schedule::find looks names up by bisection: sorted, each once.
     if (!s.params.empty() && !(s.params.back().name < p.name)) f.fail("param.name (order)");
+    // The projected tensor's bytes, which its entries are cut from (checked below).
+    uint64_t nbytes = element_bytes(p.dtype);
+    for (uint64_t d : p.shape) {
+      if (__builtin_mul_overflow(nbytes, d, &nbytes)) f.fail("param.shape (bytes overflow)");
+    }
+    param_bytes.push_back(nbytes);
     s.params.push_back(std::move(p));
   }
   constexpr uint64_t kEntryBytes = 4 * 4 + 6 * 8;
@@ -288,6 +295,14 @@ Result<Schedule> Schedule::decode(std::span<const std::byte> bytes) {
     if (e.trainer >= s.num_trainers) f.fail("entry.trainer");
     if (e.inference >= s.num_inference) f.fail("entry.inference");
     if (e.param >= s.params.size()) f.fail("entry.param");
+    // Every byte an entry reads lies in its projected tensor: a write cut from past its end
+    // would send the staging ring's next bytes (another parameter's) without an error.
+    uint64_t end = 0;
+    if (f.ok() && (e.runs == 0 || __builtin_mul_overflow(e.runs - 1, e.src_stride, &end) ||
+                   __builtin_add_overflow(end, e.src_offset, &end) ||
+                   __builtin_add_overflow(end, e.length, &end) || end > param_bytes[e.param])) {
+      f.fail("entry.src_offset (past the end of its parameter)");
+    }
     s.entries.push_back(e);
   }
   f.end();

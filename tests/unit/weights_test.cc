@@ -301,6 +301,24 @@ TEST(WeightsSchedule, RoundTripsThroughBytesAndRefusesDamagedBytes) {
   longer.push_back(std::byte{0});
   EXPECT_FALSE(Schedule::decode(longer));
   EXPECT_FALSE(decode_trainer(encode(r)));  // the wrong tag
+  // Entries that would read past the end of their projected tensor: by offset, by stride, by
+  // wrapping around 64 bits, and with no runs.
+  ASSERT_FALSE(s->entries.empty());
+  for (int k = 0; k < 4; ++k) {
+    SCOPED_TRACE(k);
+    Schedule bad = *s;
+    Entry& e = bad.entries.back();
+    const uint64_t whole =
+        num_elements(bad.params[e.param].shape) * element_bytes(bad.params[e.param].dtype);
+    if (k == 0) e.src_offset = whole - e.length + 1;
+    if (k == 1) e.runs = 2, e.src_stride = whole;
+    if (k == 2) e.src_offset = ~uint64_t{0} - 3;
+    if (k == 3) e.runs = 0;
+    auto refused = Schedule::decode(bad.encode());
+    ASSERT_FALSE(refused);
+    EXPECT_NE(refused.status().message().find("entry.src_offset"), std::string::npos)
+        << refused.status().to_string();
+  }
   // Parameters out of name order (Schedule::find bisects) or named twice are refused.
   for (const char* second : {"a", "qkv"}) {
     Schedule bad = *s;
@@ -394,6 +412,11 @@ TEST(WeightsSchedule, PropertyRandomShardings) {
     ++scheduled;
     SCOPED_TRACE("iteration " + std::to_string(iter));
     expect_exact_cover(*s, inference);
+    // What the registry carries decodes to the same schedule: decode's checks (entries inside
+    // their parameters among them) refuse nothing compute_schedule makes.
+    auto decoded = Schedule::decode(s->encode());
+    ASSERT_TRUE(decoded) << decoded.status().to_string();
+    EXPECT_EQ(*decoded, *s);
     uint64_t total = 0, max_entry = 0;
     for (const Entry& e : s->entries) {
       const auto& sp = s->params[e.param];
