@@ -183,6 +183,11 @@ struct Schedule {
   Bytes encode() const;
   // kInvalidArgument naming the first field that does not parse.
   static Result<Schedule> decode(std::span<const std::byte> bytes);
+  // What decode cannot see: every entry's writes lie inside its inference rank's local tensor
+  // of its parameter (a schedule read from a registry, against the ranks' published layouts).
+  // kInvalidArgument naming the parameter and the inference rank otherwise, or when a rank
+  // does not hold a parameter an entry writes; `inference` indexed by rank.
+  Status check_destinations(const std::vector<InferenceRank>& inference) const;
   friend bool operator==(const Schedule&, const Schedule&) = default;
 };
 

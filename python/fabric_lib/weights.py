@@ -716,6 +716,9 @@ class TrainerWeights:
                                                        self._schedule_members)
         else:
             schedule = _read_schedule(self.registry, self.group, self.timeout)
+            # Rank 0 computed it from these layouts; a schedule read back is held against them,
+            # so that a damaged one cannot write one parameter's bytes into another's place.
+            schedule.check_destinations([_unpack(bytes.fromhex(m.data))[0] for m in inference])
         self.schedule = schedule
         self._params = schedule.params
         # The push's order, the same on every rank: parameters by their sources, then by name,

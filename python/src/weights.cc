@@ -114,6 +114,17 @@ void bind_weights(py::module_& m) {
       .def(
           "encode", [](const Schedule& s) { return to_py(s.encode()); },
           "Versioned bytes, for shipping the schedule.")
+      .def(
+          "check_destinations",
+          [](const Schedule& s, const std::vector<std::string>& inference) {
+            std::vector<InferenceRank> r;
+            for (const auto& b : inference) r.push_back(check(decode_inference(view(b))));
+            check(s.check_destinations(r));
+          },
+          py::arg("inference"),
+          "Raises InvalidArgument, naming the parameter and rank, when an entry would write past "
+          "the end of an inference rank's tensor (as described by its encoded layout), or into a "
+          "rank that does not hold its parameter.")
       .def_readonly("num_trainers", &Schedule::num_trainers, "Training ranks it was computed for.")
       .def_readonly("num_inference", &Schedule::num_inference,
                     "Inference ranks it was computed for.")

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <map>
 
 #include "common/codec.h"
 #include "fabric/weights.h"
@@ -308,6 +309,43 @@ Result<Schedule> Schedule::decode(std::span<const std::byte> bytes) {
   f.end();
   if (!f.ok()) return f.status("schedule");
   return s;
+}
+
+Status Schedule::check_destinations(const std::vector<InferenceRank>& inference) const {
+  if (inference.size() != num_inference) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("schedule: {} inference ranks, the layouts of {}", num_inference,
+                              inference.size()));
+  }
+  // Per rank, each parameter's local bytes by name.
+  std::vector<std::map<std::string_view, uint64_t>> local(inference.size());
+  for (const InferenceRank& r : inference) {
+    if (r.rank >= local.size()) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("schedule: inference rank {} of {}", r.rank, local.size()));
+    }
+    for (const InferenceParam& p : r.params) local[r.rank][p.name] = local_bytes(p);
+  }
+  for (const Entry& e : entries) {
+    const std::string& name = params[e.param].name;
+    auto it = local[e.inference].find(name);
+    if (it == local[e.inference].end()) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("schedule: parameter '{}' is written into inference rank {}, "
+                                "which does not hold it",
+                                name, e.inference));
+    }
+    uint64_t end = 0;
+    if (e.runs == 0 || __builtin_mul_overflow(e.runs - 1, e.dst_stride, &end) ||
+        __builtin_add_overflow(end, e.dst_offset, &end) ||
+        __builtin_add_overflow(end, e.length, &end) || end > it->second) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("schedule: an entry of parameter '{}' writes past the end of "
+                                "inference rank {}'s tensor ({} bytes)",
+                                name, e.inference, it->second));
+    }
+  }
+  return Status::ok();
 }
 
 }  // namespace fabric::weights

@@ -467,6 +467,25 @@ def test_staging_ring_flushes_only_when_its_oldest_range_is_not_posted():
     assert flushes == [16]
 
 
+def test_a_schedule_read_back_is_held_against_the_inference_layouts():
+    """check_destinations: the schedule fits the layouts it was computed from; against a layout
+    whose tensor is smaller (a damaged schedule, or one for another layout) it raises
+    InvalidArgument naming the parameter and the rank."""
+    enc = fabric_lib._fabric_lib._weights_encode_inference
+    s = describe([[("w", "bf16", [64, 32], [], 0)]],
+                 [[p("w", (64, 32), dim=1, start=0, length=16)],
+                  [p("w", (64, 32), dim=1, start=16, length=16)]])
+    fits = [enc(0, [p("w", (64, 32), dim=1, start=0, length=16)]),
+            enc(1, [p("w", (64, 32), dim=1, start=16, length=16)])]
+    fw.WeightSchedule.decode(s.encode()).check_destinations(fits)
+    narrower = [fits[0], enc(1, [p("w", (64, 32), dim=1, start=16, length=8)])]
+    with pytest.raises(fabric_lib.InvalidArgument, match="'w' writes past the end of inference "
+                       "rank 1"):
+        s.check_destinations(narrower)
+    with pytest.raises(fabric_lib.InvalidArgument, match="does not hold it"):
+        s.check_destinations([fits[0], enc(1, [p("v", (64, 32), dim=1, start=16, length=16)])])
+
+
 def test_fp8_cpu_quantiser_matches_the_pytorch_reference():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(333, 270, generator=g)

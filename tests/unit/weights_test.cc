@@ -319,6 +319,24 @@ TEST(WeightsSchedule, RoundTripsThroughBytesAndRefusesDamagedBytes) {
     EXPECT_NE(refused.status().message().find("entry.src_offset"), std::string::npos)
         << refused.status().to_string();
   }
+  // Destinations, against the inference ranks' layouts: the schedule fits; an entry moved past
+  // the end of its rank's tensor, or into a rank that does not hold the parameter, does not.
+  EXPECT_TRUE(s->check_destinations({r}));
+  {
+    Schedule bad = *s;
+    Entry& e = bad.entries.back();
+    e.dst_offset += 1 << 20;
+    Status st = bad.check_destinations({r});
+    EXPECT_EQ(st.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("writes past the end of inference rank 0's tensor"),
+              std::string::npos)
+        << st.to_string();
+    InferenceRank without = r;
+    without.params.pop_back();
+    Status missing = s->check_destinations({without});
+    EXPECT_NE(missing.message().find("does not hold it"), std::string::npos) << missing.to_string();
+    EXPECT_FALSE(s->check_destinations({}));
+  }
   // Parameters out of name order (Schedule::find bisects) or named twice are refused.
   for (const char* second : {"a", "qkv"}) {
     Schedule bad = *s;
@@ -417,6 +435,7 @@ TEST(WeightsSchedule, PropertyRandomShardings) {
     auto decoded = Schedule::decode(s->encode());
     ASSERT_TRUE(decoded) << decoded.status().to_string();
     EXPECT_EQ(*decoded, *s);
+    EXPECT_TRUE(s->check_destinations(inference)) << "a computed schedule writes past a tensor";
     uint64_t total = 0, max_entry = 0;
     for (const Entry& e : s->entries) {
       const auto& sp = s->params[e.param];
