@@ -391,7 +391,10 @@ TEST_P(CudaIpcPath, GpuCopiesIsRefusedWhereItCannotWork) {
     auto none = b_->register_memory(host.data(), 4096, RegisterOptions{.gpu_copies = true});
     ASSERT_FALSE(none);
     EXPECT_EQ(none.status().code(), ErrorCode::kUnsupported);
-    EXPECT_NE(none.status().message().find("no CUDA device"), std::string::npos)
+    // "no CUDA device in this process", or in a build without CUDA (the sanitizer builds) that.
+    const std::string why = none.status().message();
+    EXPECT_TRUE(why.find("no CUDA device") != std::string::npos ||
+                why.find("built without CUDA") != std::string::npos)
         << none.status().to_string();
   }
   // The same memory registers plainly afterwards (nothing was left behind).
