@@ -893,12 +893,12 @@ class TrainerWeights:
         stats["wait_ready"] = time.perf_counter() - t0
         batch = []  # (param index, ring start, bytes, its transfers, to fill) not posted yet
         batch_limit = max(1, self._ring.size // 4)
-        batch_bytes = [0]  # bytes of `batch`
+        batch_bytes = 0  # bytes of `batch`
         self._pending_fp8, self._pending_fp8_bytes = [], 0  # FP8 projections not launched yet
-
-        flush_s = [0.0]  # time in flush(), which counts its own stages
+        flush_s = 0.0  # time in flush(), which counts its own stages
 
         def flush():
+            nonlocal batch_bytes, flush_s
             if not batch:
                 return
             t_flush = time.perf_counter()
@@ -912,11 +912,11 @@ class TrainerWeights:
             stats["post"] += time.perf_counter() - t
             posted = [self._params[i][0] for i, _, _, _ in batch]
             batch.clear()
-            batch_bytes[0] = 0
+            batch_bytes = 0
             if on_param is not None:
                 for name in posted:
                     on_param(name)
-            flush_s[0] += time.perf_counter() - t_flush
+            flush_s += time.perf_counter() - t_flush
 
         self._ring.before_wait = flush
         wait0 = self._ring.wait_s
@@ -943,15 +943,15 @@ class TrainerWeights:
                 stats["gather"] += time.perf_counter() - t
                 if index in done or not self._entries.get(index):
                     continue
-                t, w, f = time.perf_counter(), self._ring.wait_s, flush_s[0]
+                t, w, f = time.perf_counter(), self._ring.wait_s, flush_s
                 staged = self._project(index, full, done)
                 batch.extend(staged)
-                batch_bytes[0] += sum(n for _, _, n, _ in staged)
+                batch_bytes += sum(n for _, _, n, _ in staged)
                 # Less what its take() waited for room and the flush that wait needed (counted
                 # by flush() itself).
                 stats["project"] += (time.perf_counter() - t - (self._ring.wait_s - w) -
-                                     (flush_s[0] - f))
-                if batch_bytes[0] >= batch_limit:
+                                     (flush_s - f))
+                if batch_bytes >= batch_limit:
                     flush()
             flush()
             t = time.perf_counter()

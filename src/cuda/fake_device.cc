@@ -129,9 +129,10 @@ class FakeCopier final : public Copier {
     return Status::ok();
   }
   Status copy_device(std::byte* dst, const std::byte* src, uint64_t bytes) override {
-    // The destination may be host memory registered for GPU copies (testing::FakeCopyEngines).
+    // Under testing::FakeCopyEngines the destination may be host memory registered for GPU
+    // copies; otherwise both ends must be the double's.
     std::byte* to = backing_of(dst, bytes);
-    if (to == nullptr && backing_of(dst, 1) == nullptr) to = dst;
+    if (to == nullptr && fake_copy_engines() && backing_of(dst, 1) == nullptr) to = dst;
     std::byte* from = backing_of(src, bytes);
     if (to == nullptr || from == nullptr) {
       return Status(ErrorCode::kInvalidArgument,

@@ -7,10 +7,7 @@ namespace fabric::weights::device {
 cudaError_t launch_quantize_fp8_blocks(const void* bf16, uint64_t rows, uint64_t cols,
                                        uint32_t block, uint64_t tiles, uint64_t tile_cols,
                                        void* out, float* scales, cudaStream_t stream) {
-  // 16-byte loads and 8-byte stores where every row and tile starts aligned for them.
-  const bool vectorised = cols % kGroupCols == 0 && block % kGroupCols == 0 &&
-                          reinterpret_cast<uintptr_t>(bf16) % 16 == 0 &&
-                          reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  const bool vectorised = vectorisable(bf16, out, cols, block);
   quantize_fp8_blocks<<<static_cast<unsigned>(tiles), kQuantThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(bf16), rows, cols, block, tile_cols, vectorised,
       static_cast<__nv_fp8_storage_t*>(out), scales);
@@ -34,9 +31,7 @@ cudaError_t launch_quantize_fp8_group(const Fp8GroupMatrix* matrices, uint32_t c
                              m.rows,
                              m.cols,
                              static_cast<uint32_t>(tile_cols),
-                             m.cols % kGroupCols == 0 && block % kGroupCols == 0 &&
-                                 reinterpret_cast<uintptr_t>(m.bf16) % 16 == 0 &&
-                                 reinterpret_cast<uintptr_t>(m.out) % 8 == 0};
+                             vectorisable(m.bf16, m.out, m.cols, block)};
     table.first_tile[i] = tiles;
     tiles += tile_rows * tile_cols;
   }

@@ -24,6 +24,13 @@ constexpr int kColThreads = 16;                           // threads across a ro
 constexpr int kRowThreads = kQuantThreads / kColThreads;  // rows per step
 constexpr float kE4M3Max = 448.0f;
 
+// Whether a matrix's rows allow 16-byte loads and 8-byte stores: every row and tile starts
+// aligned for them.
+__host__ inline bool vectorisable(const void* in, const void* out, uint64_t cols, uint32_t block) {
+  return cols % kGroupCols == 0 && block % kGroupCols == 0 &&
+         reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
+}
+
 __device__ __forceinline__ uint8_t quantize_one(float x, float scale) {
   const float q = fminf(fmaxf(__fdiv_rn(x, scale), -kE4M3Max), kE4M3Max);
   return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);

@@ -38,14 +38,22 @@ std::vector<uint16_t> random_bf16(uint64_t n, uint64_t seed) {
 }
 #endif
 
-TEST(WeightsFp8Cuda, KernelMatchesTheCpuReferenceBitForBit) {
-  if (!has_cuda_projections()) GTEST_SKIP() << "this build has no CUDA (FABRIC_WITH_CUDA off)";
+// Why the kernel cannot run here, or null.
+const char* cannot_run() {
+  if (!has_cuda_projections()) return "this build has no CUDA (FABRIC_WITH_CUDA off)";
 #ifdef FABRIC_WITH_CUDA
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     cudaGetLastError();
-    GTEST_SKIP() << "no CUDA device here";
+    return "no CUDA device here";
   }
+#endif
+  return nullptr;
+}
+
+TEST(WeightsFp8Cuda, KernelMatchesTheCpuReferenceBitForBit) {
+  if (const char* why = cannot_run()) GTEST_SKIP() << why;
+#ifdef FABRIC_WITH_CUDA
   struct Case {
     uint64_t rows, cols;
     uint32_t block;
@@ -92,13 +100,8 @@ TEST(WeightsFp8Cuda, KernelMatchesTheCpuReferenceBitForBit) {
 // vectorised rows and element-by-element ones side by side, an empty one skipped) give the
 // CPU reference's bytes and scales, each in its own place.
 TEST(WeightsFp8Cuda, GroupedLaunchesMatchTheCpuReferenceForEveryMatrix) {
-  if (!has_cuda_projections()) GTEST_SKIP() << "this build has no CUDA (FABRIC_WITH_CUDA off)";
+  if (const char* why = cannot_run()) GTEST_SKIP() << why;
 #ifdef FABRIC_WITH_CUDA
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    cudaGetLastError();
-    GTEST_SKIP() << "no CUDA device here";
-  }
   const uint64_t shapes[][2] = {{128, 128}, {300, 517}, {1, 7}, {256, 264}, {129, 8}, {0, 5}};
   constexpr uint32_t kBlock = 128;
   struct One {
