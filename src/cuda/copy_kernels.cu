@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "cuda/copy_kernels.h"
+#include "cuda/grid_search.cuh"
 
 namespace fabric::cuda {
 
@@ -30,15 +31,7 @@ template <uint32_t kCap>
 __global__ void __launch_bounds__(kThreads) batch_copy(const __grid_constant__ Batch<kCap> b) {
   // The range holding this block: the last one whose first block is at or before it.
   const uint32_t block = blockIdx.x;
-  uint32_t lo = 0, hi = b.n;
-  while (hi - lo > 1) {
-    const uint32_t mid = (lo + hi) / 2;
-    if (b.first_block[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
+  const uint32_t lo = device::piece_of(b.first_block, b.n, block);
   const CopyRange& r = b.ranges[lo];
   const uint64_t begin = uint64_t{block - b.first_block[lo]} * kChunkBytes;
   if (begin >= r.bytes) return;

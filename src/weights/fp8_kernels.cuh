@@ -1,5 +1,5 @@
 // Device code of the FP8 block quantiser (weights_projection.h): one CUDA block per tile.
-// C++17 (what nvcc compiles here): no fabric headers.
+// C++17 (what nvcc compiles here): no fabric headers but the device code of cuda/grid_search.cuh.
 //
 // Bit-exact with quantize_fp8_blocks_cpu: the tile's amax is exact whatever the reduction
 // order (max is), scale = amax / 448 and x / scale are IEEE divisions (__fdiv_rn, whatever the
@@ -15,6 +15,8 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+
+#include "cuda/grid_search.cuh"
 
 namespace fabric::weights::device {
 
@@ -122,15 +124,7 @@ struct GroupTable {
 __global__ void __launch_bounds__(kQuantThreads)
     quantize_fp8_group(const __grid_constant__ GroupTable table, uint32_t block) {
   const uint64_t tile = blockIdx.x;
-  uint32_t lo = 0, hi = table.count;  // the last job whose first tile is at or before `tile`
-  while (hi - lo > 1) {
-    const uint32_t mid = (lo + hi) / 2;
-    if (table.first_tile[mid] <= tile) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
+  const uint32_t lo = cuda::device::piece_of(table.first_tile, table.count, tile);
   const GroupJob& j = table.jobs[lo];
   quantize_tile(j.in, j.rows, j.cols, block, j.tile_cols, j.vectorised != 0, j.out, j.scales,
                 tile - table.first_tile[lo]);
