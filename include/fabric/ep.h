@@ -171,8 +171,13 @@ struct ProxyStats {
   uint64_t rounds_sent[2] = {};  // rounds posted to a peer
   uint64_t writes_sent[2] = {};  // their writes (a counts slot, then one per chunk of data)
   uint64_t bytes_sent[2] = {};
-  uint64_t post_ns[2] = {};      // the GPU's ready word seen -> the round's writes posted
-  uint64_t complete_ns[2] = {};  // posted -> the round's last write completed (engine, fabric)
+  // The GPU's ready words seen -> the writes posted. The rounds that the GPU has staged for
+  // several peers when the proxy looks are posted together (one scatter per part), and that
+  // posting's time is counted once: post_ns / rounds_sent is the cost per peer and round.
+  uint64_t post_ns[2] = {};
+  // Posted -> the peer's last write of the round completed (engine, fabric); a peer's writes
+  // complete with the scatters it shares with the other peers of its posting.
+  uint64_t complete_ns[2] = {};
   uint64_t rounds_received[2] = {};
   uint64_t receive_ns[2] = {};  // a peer's counts seen -> its last chunk seen and the flag raised
   uint64_t passes = 0;          // passes of the proxy's loop

@@ -3,8 +3,10 @@
 #include "ep/proxy.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 
 #include "common/codec.h"
@@ -92,12 +94,18 @@ Result<DecodedImm> decode_imm(uint32_t imm) {
                     imm & ((1u << kImmRoundBits) - 1)};
 }
 
-std::vector<Chunk> split_chunks(uint64_t bytes, uint64_t chunk_bytes) {
-  std::vector<Chunk> out;
+namespace {
+void append_chunks(std::vector<Chunk>& out, uint64_t bytes, uint64_t chunk_bytes, bool ids) {
   if (chunk_bytes == 0) chunk_bytes = bytes;
   for (uint64_t at = 0; at < bytes; at += chunk_bytes) {
-    out.push_back(Chunk{at, std::min(chunk_bytes, bytes - at)});
+    out.push_back(Chunk{at, std::min(chunk_bytes, bytes - at), ids});
   }
+}
+}  // namespace
+
+std::vector<Chunk> split_chunks(uint64_t bytes, uint64_t chunk_bytes) {
+  std::vector<Chunk> out;
+  append_chunks(out, bytes, chunk_bytes, false);
   return out;
 }
 
@@ -123,22 +131,27 @@ uint64_t round_chunk_count(const Layout& layout, bool combine, uint32_t value,
          count_chunks(combine_bytes(layout, value), chunk_bytes);
 }
 
+void append_round_chunks(std::vector<Chunk>& out, const Layout& layout, bool combine,
+                         uint32_t value, uint64_t chunk_bytes) {
+  if (!combine) return append_chunks(out, dispatch_bytes(layout, value), chunk_bytes, false);
+  append_chunks(out, 4ull * value, chunk_bytes, true);
+  append_chunks(out, combine_bytes(layout, value), chunk_bytes, false);
+}
+
 std::vector<Chunk> round_chunks(const Layout& layout, bool combine, uint32_t value,
                                 uint64_t chunk_bytes) {
-  if (!combine) return split_chunks(dispatch_bytes(layout, value), chunk_bytes);
-  std::vector<Chunk> out = split_chunks(4ull * value, chunk_bytes);
-  for (Chunk& c : out) c.ids = true;
-  for (const Chunk& c : split_chunks(combine_bytes(layout, value), chunk_bytes)) out.push_back(c);
+  std::vector<Chunk> out;
+  append_round_chunks(out, layout, combine, value, chunk_bytes);
   return out;
 }
 
 void store_counts(std::byte* slot, const Counts& c) {
-  detail::ByteWriter w;
-  w.u32(c.round);
-  w.u32(c.value);
-  w.u64(0);
-  const Bytes b = w.take();
-  std::memcpy(slot, b.data(), kCountsBytes);
+  // The counts' wire format (little-endian, as detail::ByteWriter writes): round, value, 8 zero
+  // bytes. Written in place: the proxy stores one per peer and round.
+  static_assert(std::endian::native == std::endian::little, "wire format is little-endian");
+  std::memcpy(slot, &c.round, 4);
+  std::memcpy(slot + 4, &c.value, 4);
+  std::memset(slot + 8, 0, kCountsBytes - 8);
 }
 
 Counts load_counts(const std::byte* slot) {
@@ -330,6 +343,10 @@ Status Proxy::connect(const std::vector<Bytes>& handles) {
       return Status(data_rm.status().code(),
                     fmt::format("proxy: rank {}'s descriptor: {}", r, data_rm.status().message()));
     }
+    if (!(control_rm->owner() == data_rm->owner())) {
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("proxy: rank {}'s two regions belong to different engines", r));
+    }
     auto p = std::make_unique<Peer>();
     p->rank = r;
     p->remote = remote_index(config_.rank, r, per_node);
@@ -337,6 +354,16 @@ Status Proxy::connect(const std::vector<Bytes>& handles) {
     p->control = *control_rm;
     p->data = *data_rm;
     peers.push_back(std::move(p));
+  }
+  std::vector<Address> owners;
+  for (const auto& p : peers) owners.push_back(p->control.owner());
+  if (!owners.empty()) {
+    auto group = engine_->add_peer_group(std::move(owners));
+    if (!group) {
+      return Status(group.status().code(),
+                    fmt::format("proxy: the group of remote peers: {}", group.status().message()));
+    }
+    remote_group_ = *group;
   }
   peers_ = std::move(peers);
   thread_ = std::thread([this] { run(); });
@@ -389,10 +416,10 @@ void Proxy::run() {
 }
 
 bool Proxy::pass() {
-  bool busy = false;
+  bool busy = send_rounds(false);
+  busy = send_rounds(true) || busy;
   for (auto& p : peers_) {
     for (bool combine : {false, true}) {
-      busy = send_round(*p, combine) || busy;
       busy = receive_round(*p, combine) || busy;
       busy = forward_acks(*p, combine) || busy;
       busy = take_acks(*p, combine) || busy;
@@ -402,94 +429,193 @@ bool Proxy::pass() {
   return busy;
 }
 
-void Proxy::post(Peer& p, bool combine, bool control, uint64_t src_offset, uint64_t dst_offset,
-                 uint64_t length, uint32_t imm) {
+// This GPU staged rounds for peers (their ready words moved): each round goes out as one
+// posting for all of them (post_rounds). A peer is at most one round ahead of another (its
+// staging waits for its own acknowledgement), so a pass posts one round, rarely two.
+bool Proxy::send_rounds(bool combine) {
   const int k = combine ? 1 : 0;
-  SingleWrite w;
-  w.src = control ? control_handle_ : data_handle_;
-  w.src_offset = src_offset;
-  w.dst = control ? p.control : p.data;
-  w.dst_offset = dst_offset;
-  w.length = length;
-  w.imm = imm;
-  p.outstanding[k].fetch_add(1, std::memory_order_relaxed);
-  counters_.writes_sent[k].fetch_add(1, std::memory_order_relaxed);
-  counters_.bytes_sent[k].fetch_add(length, std::memory_order_relaxed);
-  Peer* peer = &p;
-  const int rank = config_.rank, to = p.rank;
-  const uint32_t round = p.sent[k];
-  auto id = engine_->submit(
-      w, Callbacks{[this, peer, k] {
-                     // The round's last write (its writes are all posted before the proxy
-                     // thread, which runs these callbacks, drives the engine again).
-                     if (peer->outstanding[k].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-                       counters_.complete_ns[k].fetch_add(elapsed_ns(peer->posted_at[k]),
-                                                          std::memory_order_relaxed);
-                     }
-                   },
-                   [this, combine, rank, to, round](const Status& s) {
-                     fail(Status(s.code() == ErrorCode::kCancelled ? ErrorCode::kCancelled
-                                                                   : ErrorCode::kPeerUnreachable,
-                                 fmt::format("rank {}'s proxy could not write its {} of round {} "
-                                             "to rank {}: {}",
-                                             rank, kind_name(combine), round, to, s.to_string())));
-                   }});
-  if (!id) {
-    p.outstanding[k].fetch_sub(1, std::memory_order_relaxed);
-    fail(Status(
-        id.status().code() == ErrorCode::kClosed ? ErrorCode::kClosed : ErrorCode::kPeerUnreachable,
-        fmt::format("rank {}'s proxy could not post its {} to rank {}: {}", config_.rank,
-                    kind_name(combine), p.rank, id.status().to_string())));
+  const ProxyLayout::Word word = combine ? ProxyLayout::kCombineReady : ProxyLayout::kDispatchReady;
+  ready_.clear();
+  std::chrono::steady_clock::time_point seen;
+  for (auto& peer : peers_) {
+    Peer& p = *peer;
+    const uint64_t v = load_word(areas_.control.data(), word, p.rank);
+    const uint32_t round = static_cast<uint32_t>(v >> 32);
+    if (round == p.sent[k]) continue;
+    if (ready_.empty()) seen = std::chrono::steady_clock::now();
+    if (round != p.sent[k] + 1) {
+      fail(Status(ErrorCode::kInternal,
+                  fmt::format("rank {}'s GPU staged {} round {} for rank {} after round {}",
+                              config_.rank, kind_name(combine), round, p.rank, p.sent[k])));
+      return false;
+    }
+    const uint32_t value = static_cast<uint32_t>(v);
+    if (value > most(combine)) {
+      fail(Status(ErrorCode::kInternal,
+                  fmt::format("rank {}'s GPU staged {} {} for rank {} in {} round {}, more than "
+                              "the {} an area holds",
+                              config_.rank, value, combine ? "rows" : "entries", p.rank,
+                              kind_name(combine), round, most(combine))));
+      return false;
+    }
+    ready_.push_back(Ready{&p, round, value});
+    if (!reached(local_round_[k], round)) {
+      local_round_[k] = round;
+      local_seen_at_[k] = seen;
+    }
   }
+  if (ready_.empty()) return false;
+  const uint32_t first = ready_.front().round;
+  post_rounds(combine, first, seen);
+  for (const Ready& r : ready_) {
+    if (r.round != first && !failed_.load(std::memory_order_relaxed)) {
+      post_rounds(combine, r.round, seen);
+      break;
+    }
+  }
+  return true;
 }
 
-// This GPU staged a round for `p` (its ready word moved): the counts slot first, then the
-// bytes, each with its immediate.
-bool Proxy::send_round(Peer& p, bool combine) {
+// Round `round` of every peer in ready_ that staged it: their counts slots, slot ids (combine)
+// and bytes, each part one scatter with its immediate, so that posting costs a submission per
+// part rather than a write per peer and part. Each receiver counts one counts immediate and one
+// data immediate per chunk, as round_chunks says.
+void Proxy::post_rounds(bool combine, uint32_t round, std::chrono::steady_clock::time_point seen) {
   const int k = combine ? 1 : 0;
-  const uint64_t v =
-      load_word(areas_.control.data(),
-                combine ? ProxyLayout::kCombineReady : ProxyLayout::kDispatchReady, p.rank);
-  const uint32_t round = static_cast<uint32_t>(v >> 32);
-  if (round == p.sent[k]) return false;
-  const auto seen = std::chrono::steady_clock::now();
-  if (round != p.sent[k] + 1) {
-    fail(Status(ErrorCode::kInternal,
-                fmt::format("rank {}'s GPU staged {} round {} for rank {} after round {}",
-                            config_.rank, kind_name(combine), round, p.rank, p.sent[k])));
-    return false;
+  // One record per part, taken from the free list: their callbacks capture only the record.
+  Posting* parts[3] = {take_posting(combine, round), take_posting(combine, round),
+                       take_posting(combine, round)};
+  Posting& counts = *parts[0];
+  Posting& ids = *parts[1];
+  Posting& data = *parts[2];
+  uint64_t writes = 0, bytes = 0;
+  for (const Ready& r : ready_) {
+    if (r.round != round) continue;
+    Peer& p = *r.peer;
+    p.sent[k] = round;
+    const uint64_t slot = layout_.counts_slot(false, combine, p.remote);
+    store_counts(areas_.control.data() + slot, Counts{round, r.value});
+    counts.targets.push_back(ScatterTarget{p.control, kCountsBytes, slot,
+                                           layout_.counts_slot(true, combine, p.index_there)});
+    counts.peers.push_back(&p);
+    const uint64_t src = combine ? layout_.combine_send(p.remote) : layout_.dispatch_send(p.remote);
+    const uint64_t dst =
+        combine ? layout_.combine_recv(p.index_there) : layout_.dispatch_recv(p.index_there);
+    const uint64_t ids_src = layout_.combine_ids_send(p.remote);
+    const uint64_t ids_dst = layout_.combine_ids_recv(p.index_there);
+    chunks_.clear();
+    append_round_chunks(chunks_, a2a_, combine, r.value, options_.chunk_bytes);
+    for (const Chunk& c : chunks_) {
+      Posting& part = c.ids ? ids : data;
+      if (part.peers.empty() || part.peers.back() != &p) part.peers.push_back(&p);
+      part.targets.push_back(ScatterTarget{c.ids ? p.control : p.data, c.length,
+                                           (c.ids ? ids_src : src) + c.offset,
+                                           (c.ids ? ids_dst : dst) + c.offset});
+      bytes += c.length;
+    }
+    writes += 1 + chunks_.size();
+    bytes += kCountsBytes;
   }
-  if (!reached(local_round_[k], round)) {
-    local_round_[k] = round;
-    local_seen_at_[k] = seen;
+  // Every part's peers are counted outstanding before the first is posted.
+  for (Posting* part : parts) {
+    for (Peer* p : part->peers) p->outstanding[k].fetch_add(1, std::memory_order_relaxed);
   }
-  const uint32_t value = static_cast<uint32_t>(v);
-  if (value > most(combine)) {
-    fail(Status(ErrorCode::kInternal,
-                fmt::format("rank {}'s GPU staged {} {} for rank {} in {} round {}, more than the "
-                            "{} an area holds",
-                            config_.rank, value, combine ? "rows" : "entries", p.rank,
-                            kind_name(combine), round, most(combine))));
-    return false;
+  const uint64_t peers = counts.peers.size();
+  counters_.writes_sent[k].fetch_add(writes, std::memory_order_relaxed);
+  counters_.bytes_sent[k].fetch_add(bytes, std::memory_order_relaxed);
+  const uint32_t data_imm = encode_imm(data_kind(combine), config_.rank, round);
+  post(counts, true, encode_imm(counts_kind(combine), config_.rank, round),
+       Scatter::Sharding::kByPeer);
+  post(ids, true, data_imm, Scatter::Sharding::kByPeer);
+  post(data, false, data_imm, Scatter::Sharding::kByBytes);
+  const auto posted = std::chrono::steady_clock::now();
+  for (const Ready& r : ready_) {
+    if (r.round == round) r.peer->posted_at[k] = posted;
   }
-  p.sent[k] = round;
-  const uint64_t slot = layout_.counts_slot(false, combine, p.remote);
-  store_counts(areas_.control.data() + slot, Counts{round, value});
-  post(p, combine, true, slot, layout_.counts_slot(true, combine, p.index_there), kCountsBytes,
-       encode_imm(counts_kind(combine), config_.rank, round));
-  const uint64_t src = combine ? layout_.combine_send(p.remote) : layout_.dispatch_send(p.remote);
-  const uint64_t dst =
-      combine ? layout_.combine_recv(p.index_there) : layout_.dispatch_recv(p.index_there);
-  const uint64_t ids_src = layout_.combine_ids_send(p.remote);
-  const uint64_t ids_dst = layout_.combine_ids_recv(p.index_there);
-  for (const Chunk& c : round_chunks(a2a_, combine, value, options_.chunk_bytes)) {
-    post(p, combine, c.ids, (c.ids ? ids_src : src) + c.offset, (c.ids ? ids_dst : dst) + c.offset,
-         c.length, encode_imm(data_kind(combine), config_.rank, round));
+  // One posting for `peers` rounds: post_ns / rounds_sent stays the cost per peer and round.
+  counters_.post_ns[k].fetch_add(elapsed_ns(seen, posted), std::memory_order_relaxed);
+  counters_.rounds_sent[k].fetch_add(peers, std::memory_order_relaxed);
+}
+
+Proxy::Posting* Proxy::take_posting(bool combine, uint32_t round) {
+  Posting* p = nullptr;
+  if (free_postings_.empty()) {
+    postings_.push_back(std::make_unique<Posting>());
+    p = postings_.back().get();
+  } else {
+    p = free_postings_.back();
+    free_postings_.pop_back();
   }
-  p.posted_at[k] = std::chrono::steady_clock::now();
-  counters_.post_ns[k].fetch_add(elapsed_ns(seen, p.posted_at[k]), std::memory_order_relaxed);
-  counters_.rounds_sent[k].fetch_add(1, std::memory_order_relaxed);
-  return true;
+  p->combine = combine;
+  p->round = round;
+  return p;
+}
+
+void Proxy::give_back(Posting* p) {
+  p->targets.clear();
+  p->peers.clear();
+  free_postings_.push_back(p);
+}
+
+// A part's scatter completed: each of its peers has one write fewer outstanding, and a peer's
+// round is complete with its last (all of a round's parts are posted before the proxy thread,
+// which runs these, drives the engine again).
+void Proxy::posted_done(Posting* p) {
+  const int k = p->combine ? 1 : 0;
+  for (Peer* peer : p->peers) {
+    if (peer->outstanding[k].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      counters_.complete_ns[k].fetch_add(elapsed_ns(peer->posted_at[k]), std::memory_order_relaxed);
+    }
+  }
+  give_back(p);
+}
+
+namespace {
+std::string rank_list(const std::vector<int>& ranks) {
+  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "));
+}
+}  // namespace
+
+std::string Proxy::Posting::to() const {
+  std::vector<int> ranks;
+  for (const Peer* p : peers) ranks.push_back(p->rank);
+  return rank_list(ranks);
+}
+
+void Proxy::posted_failed(Posting* p, const Status& s) {
+  fail(Status(
+      s.code() == ErrorCode::kCancelled ? ErrorCode::kCancelled : ErrorCode::kPeerUnreachable,
+      fmt::format("rank {}'s proxy could not write its {} of round {} to {}: {}", config_.rank,
+                  kind_name(p->combine), p->round, p->to(), s.to_string())));
+  give_back(p);
+}
+
+// Posts `part` as one scatter (nothing for no targets): its completion calls posted_done or
+// posted_failed, which give the record back.
+void Proxy::post(Posting& part, bool control, uint32_t imm, Scatter::Sharding sharding) {
+  if (part.targets.empty()) {
+    give_back(&part);
+    return;
+  }
+  Scatter sc;
+  sc.src = control ? control_handle_ : data_handle_;
+  sc.group = remote_group_;
+  sc.targets = std::move(part.targets);
+  sc.imm = imm;
+  sc.sharding = sharding;
+  Posting* p = &part;
+  auto id = engine_->submit(sc, Callbacks{[this, p] { posted_done(p); },
+                                          [this, p](const Status& s) { posted_failed(p, s); }});
+  part.targets = std::move(sc.targets);  // its memory, for the record's next use
+  if (!id) {
+    const int k = part.combine ? 1 : 0;
+    for (Peer* peer : part.peers) peer->outstanding[k].fetch_sub(1, std::memory_order_relaxed);
+    fail(Status(
+        id.status().code() == ErrorCode::kClosed ? ErrorCode::kClosed : ErrorCode::kPeerUnreachable,
+        fmt::format("rank {}'s proxy could not post its {} of round {} to {}: {}", config_.rank,
+                    kind_name(part.combine), part.round, part.to(), id.status().to_string())));
+    give_back(&part);
+  }
 }
 
 // `p`'s next round: its counts slot, then every chunk the counts announce; then this GPU's flag.

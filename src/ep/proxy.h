@@ -42,6 +42,7 @@
 #include "fabric/address.h"
 #include "fabric/ep.h"
 #include "fabric/status.h"
+#include "fabric/transfer.h"
 
 namespace fabric {
 class TransferEngine;
@@ -183,6 +184,9 @@ struct ProxyLayout {
 // (`ids`) from 0, then the rows from 0. None for 0.
 std::vector<Chunk> round_chunks(const Layout& layout, bool combine, uint32_t value,
                                 uint64_t chunk_bytes);
+// round_chunks(...) appended to `out` (the proxy reuses one vector).
+void append_round_chunks(std::vector<Chunk>& out, const Layout& layout, bool combine,
+                         uint32_t value, uint64_t chunk_bytes);
 // round_chunks(...).size(), without building them (the receiving side's count per round).
 uint64_t round_chunk_count(const Layout& layout, bool combine, uint32_t value,
                            uint64_t chunk_bytes);
@@ -258,16 +262,30 @@ class Proxy {
         const ProxyOptions& options);
   void run();
   bool pass();
-  bool send_round(Peer& p, bool combine);
+  bool send_rounds(bool combine);
+  void post_rounds(bool combine, uint32_t round, std::chrono::steady_clock::time_point seen);
   bool receive_round(Peer& p, bool combine);
   bool forward_acks(Peer& p, bool combine);
   bool take_acks(Peer& p, bool combine);
   bool map_rows(const Peer& p, uint32_t round);
   uint32_t most(bool combine) const;  // entries (dispatch) or rows (combine) an area holds
   void fail(Status s);
-  // `control`: between the control regions, else the data regions.
-  void post(Peer& p, bool combine, bool control, uint64_t src_offset, uint64_t dst_offset,
-            uint64_t length, uint32_t imm);
+  // One part (counts, slot ids or bytes) of a round's posting to several peers: one scatter
+  // from the control or the data region, whose completion ends one outstanding write of each of
+  // `peers` (those its targets go to). Kept on a free list: a posting allocates nothing once
+  // the records have grown to their size.
+  struct Posting {
+    bool combine = false;
+    uint32_t round = 0;
+    std::vector<ScatterTarget> targets;
+    std::vector<Peer*> peers;
+    std::string to() const;  // "rank 3" or "ranks 1, 2, 3"
+  };
+  Posting* take_posting(bool combine, uint32_t round);
+  void give_back(Posting* p);
+  void post(Posting& part, bool control, uint32_t imm, Scatter::Sharding sharding);
+  void posted_done(Posting* p);
+  void posted_failed(Posting* p, const Status& s);
 
   AllToAllConfig config_;
   Layout a2a_;
@@ -284,6 +302,20 @@ class Proxy {
   MemoryHandle control_handle_;
   MemoryHandle data_handle_;
   Bytes descriptor_;
+  PeerGroup remote_group_;  // every remote peer: the scatters' group
+  // The proxy thread's scratch for one pass's postings, kept to reuse their memory: the peers
+  // whose rounds are staged and one peer's chunks.
+  struct Ready {
+    Peer* peer;
+    uint32_t round;
+    uint32_t value;
+  };
+  std::vector<Ready> ready_;
+  std::vector<Chunk> chunks_;
+  // The postings' records (their callbacks run on the proxy thread, or on the thread that
+  // closes the engine once this thread has stopped: never two at once).
+  std::vector<std::unique_ptr<Posting>> postings_;
+  std::vector<Posting*> free_postings_;
   // The proxy thread's own: the last round this rank's GPU raised of each kind (dispatch,
   // combine) and when the proxy first saw it (a peer's data of that round is due from then).
   uint32_t local_round_[2] = {0, 0};
