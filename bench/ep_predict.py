@@ -92,17 +92,23 @@ def main():
                     help="one RDMA write's one-way latency (assumed)")
     ap.add_argument("--pcie-gbs", type=float, default=40.0,
                     help="staging rate over PCIe without --json (assumed)")
-    ap.add_argument("--post-us", type=float, default=0.5, help="per write posted (assumed)")
+    ap.add_argument("--post-us", type=float, default=None,
+                    help="per write posted (default 0.5, assumed; with --json, the run's own "
+                    "unless given: fabric-bench-ep-proxy measures it without a GPU)")
     ap.add_argument("--receive-us", type=float, default=2.0,
                     help="the receiving proxy's counts-to-flag time (assumed)")
     ap.add_argument("--hbm-gbs", type=float, default=3000.0, help="a kernel's GPU-memory rate")
     ap.add_argument("--chunk-bytes", type=int, default=1 << 20, help="ProxyOptions::chunk_bytes")
     args = ap.parse_args()
     rates = {"source": "assumed", "stage_gbs_dispatch": args.pcie_gbs,
-             "stage_gbs_combine": args.pcie_gbs, "post_us": args.post_us,
+             "stage_gbs_combine": args.pcie_gbs,
+             "post_us": 0.5 if args.post_us is None else args.post_us,
              "receive_us": args.receive_us}
     if args.json:
         rates = measured(args.json)
+        if args.post_us is not None:
+            rates["post_us"] = args.post_us
+            rates["source"] += f", post {args.post_us} us per write given"
     b = routing_bytes(args.world, args.gpus_per_node)
     nic = args.nic_gbps / 8 * GB
     t = lambda nbytes, gbs: nbytes / (gbs * GB) * 1e6  # us
@@ -122,9 +128,10 @@ def main():
     for kind in ("dispatch", "combine"):
         out_b, in_b = b[kind + "_out"], b[kind + "_in"]
         pcie = rates["stage_gbs_" + kind]
-        # A peer's round: its counts, then its bytes in chunks (combine: the ids, then the rows).
+        # A peer's round: its counts write (a combine's with its rows' slot ids), then its bytes
+        # in chunks.
         per_peer = max(out_b // b["peers"], 1)
-        writes = 1 + (per_peer + args.chunk_bytes - 1) // args.chunk_bytes + (kind == "combine")
+        writes = 1 + (per_peer + args.chunk_bytes - 1) // args.chunk_bytes
         post = b["peers"] * writes * rates["post_us"]
         wire = t(max(out_b, in_b), nic / GB) + args.latency_us
         now = {"stage": t(out_b, pcie), "post": post, "wire": wire,

@@ -18,7 +18,9 @@ namespace {
 
 constexpr uint64_t kPage = 4096;
 constexpr uint32_t kHandleMagic = 0x58504546;  // "FEPX"
-constexpr uint16_t kHandleVersion = 2;         // 2: the control and data regions (1: one area)
+// 3: a combine's slot ids travel behind its counts (2: in writes of their own; 2 and 3: the
+// control and data regions; 1: one area).
+constexpr uint16_t kHandleVersion = 3;
 
 constexpr uint64_t round_up(uint64_t v, uint64_t to) {
   return (v + to - 1) / to * to;
@@ -95,17 +97,17 @@ Result<DecodedImm> decode_imm(uint32_t imm) {
 }
 
 namespace {
-void append_chunks(std::vector<Chunk>& out, uint64_t bytes, uint64_t chunk_bytes, bool ids) {
+void append_chunks(std::vector<Chunk>& out, uint64_t bytes, uint64_t chunk_bytes) {
   if (chunk_bytes == 0) chunk_bytes = bytes;
   for (uint64_t at = 0; at < bytes; at += chunk_bytes) {
-    out.push_back(Chunk{at, std::min(chunk_bytes, bytes - at), ids});
+    out.push_back(Chunk{at, std::min(chunk_bytes, bytes - at)});
   }
 }
 }  // namespace
 
 std::vector<Chunk> split_chunks(uint64_t bytes, uint64_t chunk_bytes) {
   std::vector<Chunk> out;
-  append_chunks(out, bytes, chunk_bytes, false);
+  append_chunks(out, bytes, chunk_bytes);
   return out;
 }
 
@@ -126,16 +128,14 @@ uint64_t count_chunks(uint64_t bytes, uint64_t chunk_bytes) {
 
 uint64_t round_chunk_count(const Layout& layout, bool combine, uint32_t value,
                            uint64_t chunk_bytes) {
-  if (!combine) return count_chunks(dispatch_bytes(layout, value), chunk_bytes);
-  return count_chunks(4ull * value, chunk_bytes) +
-         count_chunks(combine_bytes(layout, value), chunk_bytes);
+  return count_chunks(combine ? combine_bytes(layout, value) : dispatch_bytes(layout, value),
+                      chunk_bytes);
 }
 
 void append_round_chunks(std::vector<Chunk>& out, const Layout& layout, bool combine,
                          uint32_t value, uint64_t chunk_bytes) {
-  if (!combine) return append_chunks(out, dispatch_bytes(layout, value), chunk_bytes, false);
-  append_chunks(out, 4ull * value, chunk_bytes, true);
-  append_chunks(out, combine_bytes(layout, value), chunk_bytes, false);
+  append_chunks(out, combine ? combine_bytes(layout, value) : dispatch_bytes(layout, value),
+                chunk_bytes);
 }
 
 std::vector<Chunk> round_chunks(const Layout& layout, bool combine, uint32_t value,
@@ -152,6 +152,10 @@ void store_counts(std::byte* slot, const Counts& c) {
   std::memcpy(slot, &c.round, 4);
   std::memcpy(slot + 4, &c.value, 4);
   std::memset(slot + 8, 0, kCountsBytes - 8);
+}
+
+uint64_t counts_write_bytes(bool combine, uint32_t value) {
+  return kCountsBytes + (combine ? 4ull * value : 0u);
 }
 
 Counts load_counts(const std::byte* slot) {
@@ -174,11 +178,13 @@ Result<ProxyLayout> ProxyLayout::of(const AllToAllConfig& config, const Layout& 
   const uint64_t n = static_cast<uint64_t>(l.num_remote);
   l.counts_offset = round_up(kWords * kMaxRanks * 8, kPage);
   l.combine_slots = config.max_tokens_per_rank * config.top_k;
-  l.combine_map_offset = round_up(l.counts_offset + 4 * n * kCountsBytes, kPage);
+  l.combine_map_offset = round_up(l.counts_offset + 2 * n * kCountsBytes, kPage);
   l.combine_ids_bytes = round_up(4ull * l.combine_slots, 16);
-  l.combine_ids_send_offset = round_up(l.combine_map_offset + 4ull * l.combine_slots, kPage);
-  l.combine_ids_recv_offset = round_up(l.combine_ids_send_offset + n * l.combine_ids_bytes, kPage);
-  l.control_bytes = round_up(l.combine_ids_recv_offset + n * l.combine_ids_bytes, kPage);
+  l.combine_counts_bytes = kCountsBytes + l.combine_ids_bytes;
+  l.combine_counts_send_offset = round_up(l.combine_map_offset + 4ull * l.combine_slots, kPage);
+  l.combine_counts_recv_offset =
+      round_up(l.combine_counts_send_offset + n * l.combine_counts_bytes, kPage);
+  l.control_bytes = round_up(l.combine_counts_recv_offset + n * l.combine_counts_bytes, kPage);
   l.dispatch_area_bytes = layout.dispatch_area_bytes;
   l.combine_area_bytes = layout.combine_bytes;
   l.dispatch_send_offset = 0;
@@ -476,45 +482,40 @@ bool Proxy::send_rounds(bool combine) {
   return true;
 }
 
-// Round `round` of every peer in ready_ that staged it: their counts slots, slot ids (combine)
-// and bytes, each part one scatter with its immediate, so that posting costs a submission per
-// part rather than a write per peer and part. Each receiver counts one counts immediate and one
-// data immediate per chunk, as round_chunks says.
+// Round `round` of every peer in ready_ that staged it: their counts writes (a combine's with
+// its slot ids) and their bytes, each part one scatter with its immediate, so that posting costs
+// a submission per part rather than a write per peer and part. Each receiver counts one counts
+// immediate and one data immediate per chunk, as round_chunks says.
 void Proxy::post_rounds(bool combine, uint32_t round, std::chrono::steady_clock::time_point seen) {
   const int k = combine ? 1 : 0;
   // One record per part, taken from the free list: their callbacks capture only the record.
-  Posting* parts[3] = {take_posting(combine, round), take_posting(combine, round),
-                       take_posting(combine, round)};
+  Posting* parts[2] = {take_posting(combine, round), take_posting(combine, round)};
   Posting& counts = *parts[0];
-  Posting& ids = *parts[1];
-  Posting& data = *parts[2];
+  Posting& data = *parts[1];
   uint64_t writes = 0, bytes = 0;
   for (const Ready& r : ready_) {
     if (r.round != round) continue;
     Peer& p = *r.peer;
     p.sent[k] = round;
+    // The counts slot (and, for a combine, the slot ids the GPU staged right behind it).
     const uint64_t slot = layout_.counts_slot(false, combine, p.remote);
     store_counts(areas_.control.data() + slot, Counts{round, r.value});
-    counts.targets.push_back(ScatterTarget{p.control, kCountsBytes, slot,
+    const uint64_t counts_bytes = counts_write_bytes(combine, r.value);
+    counts.targets.push_back(ScatterTarget{p.control, counts_bytes, slot,
                                            layout_.counts_slot(true, combine, p.index_there)});
     counts.peers.push_back(&p);
     const uint64_t src = combine ? layout_.combine_send(p.remote) : layout_.dispatch_send(p.remote);
     const uint64_t dst =
         combine ? layout_.combine_recv(p.index_there) : layout_.dispatch_recv(p.index_there);
-    const uint64_t ids_src = layout_.combine_ids_send(p.remote);
-    const uint64_t ids_dst = layout_.combine_ids_recv(p.index_there);
     chunks_.clear();
     append_round_chunks(chunks_, a2a_, combine, r.value, options_.chunk_bytes);
+    if (!chunks_.empty()) data.peers.push_back(&p);
     for (const Chunk& c : chunks_) {
-      Posting& part = c.ids ? ids : data;
-      if (part.peers.empty() || part.peers.back() != &p) part.peers.push_back(&p);
-      part.targets.push_back(ScatterTarget{c.ids ? p.control : p.data, c.length,
-                                           (c.ids ? ids_src : src) + c.offset,
-                                           (c.ids ? ids_dst : dst) + c.offset});
+      data.targets.push_back(ScatterTarget{p.data, c.length, src + c.offset, dst + c.offset});
       bytes += c.length;
     }
     writes += 1 + chunks_.size();
-    bytes += kCountsBytes;
+    bytes += counts_bytes;
   }
   // Every part's peers are counted outstanding before the first is posted.
   for (Posting* part : parts) {
@@ -523,11 +524,10 @@ void Proxy::post_rounds(bool combine, uint32_t round, std::chrono::steady_clock:
   const uint64_t peers = counts.peers.size();
   counters_.writes_sent[k].fetch_add(writes, std::memory_order_relaxed);
   counters_.bytes_sent[k].fetch_add(bytes, std::memory_order_relaxed);
-  const uint32_t data_imm = encode_imm(data_kind(combine), config_.rank, round);
   post(counts, true, encode_imm(counts_kind(combine), config_.rank, round),
        Scatter::Sharding::kByPeer);
-  post(ids, true, data_imm, Scatter::Sharding::kByPeer);
-  post(data, false, data_imm, Scatter::Sharding::kByBytes);
+  post(data, false, encode_imm(data_kind(combine), config_.rank, round),
+       Scatter::Sharding::kByBytes);
   const auto posted = std::chrono::steady_clock::now();
   for (const Ready& r : ready_) {
     if (r.round == round) r.peer->posted_at[k] = posted;

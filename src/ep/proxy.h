@@ -82,13 +82,12 @@ struct DecodedImm {
 // Errors: kInvalidArgument (not an all-to-all immediate, an unknown kind).
 Result<DecodedImm> decode_imm(uint32_t imm);
 
-// One write of a round: `length` bytes from `offset` of the sender's staging area for the peer
-// into the same offset of the receiver's receive area for the sender. Combine slot ids (`ids`)
-// are in the control region's id areas, entries and rows in the data region's areas.
+// One data write of a round: `length` bytes from `offset` of the sender's staging area for the
+// peer (data region: entries or rows) into the same offset of the receiver's receive area for
+// the sender.
 struct Chunk {
   uint64_t offset = 0;
   uint64_t length = 0;
-  bool ids = false;
   friend bool operator==(const Chunk&, const Chunk&) = default;
 };
 // `bytes` split into chunks of at most `chunk_bytes` (0: one chunk); none for 0 bytes.
@@ -107,6 +106,10 @@ struct Counts {
 inline constexpr uint64_t kCountsBytes = 16;
 void store_counts(std::byte* slot, const Counts& c);
 Counts load_counts(const std::byte* slot);
+// The counts write of a round: the counts slot, and for a combine the `value` rows' slot ids
+// (uint32 each, in row order) right behind it, so that one write with the counts immediate
+// brings both.
+uint64_t counts_write_bytes(bool combine, uint32_t value);
 
 // Where things are in a rank's two proxy regions. Offsets are multiples of 4096 (the regions'
 // parts) or of 16 (a peer's area in a part).
@@ -127,16 +130,19 @@ struct ProxyLayout {
   };
   int num_remote = 0;
   // --- the control region: the words from 0, then these.
-  uint64_t counts_offset = 0;  // [send, recv][dispatch, combine][remote] x kCountsBytes
+  uint64_t counts_offset = 0;  // dispatch: [send, recv][remote] x kCountsBytes
   // The combine map: combine_slots uint32, [token x top_k + slot]: the slot's row index in the
   // combine receive area of the rank that holds its expert (for ranks of other nodes).
   uint64_t combine_map_offset = 0;
   uint32_t combine_slots = 0;  // max_tokens_per_rank x top_k: the most rows of a combine round
   // One peer's slot ids (uint32 each, in row order): combine_slots of them, rounded up to 16.
   uint64_t combine_ids_bytes = 0;
-  uint64_t combine_ids_send_offset = 0;  // [remote] x combine_ids_bytes: staged here
-  uint64_t combine_ids_recv_offset = 0;  // [remote] x combine_ids_bytes: received here
-  uint64_t control_bytes = 0;            // the whole control region
+  // Combine: per remote peer its counts slot, then its slot ids (kCountsBytes +
+  // combine_ids_bytes), the counts write's source (send) or destination (recv).
+  uint64_t combine_counts_bytes = 0;
+  uint64_t combine_counts_send_offset = 0;  // [remote] x combine_counts_bytes: staged here
+  uint64_t combine_counts_recv_offset = 0;  // [remote] x combine_counts_bytes: received here
+  uint64_t control_bytes = 0;               // the whole control region
   // --- the data region.
   uint64_t dispatch_send_offset = 0;
   uint64_t combine_send_offset = 0;
@@ -154,16 +160,19 @@ struct ProxyLayout {
   }
   // recv: 0 for the slots this rank sends from, 1 for those it receives into.
   uint64_t counts_slot(bool recv, bool combine, int remote) const {
-    return counts_offset +
-           ((recv ? 2u : 0u) + (combine ? 1u : 0u)) * static_cast<uint64_t>(num_remote) *
-               kCountsBytes +
-           static_cast<uint64_t>(remote) * kCountsBytes;
+    const uint64_t r = static_cast<uint64_t>(remote);
+    if (combine) {
+      return (recv ? combine_counts_recv_offset : combine_counts_send_offset) +
+             r * combine_counts_bytes;
+    }
+    return counts_offset + (recv ? static_cast<uint64_t>(num_remote) : 0u) * kCountsBytes +
+           r * kCountsBytes;
   }
   uint64_t combine_ids_send(int remote) const {
-    return combine_ids_send_offset + static_cast<uint64_t>(remote) * combine_ids_bytes;
+    return counts_slot(false, true, remote) + kCountsBytes;
   }
   uint64_t combine_ids_recv(int remote) const {
-    return combine_ids_recv_offset + static_cast<uint64_t>(remote) * combine_ids_bytes;
+    return counts_slot(true, true, remote) + kCountsBytes;
   }
   uint64_t dispatch_send(int remote) const {
     return dispatch_send_offset + static_cast<uint64_t>(remote) * dispatch_area_bytes;
@@ -179,9 +188,9 @@ struct ProxyLayout {
   }
 };
 
-// The writes of one round to one peer, chunks of at most `chunk_bytes` (0: one per piece), one
-// data immediate each. Dispatch: `value` entries from 0. Combine: `value` rows: their slot ids
-// (`ids`) from 0, then the rows from 0. None for 0.
+// The data writes of one round to one peer (after its counts write), chunks of at most
+// `chunk_bytes` (0: one), one data immediate each: `value` entries (dispatch) or rows (combine)
+// from 0. None for 0.
 std::vector<Chunk> round_chunks(const Layout& layout, bool combine, uint32_t value,
                                 uint64_t chunk_bytes);
 // round_chunks(...) appended to `out` (the proxy reuses one vector).

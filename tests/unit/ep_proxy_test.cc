@@ -128,9 +128,9 @@ TEST(EpSchedule, BytesPerRoundFollowTheLayout) {
   EXPECT_EQ(combine_bytes(*l, 48), l->combine_bytes);  // every (token, slot): 24 x top-2
 }
 
-// A round's writes cover what the receiver reads: dispatch entries from 0; combine rows compact,
-// their slot ids from 0 of the id areas (control region) and the rows from 0 of the combine
-// areas (data region), each piece in chunks of its own.
+// A round's writes cover what the receiver reads: its counts write (a combine's with its rows'
+// slot ids behind the counts, control region), then dispatch entries or compact combine rows
+// from 0 of the data region's areas, in chunks.
 TEST(EpSchedule, RoundChunksCoverTheIdsAndTheRows) {
   const AllToAllConfig c = small_config(0, 2, 1);
   auto l = Layout::of(c);
@@ -143,10 +143,14 @@ TEST(EpSchedule, RoundChunksCoverTheIdsAndTheRows) {
   EXPECT_TRUE(round_chunks(*l, false, 0, 100).empty());
   EXPECT_TRUE(round_chunks(*l, true, 0, 100).empty());
   EXPECT_EQ(round_chunks(*l, false, 2, 0), (std::vector<Chunk>{{0, dispatch_bytes(*l, 2)}}));
-  // 5 rows: 20 bytes of ids, then 5 x 512 bytes of rows, in chunks of 1000.
+  // 5 rows: their 20 bytes of ids behind the counts, then 5 x 512 bytes of rows, in chunks of
+  // 1000.
+  EXPECT_EQ(counts_write_bytes(true, 5), kCountsBytes + 20);
+  EXPECT_EQ(counts_write_bytes(false, 5), kCountsBytes);
+  EXPECT_EQ(counts_write_bytes(true, 0), kCountsBytes);
   EXPECT_EQ(round_chunks(*l, true, 5, 1000),
-            (std::vector<Chunk>{{0, 20, true}, {0, 1000}, {1000, 1000}, {2000, 560}}));
-  EXPECT_EQ(round_chunks(*l, true, 5, 0), (std::vector<Chunk>{{0, 20, true}, {0, 2560}}));
+            (std::vector<Chunk>{{0, 1000}, {1000, 1000}, {2000, 560}}));
+  EXPECT_EQ(round_chunks(*l, true, 5, 0), (std::vector<Chunk>{{0, 2560}}));
   // The receiver's count agrees with the sender's chunks, at every size and chunking.
   for (uint64_t chunk : {0ull, 1ull, 7ull, 20ull, 512ull, 1000ull, 1ull << 20}) {
     for (uint32_t v : {0u, 1u, 4u, 5u, 47u, 48u}) {
@@ -158,12 +162,12 @@ TEST(EpSchedule, RoundChunksCoverTheIdsAndTheRows) {
     }
   }
   // The most a round can carry stays inside one peer's areas.
+  EXPECT_LE(counts_write_bytes(true, p->combine_slots), p->combine_counts_bytes);
   for (uint64_t chunk : {0ull, 7ull, 1000ull, 1ull << 20}) {
     for (const Chunk& k : round_chunks(*l, true, p->combine_slots, chunk)) {
-      EXPECT_LE(k.offset + k.length, k.ids ? p->combine_ids_bytes : p->combine_area_bytes);
+      EXPECT_LE(k.offset + k.length, p->combine_area_bytes);
     }
     for (const Chunk& k : round_chunks(*l, false, c.max_tokens_per_rank, chunk)) {
-      EXPECT_FALSE(k.ids);
       EXPECT_LE(k.offset + k.length, p->dispatch_area_bytes);
     }
   }
@@ -186,13 +190,27 @@ TEST(EpSchedule, ProxyLayoutRegionsAreAlignedAndDisjoint) {
     ASSERT_TRUE(p) << p.status().to_string();
     EXPECT_EQ(p->num_remote, world - per_node);
     const uint64_t n = static_cast<uint64_t>(p->num_remote);
-    // The control region: the words, counts, map and the two id arrays, in that order.
+    // The control region: the words, the dispatch counts, the map and the two arrays of combine
+    // counts with their slot ids, in that order.
     EXPECT_GE(p->counts_offset, ProxyLayout::kWords * kMaxRanks * 8u);
-    EXPECT_GE(p->combine_map_offset, p->counts_offset + 4 * n * kCountsBytes);
-    EXPECT_GE(p->combine_ids_send_offset, p->combine_map_offset + 4ull * p->combine_slots);
+    EXPECT_GE(p->combine_map_offset, p->counts_offset + 2 * n * kCountsBytes);
+    EXPECT_GE(p->combine_counts_send_offset, p->combine_map_offset + 4ull * p->combine_slots);
     EXPECT_GE(p->combine_ids_bytes, 4ull * p->combine_slots);
-    EXPECT_GE(p->combine_ids_recv_offset, p->combine_ids_send_offset + n * p->combine_ids_bytes);
-    EXPECT_GE(p->control_bytes, p->combine_ids_recv_offset + n * p->combine_ids_bytes);
+    EXPECT_EQ(p->combine_counts_bytes, kCountsBytes + p->combine_ids_bytes);
+    EXPECT_GE(p->combine_counts_recv_offset,
+              p->combine_counts_send_offset + n * p->combine_counts_bytes);
+    EXPECT_GE(p->control_bytes, p->combine_counts_recv_offset + n * p->combine_counts_bytes);
+    // A combine's slot ids right behind its counts slot, within the peer's part.
+    for (bool recv : {false, true}) {
+      for (int i = 0; i < p->num_remote; ++i) {
+        const uint64_t slot = p->counts_slot(recv, true, i);
+        const uint64_t ids = recv ? p->combine_ids_recv(i) : p->combine_ids_send(i);
+        EXPECT_EQ(ids, slot + kCountsBytes);
+        EXPECT_EQ(slot, (recv ? p->combine_counts_recv_offset : p->combine_counts_send_offset) +
+                            static_cast<uint64_t>(i) * p->combine_counts_bytes);
+        EXPECT_EQ(slot % 16, 0u);
+      }
+    }
     // The data region: the four per-peer arrays of areas.
     EXPECT_EQ(p->dispatch_send_offset, 0u);
     EXPECT_GE(p->combine_send_offset, p->dispatch_send_offset + n * l->dispatch_area_bytes);
@@ -202,12 +220,12 @@ TEST(EpSchedule, ProxyLayoutRegionsAreAlignedAndDisjoint) {
     EXPECT_GE(p->data_bytes, p->combine_recv_offset + n * p->combine_area_bytes);
     EXPECT_EQ(p->combine_ids_bytes % 16, 0u);
     EXPECT_EQ(p->combine_area_bytes % 16, 0u);
-    for (uint64_t off : {p->counts_offset, p->combine_map_offset, p->combine_ids_send_offset,
-                         p->combine_ids_recv_offset, p->control_bytes, p->combine_send_offset,
+    for (uint64_t off : {p->counts_offset, p->combine_map_offset, p->combine_counts_send_offset,
+                         p->combine_counts_recv_offset, p->control_bytes, p->combine_send_offset,
                          p->dispatch_recv_offset, p->combine_recv_offset, p->data_bytes}) {
       EXPECT_EQ(off % 4096, 0u);
     }
-    // Counts slots: four disjoint arrays.
+    // Counts slots: four disjoint arrays (a combine's with room for its ids behind it).
     std::set<uint64_t> slots;
     for (bool recv : {false, true}) {
       for (bool combine : {false, true}) {
@@ -349,8 +367,9 @@ TEST_P(EpProxy, DataRegionsInDeviceMemoryGoThroughTheStagedPath) {
   run_rounds(1, 20);
 }
 
-// The counters say what was sent: per kind a round and a counts write per peer and round, then
-// the round's chunks, with exactly their bytes; every round sent was received by the other side.
+// The counters say what was sent: per kind a round and a counts write per peer and round (a
+// combine's with its slot ids), then the round's chunks, with exactly their bytes; every round
+// sent was received by the other side.
 TEST_P(EpProxy, StatsCountTheRoundsWritesAndBytes) {
   MAKE_OR_SKIP(4, 2);
   const uint32_t rounds = 6;
@@ -366,7 +385,7 @@ TEST_P(EpProxy, StatsCountTheRoundsWritesAndBytes) {
           const uint32_t n = amount(k.config.rank, d, round, kind, most);
           const auto chunks = round_chunks(k.layout, kind == 1, n, 3000);
           writes += 1 + chunks.size();
-          bytes += kCountsBytes;
+          bytes += kCountsBytes + (kind == 1 ? 4ull * n : 0u);  // a combine's slot ids too
           for (const Chunk& c : chunks) bytes += c.length;
         }
       }
