@@ -386,18 +386,21 @@ void Worker::finish_stop() {
     detail::log().warn("group {}: closing with {} work requests still in flight after {} ms",
                        group_, left, config_.close_timeout.count());
   }
+  // The domains close first: what is still posted stops (queue pairs and endpoints go), and
+  // peers see this endpoint gone (shm). A callback that says "cancelled" then runs when
+  // nothing of its transfer reads or writes memory any more.
+  for (auto& d : domains_) d.domain->close();
   std::vector<Transfer*> left;
   live_.for_each([&left](Transfer& t) {
     if (!t.finished) left.push_back(&t);
   });
   for (Transfer* t : left) {
     if (t->error.is_ok()) t->error = cancelled("engine closed with the transfer in flight");
-    t->abandoned = 0;  // the domains close next; the provider lets go of everything
+    t->abandoned = 0;  // the domains closed: the provider let go of everything
     finish(*t);
   }
   live_.clear();
   if (!jobs_.empty()) services_.callbacks->push(jobs_);
-  for (auto& d : domains_) d.domain->close();  // peers see this endpoint gone now (shm)
   end_fences();  // unregistrations waiting on writers: nothing can land any more
 }
 

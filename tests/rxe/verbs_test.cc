@@ -178,6 +178,41 @@ TEST_F(Verbs, ThousandsOfImmediatesReplenishTheReceiveQueue) {
   EXPECT_EQ(b->imm_count(51), uint64_t{kCount});
 }
 
+// A close that times out with writes still posted on the queue pairs stops them before it
+// returns: nothing of them leaves the device afterwards (no packet is sent, no immediate
+// arrives), so the writer may free its buffers and the peer's receive buffers are safe. (Queue
+// pairs left alive until the engine's destruction went on sending for seconds here, into a
+// destination the conformance suite then freed.)
+TEST_F(Verbs, ACloseThatTimesOutStopsWhatIsPostedBeforeItReturns) {
+  Config c = verbs_config();
+  c.close_timeout = std::chrono::milliseconds(50);
+  FABRIC_ENGINE_OR_SKIP(a, c);
+  FABRIC_ENGINE_OR_SKIP(b, verbs_config());
+  constexpr uint64_t kSize = 8 << 20;
+  constexpr int kWrites = 300;
+  auto src = make_buffer(*a, kSize);
+  auto dst = make_buffer(*b, kSize);
+  Counter writes;
+  for (int i = 0; i < kWrites; ++i) {
+    ASSERT_TRUE(a->submit(SingleWrite{src->reg.handle, 0, dst->reg.descriptor, 0, kSize, 71, {}},
+                          writes.callbacks()));
+  }
+  ASSERT_TRUE(b->wait_imm(71, 1, 30s)) << "no write arrived";
+  a->close();
+  EXPECT_EQ(writes.done() + writes.failed(), kWrites);
+  ASSERT_GT(writes.failed(), 0) << "every write finished within the close timeout: nothing to stop";
+  EXPECT_EQ(writes.first_error().code(), ErrorCode::kCancelled);
+  // What was on the wire when the queue pairs went lands now; then the device is quiet.
+  std::this_thread::sleep_for(200ms);
+  const uint64_t sent = port_counter(devices_[0], "sent_pkts");
+  const uint64_t arrived = b->imm_count(71);
+  std::this_thread::sleep_for(700ms);
+  EXPECT_EQ(port_counter(devices_[0], "sent_pkts"), sent) << "packets sent after close() returned";
+  EXPECT_EQ(b->imm_count(71), arrived) << "writes arrived after close() returned";
+  EXPECT_LT(arrived, uint64_t{kWrites});
+  EXPECT_TRUE(b->unregister_memory(dst->reg.handle));
+}
+
 TEST_F(Verbs, TwoEnginesShardRailAlignedOverSeveralDevices) {
   if (devices_.size() < 2) GTEST_SKIP() << "needs two verbs devices (the rxe lab makes them)";
   std::vector<std::string> rails(devices_.begin(), devices_.begin() + 2);

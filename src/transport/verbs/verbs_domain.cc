@@ -435,8 +435,20 @@ Status VerbsDomain::create_queues() {
 }
 
 VerbsDomain::~VerbsDomain() {
-  // Queue pairs before the queues and channel they use (the members below them), address
-  // handles before the protection domain.
+  destroy_queue_pairs();
+}
+
+void VerbsDomain::close() {
+  // A queue pair outlives close() only as long as the domain object, which the engine frees
+  // after its buffers: work still posted on one (a close that timed out) would go on reading
+  // the writer's buffers and writing into the peer's, and the peer's sends would land in
+  // receive buffers about to be freed. Destroyed here, nothing of it touches memory any more.
+  destroy_queue_pairs();
+}
+
+void VerbsDomain::destroy_queue_pairs() {
+  // Queue pairs before the queues and channel they use (members the destructor frees after),
+  // address handles before the protection domain.
   // Work still queued is flushed rather than sent: a queue pair destroyed in the ready-to-send
   // state may first transmit everything posted on it (Soft-RoCE does).
   std::vector<ibv_ah*> ahs;
@@ -454,11 +466,21 @@ VerbsDomain::~VerbsDomain() {
   peers_.clear();
   retired_.clear();
   ud_qp_.reset();
-  detail::log().debug(
-      "verbs '{}': destroyed {} queue pairs in {} ms", info_.name, qps,
-      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
+  by_instance_.clear();
+  by_qpn_.clear();
+  qp_slots_.clear();
+  free_slots_.clear();
+  chained_.clear();
+  post_failed_.clear();
+  connecting_ = 0;
+  if (qps > 0) {
+    detail::log().debug(
+        "verbs '{}': destroyed {} queue pairs in {} ms", info_.name, qps,
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
+  }
   for (ibv_ah* ah : ahs) ibv_destroy_ah(ah);
   for (ibv_ah* ah : retired_ahs_) ibv_destroy_ah(ah);
+  retired_ahs_.clear();
 }
 
 int VerbsDomain::wait_fd() const {

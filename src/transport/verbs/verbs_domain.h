@@ -81,6 +81,9 @@ class VerbsDomain final : public Domain {
   size_t poll(std::span<Completion> out) override;
   int wait_fd() const override;
   bool ready_to_wait() override;
+  // Destroys every queue pair (posted work is flushed, never sent): nothing posted reads or
+  // writes memory once it returns.
+  void close() override;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -91,6 +94,9 @@ class VerbsDomain final : public Domain {
   // The thread domain and its parent domain, where the device offers them (fast_paths_).
   void open_thread_domain();
   Status create_queues();
+  // Moves every queue pair to the error state and destroys it, with the address handles; the
+  // domain serves no peer afterwards (close() and the destructor).
+  void destroy_queue_pairs();
   verbs_detail::Peer* peer_of(PeerHandle h);
   verbs_detail::Peer& peer_by_instance(uint64_t instance, const ibv_gid& gid, uint32_t ud_qpn,
                                        uint16_t lid, uint8_t mtu);
