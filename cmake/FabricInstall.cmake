@@ -34,8 +34,9 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/fabricConfig.cmake
 # pkg-config: static archives, so Libs names everything they need. The files find their prefix
 # from where they lie (${pcfiledir}), so `cmake --install --prefix DIR` needs no reconfigure.
 file(RELATIVE_PATH FABRIC_PC_UP /root/${CMAKE_INSTALL_LIBDIR}/pkgconfig /root)
-set(FABRIC_PC_REQUIRES "libfabric >= 1.17, hwloc, spdlog, fmt")
-set(FABRIC_PC_LIBS "-lfabriclib")
+# No libfabric here: the engine loads libfabric.so.1 itself when a libfabric domain is opened.
+set(FABRIC_PC_REQUIRES "hwloc, spdlog, fmt")
+set(FABRIC_PC_LIBS "-lfabriclib -ldl")
 set(FABRIC_PC_CFLAGS "")
 if(FABRIC_VERBS_ENABLED)
   string(APPEND FABRIC_PC_REQUIRES ", libibverbs")

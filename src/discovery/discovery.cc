@@ -12,6 +12,7 @@
 #include "common/json.h"
 #include "cuda/device_memory.h"
 #include "topology/topology.h"
+#include "transport/libfabric/lf_api.h"
 #include "transport/libfabric/lf_domain.h"
 #include "transport/open_domain.h"
 #ifdef FABRIC_WITH_VERBS
@@ -94,8 +95,12 @@ std::string placement_of(const std::string& nic, const std::vector<NicInfo>& nic
 
 MachineInfo discover() {
   MachineInfo m;
-  const uint32_t v = fi_version();
-  m.libfabric_version = fmt::format("{}.{}", FI_MAJOR(v), FI_MINOR(v));
+  if (const transport::lf::Api* lf = transport::lf::api()) {
+    const uint32_t v = lf->version();
+    m.libfabric_version = fmt::format("{}.{}", FI_MAJOR(v), FI_MINOR(v));
+  } else {
+    m.libfabric_version = "not loaded: " + transport::lf::load_error();
+  }
   m.auto_provider = transport::resolve_provider("auto");
   for (std::string_view p : kKnownProviders) {
     ProviderReport r{std::string(p), {}};

@@ -579,3 +579,31 @@ print("exiting", flush=True)
                          timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
     assert run.stdout == "exiting\n"
+
+
+def test_libfabric_is_loaded_only_by_what_uses_it():
+    """libfabric.so.1 is loaded when a libfabric domain is opened or info() lists providers,
+    not at import or by shm engines and their writes (loading it costs Debian's processes about
+    0.2 s: libinfinipath's clock calibration)."""
+    script = f"""
+import numpy as np, fabric_lib, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from peer import make_config
+def loaded():
+    return "libfabric.so" in open("/proc/self/maps").read()
+print("import", loaded())
+a = fabric_lib.TransferEngine(make_config("shm"))
+b = fabric_lib.TransferEngine(make_config("shm"))
+src = a.register(np.ones(1 << 16, dtype=np.uint8))
+dst_buf = np.zeros(1 << 16, dtype=np.uint8)
+dst = b.register(dst_buf)
+a.write(src, dst.descriptor, imm=7).wait(10)
+assert dst_buf.min() == 1
+print("shm", loaded())
+c = fabric_lib.TransferEngine(make_config("tcp"))
+print("tcp", loaded())
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:3] == ["import False", "shm False", "tcp True"]

@@ -6,6 +6,7 @@
 #include <rdma/fi_rma.h>
 #include <cerrno>
 
+#include "transport/libfabric/lf_api.h"
 #include "transport/libfabric/lf_domain.h"
 
 namespace fabric::transport {
@@ -36,7 +37,7 @@ ErrorCode classify(int err) {
 PostResult post_failed(const char* op, const DomainInfo& info, ssize_t rc) {
   return PostResult::failed(Status(
       classify(static_cast<int>(-rc)),
-      fmt::format("{} on '{}' failed: {}", op, info.name, fi_strerror(static_cast<int>(-rc)))));
+      fmt::format("{} on '{}' failed: {}", op, info.name, lf::strerror(static_cast<int>(-rc)))));
 }
 
 // The tcp provider reports connection and key failures as FI_ECANCELED / FI_EIO with the
@@ -146,11 +147,11 @@ void LfDomain::read_error(Completion& out) {
                      0,
                      ErrorCode::kFabric,
                      fmt::format("fi_cq_readerr on '{}' failed: {}", info_.name,
-                                 fi_strerror(static_cast<int>(-rc)))};
+                                 lf::strerror(static_cast<int>(-rc)))};
     return;
   }
   std::string text =
-      fmt::format("{} (provider: {})", fi_strerror(err.err),
+      fmt::format("{} (provider: {})", lf::strerror(err.err),
                   fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, nullptr, 0));
   Completion::Kind kind = Completion::Kind::kLocal;
   if (err.op_context == nullptr || (err.flags & FI_REMOTE_WRITE)) {
@@ -182,7 +183,7 @@ size_t LfDomain::poll(std::span<Completion> out) {
                         0,
                         ErrorCode::kFabric,
                         fmt::format("fi_cq_read on '{}' failed: {}", info_.name,
-                                    fi_strerror(static_cast<int>(-n)))};
+                                    lf::strerror(static_cast<int>(-n)))};
     return 1;
   }
   size_t j = 0;

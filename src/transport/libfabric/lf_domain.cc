@@ -2,6 +2,8 @@
 // inserting peers.
 #include "transport/libfabric/lf_domain.h"
 
+#include "transport/libfabric/lf_api.h"
+
 #include "cuda/device_memory.h"
 
 #include <fmt/format.h>
@@ -22,7 +24,7 @@ template <typename T>
 void FidCloser<T>::operator()(T* p) const noexcept {
   if (p == nullptr) return;
   int rc = fi_close(&p->fid);
-  if (rc != 0) detail::log().warn("fi_close failed: {}", fi_strerror(-rc));
+  if (rc != 0) detail::log().warn("fi_close failed: {}", lf::strerror(-rc));
 }
 template struct FidCloser<fid_fabric>;
 template struct FidCloser<fid_domain>;
@@ -30,6 +32,10 @@ template struct FidCloser<fid_cq>;
 template struct FidCloser<fid_av>;
 template struct FidCloser<fid_ep>;
 template struct FidCloser<fid_mr>;
+
+void LfDomain::InfoFree::operator()(fi_info* p) const noexcept {
+  if (p != nullptr) lf::api()->freeinfo(p);  // made by a loaded libfabric
+}
 
 namespace {
 
@@ -75,12 +81,13 @@ ProviderQuirks quirks_for(const std::string& provider) {
 struct InfoList {
   fi_info* head = nullptr;
   ~InfoList() {
-    if (head) fi_freeinfo(head);
+    if (head) lf::api()->freeinfo(head);  // set only by a loaded libfabric
   }
 };
 
-fi_info* make_hints(const std::string& provider, bool delivery_complete, bool hmem) {
-  fi_info* hints = fi_allocinfo();
+fi_info* make_hints(const lf::Api& api, const std::string& provider, bool delivery_complete,
+                    bool hmem) {
+  fi_info* hints = api.dupinfo(nullptr);  // fi_allocinfo()
   if (hints == nullptr) return nullptr;
   hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
   hints->ep_attr->type = FI_EP_RDM;
@@ -110,10 +117,12 @@ std::string core_provider(const char* prov_name) {
 
 int get_info(const std::string& provider, bool delivery_complete, InfoList& out,
              bool hmem = false) {
-  fi_info* hints = make_hints(provider, delivery_complete, hmem);
+  const lf::Api* api = lf::api();
+  if (api == nullptr) return -FI_ENOSYS;
+  fi_info* hints = make_hints(*api, provider, delivery_complete, hmem);
   if (hints == nullptr) return -FI_ENOMEM;
-  int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &out.head);
-  fi_freeinfo(hints);
+  int rc = api->getinfo(kApiVersion, nullptr, nullptr, 0, hints, &out.head);
+  api->freeinfo(hints);
   return rc;
 }
 
@@ -149,6 +158,7 @@ std::vector<DomainListing> list_domains(const std::string& provider) {
 
 Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_provider,
                                                  const std::string& nic, bool gpu_direct) {
+  if (lf::api() == nullptr) return Status(ErrorCode::kUnsupported, lf::load_error());
   const std::string provider = resolve_provider(requested_provider);
   const ProviderQuirks quirks = quirks_for(provider);
 
@@ -174,7 +184,7 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
     return Status(ErrorCode::kUnsupported,
                   fmt::format("libfabric provider '{}' offers no reliable-datagram endpoint with "
                               "RMA and remote CQ data on this machine ({})",
-                              provider, fi_strerror(-rc)));
+                              provider, lf::strerror(-rc)));
   }
   // Pick the requested domain, preferring IPv4 addressing where a NIC has several.
   fi_info* chosen = nullptr;
@@ -203,15 +213,15 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
 
   std::unique_ptr<LfDomain> d(new LfDomain());
   d->hmem_ = hmem && (chosen->caps & FI_HMEM) != 0;
-  d->fi_.reset(fi_dupinfo(chosen));
+  d->fi_.reset(lf::api()->dupinfo(chosen));
   fi_info* fi = d->fi_.get();
   auto fail = [&](const char* what, int err) {
     return Status(ErrorCode::kFabric, fmt::format("{} on {} '{}' failed: {}", what, provider,
-                                                  fi->domain_attr->name, fi_strerror(-err)));
+                                                  fi->domain_attr->name, lf::strerror(-err)));
   };
 
   fid_fabric* fab = nullptr;
-  if ((rc = fi_fabric(fi->fabric_attr, &fab, nullptr)) != 0) return fail("fi_fabric", rc);
+  if ((rc = lf::api()->fabric(fi->fabric_attr, &fab, nullptr)) != 0) return fail("fi_fabric", rc);
   d->fabric_.reset(fab);
   fid_domain* dom = nullptr;
   if ((rc = fi_domain(fab, fi, &dom, nullptr)) != 0) return fail("fi_domain", rc);
@@ -340,7 +350,7 @@ Result<std::unique_ptr<MemoryRegistration>> LfDomain::register_memory(void* ptr,
   }
   if (rc != 0) {
     return Status(ErrorCode::kFabric, fmt::format("fi_mr_reg of {} bytes at {} on '{}' failed: {}",
-                                                  length, ptr, info_.name, fi_strerror(-rc)));
+                                                  length, ptr, info_.name, lf::strerror(-rc)));
   }
   // Remote addressing: virtual addresses (FI_MR_VIRT_ADDR) or offsets from the region start.
   const uint64_t addr = (mr_mode_ & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
@@ -372,7 +382,7 @@ void LfDomain::reset_peer(PeerHandle peer) {
     fi_addr_t addr = fi_address(peer);
     if (int rc = fi_av_remove(av_.get(), &addr, 1, 0); rc != 0) {
       detail::log().warn("'{}': fi_av_remove to reconnect a peer failed: {}", info_.name,
-                         fi_strerror(-rc));
+                         lf::strerror(-rc));
       return;
     }
     fi_addr_t fresh = FI_ADDR_UNSPEC;
@@ -393,7 +403,7 @@ void LfDomain::forget_peer(PeerHandle peer) {
     int rc = fi_av_remove(av_.get(), &addr, 1, 0);
     if (rc != 0) {
       detail::log().warn("'{}': fi_av_remove of a dead peer failed: {}", info_.name,
-                         fi_strerror(-rc));
+                         lf::strerror(-rc));
     }
     peers_.erase(it);
     return;

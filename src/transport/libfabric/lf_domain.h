@@ -79,7 +79,7 @@ class LfDomain final : public Domain {
   // Members in creation order: destruction runs in reverse (endpoint before its CQ and AV,
   // those before the domain, the domain before the fabric).
   struct InfoFree {
-    void operator()(fi_info* p) const noexcept { fi_freeinfo(p); }
+    void operator()(fi_info* p) const noexcept;
   };
   std::unique_ptr<fi_info, InfoFree> fi_;
   FidPtr<fid_fabric> fabric_;
