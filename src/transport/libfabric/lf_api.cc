@@ -11,15 +11,14 @@ constexpr const char* kLibrary = "libfabric.so.1";
 
 struct Loaded {
   Api api{};
-  bool ok = false;
-  std::string error;
+  std::string error;  // empty when every function resolved
 };
 
+// Sets `out`, or `error` (the first symbol missing) when the library lacks it.
 template <typename Fn>
-bool resolve(void* handle, const char* name, Fn& out, std::string& error) {
+void resolve(void* handle, const char* name, Fn& out, std::string& error) {
   out = reinterpret_cast<Fn>(dlsym(handle, name));
-  if (out == nullptr) error = fmt::format("{} has no symbol {}", kLibrary, name);
-  return out != nullptr;
+  if (out == nullptr && error.empty()) error = fmt::format("{} has no symbol {}", kLibrary, name);
 }
 
 Loaded load() {
@@ -34,12 +33,12 @@ Loaded load() {
     return l;
   }
   Api& a = l.api;
-  l.ok = resolve(handle, "fi_getinfo", a.getinfo, l.error) &&
-         resolve(handle, "fi_freeinfo", a.freeinfo, l.error) &&
-         resolve(handle, "fi_dupinfo", a.dupinfo, l.error) &&
-         resolve(handle, "fi_fabric", a.fabric, l.error) &&
-         resolve(handle, "fi_strerror", a.strerror, l.error) &&
-         resolve(handle, "fi_version", a.version, l.error);
+  resolve(handle, "fi_getinfo", a.getinfo, l.error);
+  resolve(handle, "fi_freeinfo", a.freeinfo, l.error);
+  resolve(handle, "fi_dupinfo", a.dupinfo, l.error);
+  resolve(handle, "fi_fabric", a.fabric, l.error);
+  resolve(handle, "fi_strerror", a.strerror, l.error);
+  resolve(handle, "fi_version", a.version, l.error);
   return l;
 }
 
@@ -51,7 +50,8 @@ const Loaded& loaded() {
 }  // namespace
 
 const Api* api() {
-  return loaded().ok ? &loaded().api : nullptr;
+  const Loaded& l = loaded();
+  return l.error.empty() ? &l.api : nullptr;
 }
 
 const std::string& load_error() {

@@ -158,7 +158,8 @@ std::vector<DomainListing> list_domains(const std::string& provider) {
 
 Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_provider,
                                                  const std::string& nic, bool gpu_direct) {
-  if (lf::api() == nullptr) return Status(ErrorCode::kUnsupported, lf::load_error());
+  const lf::Api* api = lf::api();
+  if (api == nullptr) return Status(ErrorCode::kUnsupported, lf::load_error());
   const std::string provider = resolve_provider(requested_provider);
   const ProviderQuirks quirks = quirks_for(provider);
 
@@ -213,7 +214,7 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
 
   std::unique_ptr<LfDomain> d(new LfDomain());
   d->hmem_ = hmem && (chosen->caps & FI_HMEM) != 0;
-  d->fi_.reset(lf::api()->dupinfo(chosen));
+  d->fi_.reset(api->dupinfo(chosen));
   fi_info* fi = d->fi_.get();
   auto fail = [&](const char* what, int err) {
     return Status(ErrorCode::kFabric, fmt::format("{} on {} '{}' failed: {}", what, provider,
@@ -221,7 +222,7 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
   };
 
   fid_fabric* fab = nullptr;
-  if ((rc = lf::api()->fabric(fi->fabric_attr, &fab, nullptr)) != 0) return fail("fi_fabric", rc);
+  if ((rc = api->fabric(fi->fabric_attr, &fab, nullptr)) != 0) return fail("fi_fabric", rc);
   d->fabric_.reset(fab);
   fid_domain* dom = nullptr;
   if ((rc = fi_domain(fab, fi, &dom, nullptr)) != 0) return fail("fi_domain", rc);
