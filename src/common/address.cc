@@ -154,6 +154,15 @@ Result<Address> Address::decode(std::span<const std::byte> bytes) {
   if (!r.u8(provider_len) || !r.bytes(provider_len, provider)) {
     return malformed(kWhat, "truncated provider name");
   }
+  // A provider name is what a user typed in Config ("tcp", "efa", "verbs", ...): printable
+  // ASCII, so that it can be shown and compared without surprises anywhere (Python included).
+  for (std::byte b : provider) {
+    const auto c = static_cast<unsigned char>(b);
+    if (c < 0x20 || c >= 0x7f) {
+      return malformed(kWhat,
+                       fmt::format("provider name has byte {:#04x} (not printable ASCII)", c));
+    }
+  }
   uint8_t count = 0;
   if (!r.u8(count)) return malformed(kWhat, "truncated before NIC count");
   if (count == 0 || count > kMaxNics) {

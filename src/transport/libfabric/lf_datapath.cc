@@ -100,13 +100,22 @@ PostResult closed_endpoint() {
   return PostResult::failed(Status(ErrorCode::kClosed, "the domain's endpoint is closed"));
 }
 
+// A peer whose address-vector entry was removed (dropped, or a reconnection that failed): the
+// provider would look up a freed entry.
+PostResult no_peer_address(const DomainInfo& info) {
+  return PostResult::failed(
+      Status(ErrorCode::kPeerUnreachable,
+             fmt::format("'{}' has no address for the peer (a reconnection failed)", info.name)));
+}
+
 }  // namespace
 
 PostResult LfDomain::post_write(const WriteRequest& req) {
   if (!ep_) return closed_endpoint();
+  const fi_addr_t peer = fi_address(req.peer);
+  if (peer == FI_ADDR_UNSPEC) return no_peer_address(info_);
   void* ctx = context_for(req.wr_id);
   // A zero-byte write still passes a valid buffer and descriptor: EFA requires one.
-  const fi_addr_t peer = fi_address(req.peer);
   ssize_t rc = req.has_imm ? fi_writedata(ep_.get(), req.local, req.length, req.local_desc, req.imm,
                                           peer, req.remote_addr, req.remote_key, ctx)
                            : fi_write(ep_.get(), req.local, req.length, req.local_desc, peer,
@@ -119,8 +128,10 @@ PostResult LfDomain::post_write(const WriteRequest& req) {
 
 PostResult LfDomain::post_send(const SendRequest& req) {
   if (!ep_) return closed_endpoint();
+  const fi_addr_t peer = fi_address(req.peer);
+  if (peer == FI_ADDR_UNSPEC) return no_peer_address(info_);
   void* ctx = context_for(req.wr_id);
-  ssize_t rc = fi_send(ep_.get(), req.local, req.length, req.local_desc, fi_address(req.peer), ctx);
+  ssize_t rc = fi_send(ep_.get(), req.local, req.length, req.local_desc, peer, ctx);
   if (rc == 0) return PostResult::posted();
   release_context(ctx);
   if (rc == -FI_EAGAIN) return PostResult::again();

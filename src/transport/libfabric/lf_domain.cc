@@ -12,7 +12,12 @@
 #include <rdma/fi_errno.h>
 #include "common/log.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -276,6 +281,7 @@ Result<std::unique_ptr<LfDomain>> LfDomain::open(const std::string& requested_pr
   d->name_.resize(name_len);
 
   d->mr_mode_ = static_cast<uint64_t>(fi->domain_attr->mr_mode);
+  d->addr_format_ = fi->addr_format;
   // Keys we choose start at a random base, so that a key meant for another domain (a
   // cross-rail bug) is rejected rather than accepted by coincidence.
   d->next_key_ = (std::random_device{}() & 0xfffff) << 20 | 1;
@@ -359,21 +365,85 @@ Result<std::unique_ptr<MemoryRegistration>> LfDomain::register_memory(void* ptr,
       new LfRegistration(mr, fi_mr_desc(mr), addr, fi_mr_key(mr)));
 }
 
+Result<Bytes> LfDomain::checked_peer_name(std::span<const std::byte> name) const {
+  auto invalid = [&](std::string_view why) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("a peer endpoint name of {} bytes is not an address of '{}': {}",
+                              name.size(), info_.name, why));
+  };
+  Bytes out(name.begin(), name.end());
+  auto family = [&]() -> unsigned {
+    sa_family_t f = 0;
+    std::memcpy(&f, out.data(), sizeof(f));
+    return f;
+  };
+  switch (addr_format_) {
+    case FI_SOCKADDR:
+    case FI_SOCKADDR_IN:
+    case FI_SOCKADDR_IN6: {
+      const bool v4_ok = addr_format_ != FI_SOCKADDR_IN6;
+      const bool v6_ok = addr_format_ != FI_SOCKADDR_IN;
+      if (out.size() == sizeof(sockaddr_in) && v4_ok && family() == AF_INET) {
+        // The padding is not part of the address: zeroed, so that a descriptor differing there
+        // names the same peer rather than a second connection to it.
+        std::memset(out.data() + offsetof(sockaddr_in, sin_zero), 0, sizeof(sockaddr_in::sin_zero));
+        return out;
+      }
+      if (out.size() == sizeof(sockaddr_in6) && v6_ok && family() == AF_INET6) return out;
+      if (out.size() < sizeof(sa_family_t)) return invalid("too short for a socket address");
+      return invalid(fmt::format("socket address family {} with {} bytes (expected {})", family(),
+                                 out.size(),
+                                 v4_ok && v6_ok ? "IPv4 or IPv6"
+                                 : v4_ok        ? "IPv4, 16 bytes"
+                                                : "IPv6, 28 bytes"));
+    }
+    case FI_ADDR_STR: {
+      const auto nul = std::find(out.begin(), out.end(), std::byte{0});
+      if (out.empty() || nul != out.end() - 1) return invalid("not a NUL-terminated string");
+      for (auto it = out.begin(); it != nul; ++it) {
+        const auto c = static_cast<unsigned char>(*it);
+        if (c < 0x20 || c > 0x7e) return invalid("not printable ASCII");
+      }
+      return out;
+    }
+    default:  // provider-specific formats (efa, psm, ...) have one fixed size
+      if (out.size() != name_.size()) {
+        return invalid(fmt::format("this provider's endpoint names have {} bytes", name_.size()));
+      }
+      return out;
+  }
+}
+
 Result<PeerHandle> LfDomain::resolve_peer(std::span<const std::byte> name) {
-  const std::string_view key(reinterpret_cast<const char*>(name.data()), name.size());
-  auto it = peers_.find(key);
-  if (it != peers_.end()) return it->second;
+  const std::string_view raw(reinterpret_cast<const char*>(name.data()), name.size());
+  if (auto it = peers_.find(raw); it != peers_.end()) {
+    if (addrs_[it->second] == FI_ADDR_UNSPEC) {  // its reconnection failed: try again
+      fi_addr_t fresh = FI_ADDR_UNSPEC;
+      if (fi_av_insert(av_.get(), it->first.data(), 1, &fresh, 0, nullptr) != 1) {
+        return Status(ErrorCode::kPeerUnreachable,
+                      fmt::format("'{}' cannot insert a peer address into its address vector "
+                                  "again to reconnect it",
+                                  info_.name));
+      }
+      addrs_[it->second] = fresh;
+    }
+    return it->second;
+  }
+  auto checked = checked_peer_name(name);
+  if (!checked) return checked.status();
+  const std::string key(reinterpret_cast<const char*>(checked->data()), checked->size());
+  if (auto it = peers_.find(key); it != peers_.end()) return it->second;
   fi_addr_t addr = FI_ADDR_UNSPEC;
-  int n = fi_av_insert(av_.get(), name.data(), 1, &addr, 0, nullptr);
+  int n = fi_av_insert(av_.get(), checked->data(), 1, &addr, 0, nullptr);
   if (n != 1) {
     return Status(ErrorCode::kPeerUnreachable,
                   fmt::format("'{}' cannot insert a peer address of {} bytes into its address "
-                              "vector (is it an address of this provider?)",
+                              "vector",
                               info_.name, name.size()));
   }
   const PeerHandle handle = addrs_.size();
   addrs_.push_back(addr);
-  peers_.emplace(std::string(key), handle);
+  peers_.emplace(key, handle);
   return handle;
 }
 
@@ -381,6 +451,10 @@ void LfDomain::reset_peer(PeerHandle peer) {
   for (auto& [name, handle] : peers_) {
     if (handle != peer) continue;
     fi_addr_t addr = fi_address(peer);
+    if (addr == FI_ADDR_UNSPEC) return;  // removed by an earlier failed reconnection
+    // From here the old entry is gone, whatever happens: a post to a removed entry is a use
+    // after free inside the provider, so the handle points nowhere until the insert succeeds.
+    addrs_[peer] = FI_ADDR_UNSPEC;
     if (int rc = fi_av_remove(av_.get(), &addr, 1, 0); rc != 0) {
       detail::log().warn("'{}': fi_av_remove to reconnect a peer failed: {}", info_.name,
                          lf::strerror(-rc));

@@ -75,6 +75,11 @@ class LfDomain final : public Domain {
   uint64_t wr_id_from(void* context);
   void release_context(void* context);
   void read_error(Completion& out);
+  // The peer's endpoint name as this domain's address vector takes it, or InvalidArgument when
+  // it is not an address of this domain's format: libfabric 1.17's util AV takes an insert's
+  // length from the address's own family field and keeps it for every later insert, so one
+  // malformed name would cut the domain off from every new peer (and read past the name).
+  Result<Bytes> checked_peer_name(std::span<const std::byte> name) const;
 
   // Members in creation order: destruction runs in reverse (endpoint before its CQ and AV,
   // those before the domain, the domain before the fabric).
@@ -91,6 +96,7 @@ class LfDomain final : public Domain {
   DomainInfo info_;
   Bytes name_;
   uint64_t mr_mode_ = 0;
+  uint32_t addr_format_ = 0;  // fi_info's addr_format: what a peer's endpoint name must be
   int wait_fd_ = -1;
   bool needs_context_ = false;
   bool hmem_ = false;      // FI_HMEM granted: CUDA memory is registered with FI_HMEM_CUDA
@@ -103,7 +109,7 @@ class LfDomain final : public Domain {
   std::unordered_map<std::string, PeerHandle, NameHash, std::equal_to<>> peers_;
   // A PeerHandle is an index into addrs_, never reused, so that reset_peer can move a peer to
   // another address-vector entry under the same handle. A forgotten peer's entry is
-  // FI_ADDR_UNSPEC.
+  // FI_ADDR_UNSPEC, and so is a peer whose reconnection failed: posts towards it fail.
   std::vector<fi_addr_t> addrs_;
   fi_addr_t fi_address(PeerHandle peer) const { return addrs_[peer]; }
   std::vector<std::unique_ptr<ContextSlot>> free_contexts_;

@@ -18,12 +18,19 @@ namespace fabric::transport {
 
 namespace shm {
 
-// A region name this transport makes: "/fabric-shm.<...>", no other slash, no NUL.
+// A region name this transport makes: "/fabric-shm.<pid>.<hex>.<index>": after the prefix only
+// digits, lowercase hex letters and dots. Anything else (a slash, a NUL, a byte that is not
+// ASCII) came from a forged or corrupted descriptor, and is never opened nor quoted in a message.
 inline bool valid_name(std::string_view name) {
   const std::string_view prefix = ShmDomain::kNamePrefix;
-  return name.size() > prefix.size() + 1 && name.size() < shm::kNameMax && name[0] == '/' &&
-         name.substr(1, prefix.size()) == prefix && name.find('/', 1) == std::string_view::npos &&
-         name.find('\0') == std::string_view::npos;
+  if (name.size() <= prefix.size() + 1 || name.size() >= shm::kNameMax || name[0] != '/' ||
+      name.substr(1, prefix.size()) != prefix) {
+    return false;
+  }
+  for (char c : name.substr(1 + prefix.size())) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || c == '.')) return false;
+  }
+  return true;
 }
 
 }  // namespace shm
