@@ -145,16 +145,20 @@ void PostingQueues::lone_done(uint32_t nic, PeerQueue& q, Op& op, const Status& 
     complete(op, closed_unresolved(op, status));
     return;
   }
-  if (status.code() == ErrorCode::kRemoteAccess || !suspect_code(status.code()) || stopping_) {
+  if (status.code() == ErrorCode::kRemoteAccess && !stopping_ && op.owner != nullptr) {
     // Refused alone: this one is at fault. A provider that drops the connection on a refused
-    // key (libfabric tcp) just did so again: the next work towards the peer waits until the
-    // connection is made afresh, instead of failing on the dropped one.
-    if (status.code() == ErrorCode::kRemoteAccess && !stopping_) {
-      q.broken = true;
-      q.not_before = now + kFirstBackoff;
-      make_ready(nics_[nic], q);
-    }
-    complete(op, status);
+    // key (libfabric tcp) just did so again, and the peer may not have let go of it yet when
+    // the next connection comes: seen on tcp, the first write after the refusal was reported
+    // failed with EPIPE on the fresh connection. So the refusal is reported once a check has
+    // gone through over a fresh connection; nothing else is posted towards the peer meanwhile.
+    q.refused = &op;
+    q.refusal = status;
+    ++queued_;
+    check_peer(nic, q, now);
+    return;
+  }
+  if (status.code() == ErrorCode::kRemoteAccess || !suspect_code(status.code()) || stopping_) {
+    complete(op, status);  // at fault (or the engine is closing): it fails, alone
     return;
   }
   // Failed alone, not as a refused key: bad key or unreachable peer? A check tells.
@@ -169,7 +173,7 @@ void PostingQueues::check_peer(uint32_t nic, PeerQueue& q, Clock::time_point now
   q.not_before = now + q.backoff;
   q.backoff = std::min(q.backoff * 2, kMaxBackoff);
   make_ready(nics_[nic], q);
-  Op& suspect = *q.suspects.front();
+  Op& suspect = q.refused != nullptr ? *q.refused : *q.suspects.front();
   if (suspect.owner == nullptr) {
     fail_suspects(q, Status(ErrorCode::kPeerUnreachable,
                             "the connection to the peer dropped and the peer cannot be checked"));
@@ -180,7 +184,7 @@ void PostingQueues::check_peer(uint32_t nic, PeerQueue& q, Clock::time_point now
 
 bool PostingQueues::wants_check(uint32_t nic, transport::PeerHandle peer) const {
   const PeerQueue* q = find(nic, peer);
-  return q != nullptr && !q->suspects.empty() && q->check == nullptr;
+  return q != nullptr && (!q->suspects.empty() || q->refused != nullptr) && q->check == nullptr;
 }
 
 void PostingQueues::set_check(uint32_t nic, transport::PeerHandle peer, Op& check) {
@@ -196,7 +200,7 @@ void PostingQueues::check_done(uint32_t nic, transport::PeerHandle peer, const S
   PeerQueue& q = it->second;
   q.check = nullptr;
   q.check_posted = false;
-  if (q.suspects.empty()) return;
+  if (q.suspects.empty() && q.refused == nullptr) return;
   const std::string& name = nics_[nic].domain->info().name;
   if (!error.is_ok()) {
     if (now - q.failing_since < peer_timeout_ && !stopping_) {
@@ -212,6 +216,8 @@ void PostingQueues::check_done(uint32_t nic, transport::PeerHandle peer, const S
   }
   answered(q, now);
   make_ready(nics_[nic], q);
+  report_refusal(q);
+  if (q.suspects.empty()) return;
   Op& op = *q.suspects.front();
   if (op.lone_tries < kLoneTries) return;  // posted alone once more
   q.suspects.pop_front();
@@ -223,7 +229,14 @@ void PostingQueues::check_done(uint32_t nic, transport::PeerHandle peer, const S
                                   name, op.lone_tries)));
 }
 
+void PostingQueues::report_refusal(PeerQueue& q) {
+  if (q.refused == nullptr) return;
+  --queued_;
+  complete(*std::exchange(q.refused, nullptr), std::exchange(q.refusal, Status::ok()));
+}
+
 void PostingQueues::fail_suspects(PeerQueue& q, const Status& error) {
+  report_refusal(q);  // refused before the peer went quiet: that is its error
   // The work queued behind the suspects goes the same way: the peer is unreachable.
   queued_ -= q.suspects.size() + q.ops.size();
   for (Op* op : q.suspects) complete(*op, error);

@@ -281,6 +281,7 @@ PostingQueues::Taken PostingQueues::take_out(uint32_t nic, transport::PeerHandle
   taken.queued.assign(q.ops.begin(), q.ops.end());
   taken.queued.insert(taken.queued.end(), q.suspects.begin(), q.suspects.end());
   taken.suspects = q.suspects.size();
+  report_refusal(q);
   taken.checking = q.check != nullptr;
   queued_ -= taken.queued.size();
   q.ops.clear();
@@ -327,6 +328,7 @@ void PostingQueues::take_all_queued(std::vector<Op*>& out) {
     for (auto& [peer, q] : n.queues) {
       out.insert(out.end(), q.ops.begin(), q.ops.end());
       out.insert(out.end(), q.suspects.begin(), q.suspects.end());
+      report_refusal(q);  // (an event: the worker runs it before it stops)
       if (q.check != nullptr && !q.check_posted) out.push_back(q.check);
       q.check = nullptr;
       q.ops.clear();

@@ -59,6 +59,11 @@ struct PeerQueue {
   std::deque<Op*> suspects;
   Op* check = nullptr;  // the check (a zero-byte write to the peer's scratch buffer), if any
   bool check_posted = false;
+  // The write found at fault (refused alone), and its error: reported once a check has gone
+  // through over a fresh connection, so that work submitted after the report finds a
+  // connection that works (the peer may drop the first one made after a refusal too).
+  Op* refused = nullptr;
+  Status refusal;
   bool broken = false;  // the last failure may have broken the connection: reset it first
   // The write fence: the WriteFence::epoch() at which the peer was found to have
   // acknowledged this engine's Hello (write_fence.cc); another value: look again.
@@ -70,7 +75,9 @@ struct PeerQueue {
   std::chrono::microseconds backoff{0};
 
   // Also while a reset is due: nothing more is posted on a connection a refusal broke.
-  bool isolating() const { return !suspects.empty() || check != nullptr || broken; }
+  bool isolating() const {
+    return !suspects.empty() || check != nullptr || broken || refused != nullptr;
+  }
 
   void link(Op& op) {
     op.queue = this;
@@ -248,6 +255,8 @@ class PostingQueues {
   void post_isolated(uint32_t nic, PeerQueue& q, Clock::time_point now);
   void lone_done(uint32_t nic, PeerQueue& q, Op& op, const Status& status, Clock::time_point now);
   void check_peer(uint32_t nic, PeerQueue& q, Clock::time_point now);
+  // Completes the write found at fault, if any, with its refusal.
+  void report_refusal(PeerQueue& q);
   static void answered(PeerQueue& q, Clock::time_point now);
   // Fails the suspects of a queue and the work queued behind them with `error`.
   void fail_suspects(PeerQueue& q, const Status& error);

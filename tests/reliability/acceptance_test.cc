@@ -392,6 +392,44 @@ TEST_P(Acceptance, StaleWriteFailsAloneAndSparesTheOthersWithReliableImmediates)
   stale_write_among_valid_ones(GetParam(), true);
 }
 
+// A write submitted after a stale write's refusal was reported is not caught by the connection
+// that refusal dropped: it completes, and its immediate counts once, without reliable_imm.
+// (Before, on tcp, the first write after the report failed on a fresh connection that the peer
+// dropped too, most times out of 20, losing its immediate.)
+TEST_P(Acceptance, AWriteAfterARefusalWasReportedCompletesWithItsImmediate) {
+  PAIR_OR_SKIP(p);
+  constexpr uint64_t kSize = 4096;
+  auto src = make_buffer(*p.a, kSize);
+  auto live = make_buffer(*p.b, kSize);
+  fill_pattern(src->bytes.data(), kSize, 11);
+  constexpr uint32_t kImm = 7700;
+  constexpr int kRounds = 12;
+  for (int round = 0; round < kRounds; ++round) {
+    Probe before;
+    ASSERT_TRUE(p.a->submit(single(src->reg.handle, 0, live->reg.descriptor, 0, kSize, kImm),
+                            before.callbacks()));
+    ASSERT_TRUE(before.wait(30s)) << "round " << round;
+    std::vector<std::byte> stale_memory(kSize, kPoison);
+    auto stale = p.b->register_memory(stale_memory.data(), kSize);
+    ASSERT_TRUE(stale);
+    ASSERT_TRUE(p.b->unregister_memory(stale->handle));
+    Probe bad;
+    ASSERT_TRUE(p.a->submit(single(src->reg.handle, 0, stale->descriptor, 0, kSize, std::nullopt),
+                            bad.callbacks()));
+    const Status refused = bad.wait(30s);
+    ASSERT_EQ(refused.code(), ErrorCode::kRemoteAccess) << refused.to_string();
+    Probe after;
+    ASSERT_TRUE(p.a->submit(single(src->reg.handle, 0, live->reg.descriptor, 0, kSize, kImm),
+                            after.callbacks()));
+    const Status s = after.wait(30s);
+    ASSERT_TRUE(s) << "round " << round << ": " << s.to_string();
+    EXPECT_TRUE(all_poison(stale_memory));
+  }
+  EXPECT_TRUE(p.b->wait_imm(kImm, 2 * kRounds, 10s));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(p.b->imm_count(kImm), uint64_t{2 * kRounds});
+}
+
 // Four threads submit without pause; close() still returns within its bound, every submission
 // that starts once close() has begun returns kClosed, and no callback runs twice or after it.
 TEST_P(Acceptance, CloseIsNotStarvedBySubmittingThreads) {

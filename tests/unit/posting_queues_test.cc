@@ -247,7 +247,7 @@ TEST(PostingQueues, IsolationPostsSuspectsOneAtATimeAfterAReset) {
   EXPECT_EQ(f.nic().posted, (std::vector<Op*>{ops[0], ops[1]}));
 }
 
-TEST(PostingQueues, IsolationFailsTheOneRefusedAloneAndGoesOn) {
+TEST(PostingQueues, IsolationFailsTheOneRefusedAloneOnceAFreshConnectionWorksAndGoesOn) {
   Fixture f(8);
   std::vector<Op*> ops = isolate(f, 2);
   f.now += 2ms;
@@ -255,14 +255,66 @@ TEST(PostingQueues, IsolationFailsTheOneRefusedAloneAndGoesOn) {
   ASSERT_EQ(f.nic().posted, std::vector<Op*>{ops[0]});
   const Status refused(ErrorCode::kRemoteAccess, "bad key");
   EXPECT_FALSE(f.queues->completed(*ops[0], refused, f.now));
+  // Found at fault, but not reported yet: a check over a fresh connection comes first.
+  auto events = f.events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, Kind::kCheck);
+  EXPECT_EQ(events[0].op, ops[0]);
+  ASSERT_TRUE(f.queues->wants_check(0, 1));
+  Op& check = f.write(1);
+  Transfer check_transfer;
+  check_transfer.check_nic = 0;
+  check.transfer = &check_transfer;
+  check.length = 0;
+  f.queues->set_check(0, 1, check);
+  f.now += 2ms;  // the connection is made afresh, and the check goes alone
+  f.queues->post_some(0, f.now);
+  EXPECT_EQ(f.nic().posted, (std::vector<Op*>{ops[0], &check}));
+  EXPECT_EQ(f.nic().resets.size(), 2u);
+  // The first check fails too (the peer had not let go of the old connection): another, later.
+  EXPECT_TRUE(f.queues->completed(check, kDropped, f.now));
+  f.queues->check_done(0, 1, kDropped, f.now);
+  events = f.events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, Kind::kCheck);
+  f.queues->set_check(0, 1, check);
+  f.now += 5ms;
+  f.queues->post_some(0, f.now);
+  EXPECT_EQ(f.nic().posted.back(), &check);
+  EXPECT_EQ(f.nic().resets.size(), 3u);
+  EXPECT_TRUE(f.queues->completed(check, Status::ok(), f.now));
+  f.queues->check_done(0, 1, Status::ok(), f.now);
+  // Now the refusal is reported, with its own error, and the innocent one goes on.
+  events = f.events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].op, ops[0]);
+  EXPECT_EQ(events[0].status.code(), ErrorCode::kRemoteAccess);
+  EXPECT_EQ(events[0].status.message(), "bad key");
+  f.queues->post_some(0, f.now);
+  EXPECT_EQ(f.nic().posted.back(), ops[1]);
+}
+
+TEST(PostingQueues, ARefusalWaitingForItsCheckIsReportedAsSuchWhenThePeerGoesQuiet) {
+  Fixture f(8);
+  std::vector<Op*> ops = isolate(f, 1);
+  f.now += 2ms;
+  f.queues->post_some(0, f.now);
+  EXPECT_FALSE(f.queues->completed(*ops[0], Status(ErrorCode::kRemoteAccess, "bad key"), f.now));
+  ASSERT_EQ(f.events().size(), 1u);  // the check asked for
+  Op& check = f.write(1);
+  Transfer check_transfer;
+  check_transfer.check_nic = 0;
+  check.transfer = &check_transfer;
+  f.queues->set_check(0, 1, check);
+  f.now += 2ms;
+  f.queues->post_some(0, f.now);
+  EXPECT_TRUE(f.queues->completed(check, kDropped, f.now));
+  f.queues->check_done(0, 1, kDropped, f.now + f.cfg.peer_timeout);
   auto events = f.events();
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].op, ops[0]);
   EXPECT_EQ(events[0].status.code(), ErrorCode::kRemoteAccess);
-  f.now += 2ms;  // the connection is made afresh first
-  f.queues->post_some(0, f.now);
-  EXPECT_EQ(f.nic().posted, (std::vector<Op*>{ops[0], ops[1]}));
-  EXPECT_EQ(f.nic().resets.size(), 2u);
+  EXPECT_EQ(f.queues->queued(), 0u);
 }
 
 TEST(PostingQueues, IsolationChecksThePeerAndAFailedCheckFailsEverySuspect) {
