@@ -127,6 +127,21 @@ TEST(Codec, AddressVersionAndMagicAreChecked) {
   EXPECT_FALSE(Address::decode(wrong_magic));
 }
 
+TEST(Codec, AProviderNameThatIsNotPrintableAsciiIsRejected) {
+  // Shown and compared everywhere (Python's str included): a foreign byte there is bad input.
+  for (unsigned char bad : {0x00, 0x1f, 0x7f, 0x80, 0xc9, 0xff}) {
+    Bytes b = Address("tcp", {NicAddress{Bytes(16, std::byte{1}), 0, 0}}).encode();
+    b[6] = static_cast<std::byte>(bad);  // magic, version, length, then the name
+    auto r = Address::decode(b);
+    ASSERT_FALSE(r) << "byte " << int(bad);
+    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("not printable ASCII"), std::string::npos)
+        << r.status().to_string();
+  }
+  EXPECT_TRUE(Address::decode(Address("shm (fabric)", {NicAddress{Bytes(8, std::byte{1}), 0, 0}})
+                                  .encode()));  // a space is printable
+}
+
 TEST(Codec, DescriptorRoundTripIsRailAligned) {
   Address owner = sample_address(2);
   RemoteMemory m(owner, 0x7f0000001000, 1 << 20, {{0x7f0000001000, 11}, {0, 22}});
