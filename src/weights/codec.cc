@@ -1,10 +1,13 @@
 // The byte forms of the schedule and of each rank's description: little-endian, a 4-byte tag
 // and a version first, each string and list prefixed by its length. decode checks every length
-// against what is left, so bad bytes are an error naming the field, never an overread.
+// against what is left, so bad bytes are an error naming the field, never an overread; names
+// (of parameters, shards and projection sources) must be UTF-8, an error naming the field and
+// the parameter's (or shard's) index otherwise.
 #include <fmt/format.h>
 
 #include <cstring>
 #include <map>
+#include <string_view>
 
 #include "common/codec.h"
 #include "fabric/weights.h"
@@ -21,6 +24,42 @@ constexpr uint32_t kTrainerTag = 0x54574246;    // "FBWT"
 constexpr uint32_t kInferenceTag = 0x49574246;  // "FBWI"
 // Bounds on counts read from bytes, so a bad length cannot make decode allocate gigabytes.
 constexpr uint64_t kMaxDims = 16;
+
+// Whether `s` is well-formed UTF-8 (no overlong forms, no surrogates, at most U+10FFFF): names
+// are text that Python and the registries read as such, so a name that is not is refused where
+// the bytes are decoded, rather than wherever it is shown.
+bool valid_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      n = 1, cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      n = 2, cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (s.size() - i - 1 < n) return false;
+    for (size_t k = 1; k <= n; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    if ((n == 2 && cp < 0x800) || (n == 3 && (cp < 0x10000 || cp > 0x10FFFF)) ||
+        (cp >= 0xD800 && cp <= 0xDFFF)) {
+      return false;
+    }
+    i += n + 1;
+  }
+  return true;
+}
 
 void put_string(ByteWriter& w, const std::string& s) {
   w.u32(static_cast<uint32_t>(s.size()));
@@ -85,6 +124,15 @@ class Fields {
     if (!b.empty()) std::memcpy(s.data(), b.data(), b.size());
     return s;
   }
+  // A name: a string that must be UTF-8. `whose` says which one in an error ("parameter 3").
+  std::string name(const char* f, const std::string& whose) {
+    std::string s = str(f);
+    if (ok() && !valid_utf8(s)) {
+      field_ = fmt::format("{} ({}: not UTF-8)", f, whose);
+      fail(field_.c_str());
+    }
+    return s;
+  }
   Shape shape(const char* f) {
     const uint32_t n = count(f, 8);
     if (n > kMaxDims) fail(f);
@@ -97,22 +145,26 @@ class Fields {
     if (v > static_cast<uint8_t>(DType::kFloat8E4M3)) fail(f);
     return static_cast<DType>(v);
   }
-  // put_tensor's fields; `what` prefixes their names in errors ("shard.name").
-  void tensor(const std::string& what, std::string& name, DType& dtype, Shape& shape) {
-    field_ = what + ".name";
-    name = str(field_.c_str());
+  // put_tensor's fields; `what` prefixes their names in errors ("shard.name"), `whose` says
+  // which one it is ("parameter 3").
+  void tensor(const std::string& what, const std::string& whose, std::string& name, DType& dtype,
+              Shape& shape) {
+    const std::string name_field = what + ".name";
+    name = this->name(name_field.c_str(), whose);
     field_ = what + ".dtype";
     dtype = this->dtype(field_.c_str());
     field_ = what + ".shape";
     shape = this->shape(field_.c_str());
   }
-  Projection projection() {
+  Projection projection(const std::string& whose) {
     Projection p;
     const uint8_t kind = u8("projection.kind");
     if (kind > static_cast<uint8_t>(ProjectionKind::kFp8Scale)) fail("projection.kind");
     p.kind = static_cast<ProjectionKind>(kind);
     const uint32_t n = count("projection.sources", 4);
-    for (uint32_t i = 0; ok() && i < n; ++i) p.sources.push_back(str("projection.source"));
+    for (uint32_t i = 0; ok() && i < n; ++i) {
+      p.sources.push_back(name("projection.source", fmt::format("{}, source {}", whose, i)));
+    }
     p.dim = u32("projection.dim");
     p.block = u32("projection.block");
     return p;
@@ -128,7 +180,7 @@ class Fields {
  private:
   ByteReader r_;
   std::string failed_;
-  std::string field_;  // the name tensor() reads under; failed_ copies it
+  std::string field_;  // a field name made for an error; failed_ copies it
 };
 
 }  // namespace
@@ -161,7 +213,7 @@ Result<TrainerRank> decode_trainer(std::span<const std::byte> bytes) {
   const uint32_t n = f.count("shards", 17);
   for (uint32_t i = 0; f.ok() && i < n; ++i) {
     Shard s;
-    f.tensor("shard", s.name, s.dtype, s.shape);
+    f.tensor("shard", fmt::format("shard {}", i), s.name, s.dtype, s.shape);
     const uint32_t dims = f.count("shard.box", 16);
     if (dims > kMaxDims) f.fail("shard.box");
     for (uint32_t d = 0; f.ok() && d < dims; ++d) {
@@ -200,11 +252,12 @@ Result<InferenceRank> decode_inference(std::span<const std::byte> bytes) {
   const uint32_t n = f.count("params", 38);
   for (uint32_t i = 0; f.ok() && i < n; ++i) {
     InferenceParam p;
-    f.tensor("param", p.name, p.dtype, p.shape);
+    const std::string whose = fmt::format("parameter {}", i);
+    f.tensor("param", whose, p.name, p.dtype, p.shape);
     p.placement.dim = static_cast<int32_t>(f.u32("param.placement"));
     p.placement.range.start = f.u64("param.placement");
     p.placement.range.length = f.u64("param.placement");
-    p.projection = f.projection();
+    p.projection = f.projection(whose);
     r.params.push_back(std::move(p));
   }
   f.end();
@@ -256,8 +309,9 @@ Result<Schedule> Schedule::decode(std::span<const std::byte> bytes) {
   std::vector<uint64_t> param_bytes;
   for (uint32_t i = 0; f.ok() && i < n; ++i) {
     ScheduledParam p;
-    f.tensor("param", p.name, p.dtype, p.shape);
-    p.projection = f.projection();
+    const std::string whose = fmt::format("parameter {}", i);
+    f.tensor("param", whose, p.name, p.dtype, p.shape);
+    p.projection = f.projection(whose);
     const uint32_t sources = f.count("param.sources", 5);
     for (uint32_t k = 0; f.ok() && k < sources; ++k) {
       p.source_dtypes.push_back(f.dtype("param.source_dtype"));

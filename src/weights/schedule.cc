@@ -12,6 +12,10 @@
 namespace fabric::weights {
 namespace {
 
+// The most NICs a training rank may have (as many as an engine's device group may: an
+// Address holds at most 64): the schedule keeps a load per NIC.
+constexpr uint32_t kMaxNics = 64;
+
 Status invalid(std::string message) {
   return Status(ErrorCode::kInvalidArgument, std::move(message));
 }
@@ -71,7 +75,10 @@ Result<std::map<std::string, TrainingParam>> collect_training(
   if (Status s = check_ranks("training", ranks); !s) return s;
   std::map<std::string, TrainingParam> params;
   for (const TrainerRank& t : trainers) {
-    if (t.num_nics == 0) return invalid(fmt::format("training rank {}: num_nics is 0", t.rank));
+    if (t.num_nics == 0 || t.num_nics > kMaxNics) {
+      return invalid(
+          fmt::format("training rank {}: num_nics is {} (1 to {})", t.rank, t.num_nics, kMaxNics));
+    }
     std::set<std::string_view> names;
     for (const Shard& s : t.shards) {
       const std::string where = fmt::format("training parameter '{}' (rank {})", s.name, t.rank);
@@ -84,7 +91,7 @@ Result<std::map<std::string, TrainingParam>> collect_training(
       }
       for (size_t d = 0; d < s.box.size(); ++d) {
         const Range& r = s.box[d];
-        if (r.length == 0 || r.start + r.length > s.shape[d]) {
+        if (r.length == 0 || r.start > s.shape[d] || r.length > s.shape[d] - r.start) {
           return invalid(fmt::format("{}: box range [{}, {}) of dim {} outside its size {}", where,
                                      r.start, r.start + r.length, d, s.shape[d]));
         }
@@ -230,7 +237,8 @@ Result<Schedule> compute_schedule(const std::vector<TrainerRank>& trainers,
       if (p.placement.dim >= 0) {
         const auto d = static_cast<size_t>(p.placement.dim);
         const Range& rg = p.placement.range;
-        if (d >= p.shape.size() || rg.length == 0 || rg.start + rg.length > p.shape[d]) {
+        if (d >= p.shape.size() || rg.length == 0 || rg.start > p.shape[d] ||
+            rg.length > p.shape[d] - rg.start) {
           return invalid(fmt::format("{}: placement [{}, {}) of dim {} outside shape {}", where,
                                      rg.start, rg.start + rg.length, d, shape_str(p.shape)));
         }
