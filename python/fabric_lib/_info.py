@@ -6,10 +6,23 @@ Both come from the library's discovery API (include/fabric/discovery.h): the dic
 
 from __future__ import annotations
 
+import codecs
 import json
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 from ._fabric_lib import _gather_info
+
+
+def _json_backslashreplace(err: UnicodeError) -> Tuple[str, int]:
+    """Bytes of the report that are not UTF-8 (they can only be inside JSON strings: a NIC
+    name, an environment variable quoted in an error) as the JSON escape of a backslash
+    followed by xNN: the string then reads '\\xNN', as the text report writes them."""
+    assert isinstance(err, UnicodeDecodeError)
+    bad = err.object[err.start:err.end]
+    return "".join(f"\\\\x{b:02x}" for b in bad), err.end
+
+
+codecs.register_error("fabric_lib.json_backslashreplace", _json_backslashreplace)
 
 
 class Info(dict):  # type: ignore[type-arg]
@@ -46,4 +59,4 @@ def info(
     print(fabric_lib.info()) prints fabric-info's text; the dict has fabric-info --json's keys.
     """
     report, text = _gather_info(provider, list(nics) if nics is not None else None, cpu, engine)
-    return Info(json.loads(report), text)
+    return Info(json.loads(report.decode("utf-8", "fabric_lib.json_backslashreplace")), text)

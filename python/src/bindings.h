@@ -15,7 +15,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "fabric/fabric.h"
@@ -23,6 +27,55 @@
 // Config.groups is bound as a list-like view of the C++ vector, so that
 // `config.groups[0].nics = [...]` changes the config and not a copy. Every file includes this.
 PYBIND11_MAKE_OPAQUE(std::vector<fabric::GroupConfig>)
+
+namespace fabric::python {
+// An integer argument as Python passes it: an int, or any object with __index__ (NumPy
+// integers). Its range is checked by the binding with unsigned_arg(), so that a negative or
+// too large value raises InvalidArgument naming the argument (pybind11's own casters for
+// unsigned types raise a TypeError that names nothing).
+struct IntArg {
+  pybind11::object value;  // a Python int
+};
+}  // namespace fabric::python
+
+namespace pybind11::detail {
+
+// std::string to str, for every conversion of the module (return values, tuples, lists,
+// attributes): bytes that are not UTF-8 are written as backslash escapes ("\xff") instead of
+// raising UnicodeDecodeError. Strings that reach Python from C++ may hold foreign bytes (a
+// corrupt descriptor's names in an error message, an environment variable, a registry file),
+// and a conversion that raises inside an engine callback would leave a future pending. Reading
+// a str into std::string is pybind11's own. Every file of the module sees this before any
+// conversion of a std::string (bindings.h is included by all of them), so there is one caster.
+template <>
+struct type_caster<std::string> : string_caster<std::string> {
+  static handle cast(const std::string& s, return_value_policy, handle) {
+    PyObject* out =
+        PyUnicode_DecodeUTF8(s.data(), static_cast<ssize_t>(s.size()), "backslashreplace");
+    if (out == nullptr) throw error_already_set();
+    return out;
+  }
+};
+
+template <>
+struct type_caster<fabric::python::IntArg> {
+  PYBIND11_TYPE_CASTER(fabric::python::IntArg, const_name("int"));
+  bool load(handle src, bool /*convert*/) {
+    if (!src || PyFloat_Check(src.ptr())) return false;
+    PyObject* index = PyNumber_Index(src.ptr());
+    if (index == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    value.value = reinterpret_steal<object>(index);
+    return true;
+  }
+  static handle cast(const fabric::python::IntArg& v, return_value_policy, handle) {
+    return v.value.inc_ref();
+  }
+};
+
+}  // namespace pybind11::detail
 
 namespace fabric::python {
 
@@ -70,6 +123,42 @@ void call_user(const PyRef& fn, py::args args = py::args());
 // concurrent.futures.Future.<method>(future, value), reporting what it raises. Holding the GIL.
 void resolve(const PyRef& future, const char* method, py::handle value);
 
+// --- text and integers crossing into Python ----------------------------------------------
+
+// `s` as a str, bytes that are not UTF-8 written as backslash escapes. Never raises but for
+// MemoryError.
+inline py::str text(std::string_view s) {
+  PyObject* out =
+      PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
+  if (out == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(out);
+}
+
+// A Python str as UTF-8 bytes, lone surrogates written as backslash escapes (never raises but
+// for MemoryError): for names of Python objects put into messages.
+std::string utf8(py::handle str);
+
+// The value of an integer argument, at most `max`: InvalidArgument naming `what` (e.g.
+// "write: length") when it is negative or larger.
+uint64_t unsigned_value(const IntArg& arg, const char* what, uint64_t max);
+template <typename T>
+T unsigned_arg(const IntArg& arg, const char* what) {
+  static_assert(std::is_unsigned_v<T>);
+  return static_cast<T>(unsigned_value(arg, what, std::numeric_limits<T>::max()));
+}
+inline uint32_t u32(const IntArg& arg, const char* what) {
+  return unsigned_arg<uint32_t>(arg, what);
+}
+inline uint64_t u64(const IntArg& arg, const char* what) {
+  return unsigned_arg<uint64_t>(arg, what);
+}
+inline std::optional<uint64_t> u64(const std::optional<IntArg>& arg, const char* what) {
+  if (!arg) return std::nullopt;
+  return u64(*arg, what);
+}
+// The value of a signed integer argument in [min, max] (InvalidArgument naming `what` when not).
+int64_t signed_value(const IntArg& arg, const char* what, int64_t min, int64_t max);
+
 // --- errors (errors.cc) ---------------------------------------------------------------------
 
 // Carries a non-ok Status out of a binding; translated into the Python exception of its code.
@@ -87,8 +176,13 @@ T check(Result<T> r) {
   return std::move(*r);
 }
 
-// The Python exception instance for a non-ok status (holding the GIL).
+// The Python exception instance for a non-ok status (holding the GIL). Never raises: when the
+// instance cannot be built it returns one of the same class with the message as ASCII escapes
+// (or, failing that too, MemoryError), so that a future failed with it still resolves.
 py::object make_exception(const Status& status);
+// Tests only: while set on a thread, make_exception there fails to build the instance as if a
+// conversion had raised (_fail_transfer_for_test).
+extern thread_local bool t_break_exception_for_test;
 // Reports an exception that user callback `callback` raised on an engine thread through
 // sys.unraisablehook ("Exception ignored in: <callback>"), and swallows it. Holding the GIL.
 void report_callback_error(py::error_already_set& e, py::handle callback);

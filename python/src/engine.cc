@@ -36,23 +36,35 @@ const py::object& futures_class(const char* name) {
 
 }  // namespace
 
+namespace {
+
+// Runs fn(), reporting what it throws through sys.unraisablehook as raised by `where`: a C++
+// exception (a failed conversion) as a RuntimeError. Holding the GIL.
+template <typename Fn>
+void reported(py::handle where, Fn&& fn) {
+  try {
+    fn();
+  } catch (py::error_already_set& e) {
+    report_callback_error(e, where);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    PyErr_WriteUnraisable(where.ptr());
+  }
+}
+
+}  // namespace
+
 void call_user(const PyRef& fn, py::args args) {
   if (!fn) return;
   py::object f = fn.get();  // alive through the call, even if the callback replaces itself
-  try {
-    f(*args);
-  } catch (py::error_already_set& e) {
-    report_callback_error(e, f);
-  }
+  reported(f, [&] { f(*args); });
 }
 
 void resolve(const PyRef& future, const char* method, py::handle value) {
   if (!future) return;
-  try {
+  reported(future.get(), [&] {
     py::module_::import("concurrent.futures").attr("Future").attr(method)(future.get(), value);
-  } catch (py::error_already_set& e) {
-    report_callback_error(e, future.get());
-  }
+  });
 }
 
 namespace {
@@ -64,7 +76,8 @@ struct Completion {
   PyRef on_error;
   PyRef keepalive;  // the source registration, valid until the transfer completes
 
-  // On the callback thread.
+  // On the callback thread. Neither throws: whatever the callback or a conversion raises is
+  // reported, and the future resolves in any case.
   void done() {
     if (interpreter_finalizing()) return;
     py::gil_scoped_acquire gil;
@@ -77,8 +90,8 @@ struct Completion {
     if (interpreter_finalizing()) return;
     py::gil_scoped_acquire gil;
     InCallback in;
-    py::object exc = make_exception(s);
-    call_user(on_error, py::make_tuple(exc));
+    py::object exc = make_exception(s);  // never raises
+    if (on_error) reported(on_error.get(), [&] { call_user(on_error, py::make_tuple(exc)); });
     resolve(future, "set_exception", exc);
     clear();
   }
@@ -550,7 +563,8 @@ void bind_engine(py::module_& m) {
           "would raise: PeerUnreachable, Cancelled, ...), or None.")
       .def(
           "wait",
-          [](const CompletionCounter& c, uint64_t n, std::optional<double> timeout) {
+          [](const CompletionCounter& c, const IntArg& n_arg, std::optional<double> timeout) {
+            const uint64_t n = u64(n_arg, "CompletionCounter.wait: n");
             return wait_interruptibly(
                 timeout, [&](std::chrono::milliseconds slice) { return c.wait(n, slice); });
           },
@@ -658,7 +672,8 @@ void bind_engine(py::module_& m) {
           "The number of device groups.")
       .def(
           "group_info",
-          [](const PyEngine& e, uint32_t group) {
+          [](const PyEngine& e, const IntArg& group_arg) {
+            const uint32_t group = u32(group_arg, "group_info: group");
             if (group >= e.engine().num_groups()) {
               throw StatusError{
                   Status(ErrorCode::kNotFound,
@@ -668,7 +683,10 @@ void bind_engine(py::module_& m) {
           },
           py::arg("group") = 0, "What device group `group` turned out to be. Raises NotFound.")
       .def(
-          "nics_up", [](const PyEngine& e, uint32_t group) { return e.engine().nics_up(group); },
+          "nics_up",
+          [](const PyEngine& e, const IntArg& group) {
+            return e.engine().nics_up(u32(group, "nics_up: group"));
+          },
           py::arg("group") = 0,
           "For each NIC of device group `group`, in rail order, whether it is up (failover, "
           "docs/failover.md); empty for a group that does not exist. Non-blocking.")
@@ -682,7 +700,8 @@ void bind_engine(py::module_& m) {
           "The Address of device group 0 (bytes(engine.address) to send it). Non-blocking.")
       .def(
           "group_address",
-          [](const PyEngine& e, uint32_t group) {
+          [](const PyEngine& e, const IntArg& group_arg) {
+            const uint32_t group = u32(group_arg, "group_address: group");
             if (group >= e.engine().num_groups()) {
               throw StatusError{
                   Status(ErrorCode::kNotFound,
@@ -695,7 +714,9 @@ void bind_engine(py::module_& m) {
       // --- memory ---
       .def(
           "register",
-          [](PyEngine& e, py::handle memory, uint32_t group, bool host_mirror, bool gpu_copies) {
+          [](PyEngine& e, py::handle memory, const IntArg& group_arg, bool host_mirror,
+             bool gpu_copies) {
+            const uint32_t group = u32(group_arg, "register: group");
             auto pinned = PinnedMemory::from_object(memory);
             Result<Registration> r = [&] {
               py::gil_scoped_release nogil;
@@ -721,9 +742,12 @@ void bind_engine(py::module_& m) {
           "Blocking, GIL released.")
       .def(
           "register_ptr",
-          [](PyEngine& e, uintptr_t ptr, uint64_t length, uint32_t group, py::object owner,
-             bool host_mirror, bool gpu_copies) {
-            auto pinned = PinnedMemory::from_pointer(ptr, length, std::move(owner));
+          [](PyEngine& e, const IntArg& ptr, const IntArg& length, const IntArg& group_arg,
+             py::object owner, bool host_mirror, bool gpu_copies) {
+            const uint32_t group = u32(group_arg, "register_ptr: group");
+            auto pinned =
+                PinnedMemory::from_pointer(unsigned_arg<uintptr_t>(ptr, "register_ptr: ptr"),
+                                           u64(length, "register_ptr: length"), std::move(owner));
             Result<Registration> r = [&] {
               py::gil_scoped_release nogil;
               return e.engine().register_memory(pinned->ptr(), pinned->length(),
@@ -789,10 +813,13 @@ void bind_engine(py::module_& m) {
       // --- one-sided writes ---
       .def(
           "write",
-          [](PyEngine& e, py::handle src, py::handle dst, std::optional<uint64_t> length,
-             uint64_t src_offset, uint64_t dst_offset, py::object imm,
+          [](PyEngine& e, py::handle src, py::handle dst, const std::optional<IntArg>& length_arg,
+             const IntArg& src_offset_arg, const IntArg& dst_offset_arg, py::object imm,
              std::optional<Routing> routing, py::object on_done, py::object on_error,
              py::object counter) {
+            std::optional<uint64_t> length = u64(length_arg, "write: length");
+            const uint64_t src_offset = u64(src_offset_arg, "write: src_offset");
+            const uint64_t dst_offset = u64(dst_offset_arg, "write: dst_offset");
             Source s = to_source(src);
             if (!length) {
               if (!s.length) {
@@ -824,21 +851,22 @@ void bind_engine(py::module_& m) {
           "Closed for a rejected write.")
       .def(
           "paged_write",
-          [](PyEngine& e, py::handle src, py::handle dst, uint64_t page_bytes, py::handle src_pages,
-             py::handle dst_pages, std::optional<uint64_t> src_stride, uint64_t src_offset,
-             std::optional<uint64_t> dst_stride, uint64_t dst_offset, py::object imm,
-             py::object on_done, py::object on_error, py::object counter) {
-            Source s = to_source(src);
+          [](PyEngine& e, py::handle src, py::handle dst, const IntArg& page_bytes,
+             py::handle src_pages, py::handle dst_pages, const std::optional<IntArg>& src_stride,
+             const IntArg& src_offset, const std::optional<IntArg>& dst_stride,
+             const IntArg& dst_offset, py::object imm, py::object on_done, py::object on_error,
+             py::object counter) {
             PagedWrite w;
+            w.page_bytes = u64(page_bytes, "paged_write: page_bytes");
+            w.src_stride = u64(src_stride, "paged_write: src_stride").value_or(w.page_bytes);
+            w.src_offset = u64(src_offset, "paged_write: src_offset");
+            w.dst_stride = u64(dst_stride, "paged_write: dst_stride").value_or(w.page_bytes);
+            w.dst_offset = u64(dst_offset, "paged_write: dst_offset");
+            Source s = to_source(src);
             w.src = s.handle;
             w.dst = to_remote(dst, "paged_write: dst");
-            w.page_bytes = page_bytes;
             w.src_pages = to_page_indices(src_pages, "src_pages");
-            w.src_stride = src_stride.value_or(page_bytes);
-            w.src_offset = src_offset;
             w.dst_pages = to_page_indices(dst_pages, "dst_pages");
-            w.dst_stride = dst_stride.value_or(page_bytes);
-            w.dst_offset = dst_offset;
             w.imm = to_imm(imm);
             return submit(e, w, {std::move(on_done), std::move(on_error), std::move(counter)},
                           std::move(s.keepalive));
@@ -873,10 +901,15 @@ void bind_engine(py::module_& m) {
                     "scatter: a target is a ScatterTarget or (dst, length[, src_offset[, "
                     "dst_offset]])");
               }
-              sc.targets.push_back(ScatterTarget{to_remote(tup[0], "scatter: target dst"),
-                                                 py::cast<uint64_t>(tup[1]),
-                                                 tup.size() > 2 ? py::cast<uint64_t>(tup[2]) : 0,
-                                                 tup.size() > 3 ? py::cast<uint64_t>(tup[3]) : 0});
+              auto field = [&](size_t i, const char* what) -> uint64_t {
+                if (i >= tup.size()) return 0;
+                py::detail::make_caster<IntArg> v;
+                if (!v.load(tup[i], true)) throw py::type_error(std::string(what) + ": not an int");
+                return u64(py::detail::cast_op<const IntArg&>(v), what);
+              };
+              sc.targets.push_back(ScatterTarget{
+                  to_remote(tup[0], "scatter: target dst"), field(1, "scatter: target length"),
+                  field(2, "scatter: target src_offset"), field(3, "scatter: target dst_offset")});
             }
             sc.imm = to_imm(imm);
             sc.sharding = sharding;
@@ -893,9 +926,12 @@ void bind_engine(py::module_& m) {
           "Transfer (with `counter`, the transfer id).")
       .def(
           "barrier",
-          [](PyEngine& e, PeerGroup group, uint32_t imm, uint32_t nic, uint32_t local_group,
-             py::object on_done, py::object on_error, py::object counter) {
-            return submit(e, Barrier{group, imm, nic, local_group},
+          [](PyEngine& e, PeerGroup group, const IntArg& imm, const IntArg& nic,
+             const IntArg& local_group, py::object on_done, py::object on_error,
+             py::object counter) {
+            return submit(e,
+                          Barrier{group, u32(imm, "barrier: imm"), u32(nic, "barrier: nic"),
+                                  u32(local_group, "barrier: local_group")},
                           {std::move(on_done), std::move(on_error), std::move(counter)},
                           py::none());
           },
@@ -907,11 +943,14 @@ void bind_engine(py::module_& m) {
           "(with `counter`, the transfer id).")
       .def(
           "imm_write",
-          [](PyEngine& e, py::handle peer, uint32_t imm, uint32_t nic, uint32_t local_group,
-             py::object on_done, py::object on_error, py::object counter) {
-            return submit(e, ImmWrite{to_address(peer, "imm_write: peer"), imm, nic, local_group},
-                          {std::move(on_done), std::move(on_error), std::move(counter)},
-                          py::none());
+          [](PyEngine& e, py::handle peer, const IntArg& imm, const IntArg& nic,
+             const IntArg& local_group, py::object on_done, py::object on_error,
+             py::object counter) {
+            return submit(
+                e,
+                ImmWrite{to_address(peer, "imm_write: peer"), u32(imm, "imm_write: imm"),
+                         u32(nic, "imm_write: nic"), u32(local_group, "imm_write: local_group")},
+                {std::move(on_done), std::move(on_error), std::move(counter)}, py::none());
           },
           py::arg("peer"), py::arg("imm"), py::kw_only(), py::arg("nic") = 0,
           py::arg("local_group") = 0, py::arg("on_done") = py::none(),
@@ -923,8 +962,9 @@ void bind_engine(py::module_& m) {
       // --- two-sided messages ---
       .def(
           "send",
-          [](PyEngine& e, py::handle peer, py::handle message, uint32_t group, py::object on_done,
-             py::object on_error, py::object counter) {
+          [](PyEngine& e, py::handle peer, py::handle message, const IntArg& group_arg,
+             py::object on_done, py::object on_error, py::object counter) {
+            const uint32_t group = u32(group_arg, "send: group");
             Address a = to_address(peer, "send: peer");
             Py_buffer view;
             if (PyObject_GetBuffer(message.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
@@ -949,8 +989,12 @@ void bind_engine(py::module_& m) {
           "id).")
       .def(
           "set_receive_handler",
-          [](PyEngine& e, py::object handler, uint64_t buffer_bytes, uint32_t count,
-             uint32_t group) {
+          [](PyEngine& e, py::object handler, const IntArg& buffer_bytes_arg,
+             const IntArg& count_arg, const IntArg& group_arg) {
+            const uint64_t buffer_bytes =
+                u64(buffer_bytes_arg, "set_receive_handler: buffer_bytes");
+            const uint32_t count = u32(count_arg, "set_receive_handler: count");
+            const uint32_t group = u32(group_arg, "set_receive_handler: group");
             auto r = std::make_shared<Receiver>(callable_or_none(std::move(handler), "handler"));
             Status s = [&] {
               py::gil_scoped_release nogil;
@@ -973,7 +1017,8 @@ void bind_engine(py::module_& m) {
           "second call. Blocking, GIL released.")
       .def(
           "recv",
-          [](PyEngine& e, std::optional<double> timeout, uint32_t group) {
+          [](PyEngine& e, std::optional<double> timeout, const IntArg& group_arg) {
+            const uint32_t group = u32(group_arg, "recv: group");
             std::shared_ptr<Receiver> r;
             {
               std::lock_guard lock(e.core()->mu);
@@ -1015,7 +1060,10 @@ void bind_engine(py::module_& m) {
       // --- immediates ---
       .def(
           "expect_imm",
-          [](py::object self, uint32_t imm, uint64_t count, py::object on_reached) {
+          [](py::object self, const IntArg& imm_arg, const IntArg& count_arg,
+             py::object on_reached) {
+            const uint32_t imm = u32(imm_arg, "expect_imm: imm");
+            const uint64_t count = u64(count_arg, "expect_imm: count");
             auto& e = py::cast<PyEngine&>(self);
             auto c = std::make_shared<Completion>();
             py::object future = futures_class("Expectation")(
@@ -1074,7 +1122,8 @@ void bind_engine(py::module_& m) {
           "AlreadyExists (one is pending for imm).")
       .def(
           "cancel_expect_imm",
-          [](PyEngine& e, uint32_t imm) {
+          [](PyEngine& e, const IntArg& imm_arg) {
+            const uint32_t imm = u32(imm_arg, "cancel_expect_imm: imm");
             Status s = [&] {
               py::gil_scoped_release nogil;
               return e.engine().cancel_expect_imm(imm);
@@ -1136,7 +1185,8 @@ void bind_engine(py::module_& m) {
           "removes it.")
       .def(
           "progress",
-          [](PyEngine& e, uint32_t group) {
+          [](PyEngine& e, const IntArg& group_arg) {
+            const uint32_t group = u32(group_arg, "progress: group");
             py::gil_scoped_release nogil;  // the callbacks it runs take the GIL themselves
             return e.engine().progress(group);
           },
@@ -1147,12 +1197,18 @@ void bind_engine(py::module_& m) {
           "caller-driven or once the engine is closing. Futures of such a group complete only "
           "while some thread calls it; wait_imm, register and unregister drive it themselves.")
       .def(
-          "imm_count", [](const PyEngine& e, uint32_t imm) { return e.engine().imm_count(imm); },
+          "imm_count",
+          [](const PyEngine& e, const IntArg& imm) {
+            return e.engine().imm_count(u32(imm, "imm_count: imm"));
+          },
           py::arg("imm"),
           "Arrivals of `imm` since the engine started (or reset_imm). Non-blocking.")
       .def(
           "wait_imm",
-          [](const PyEngine& e, uint32_t imm, uint64_t total, std::optional<double> timeout) {
+          [](const PyEngine& e, const IntArg& imm_arg, const IntArg& total_arg,
+             std::optional<double> timeout) {
+            const uint32_t imm = u32(imm_arg, "wait_imm: imm");
+            const uint64_t total = u64(total_arg, "wait_imm: total");
             return wait_interruptibly(timeout, [&](std::chrono::milliseconds slice) {
               return e.engine().wait_imm(imm, total, slice);
             });
@@ -1162,7 +1218,8 @@ void bind_engine(py::module_& m) {
           "returns whether it was reached. GIL released while waiting.")
       .def(
           "reset_imm",
-          [](PyEngine& e, uint32_t imm) {
+          [](PyEngine& e, const IntArg& imm_arg) {
+            const uint32_t imm = u32(imm_arg, "reset_imm: imm");
             {
               py::gil_scoped_release nogil;
               e.engine().reset_imm(imm);
@@ -1172,6 +1229,31 @@ void bind_engine(py::module_& m) {
           py::arg("imm"),
           "Forgets the tally and any expectation of `imm` (its future is cancelled).");
 
+  m.def(
+      "_fail_transfer_for_test",
+      [](ErrorCode code, const py::bytes& message, py::object on_error, bool break_exception) {
+        if (code == ErrorCode::kOk) {
+          throw StatusError{Status(ErrorCode::kInvalidArgument, "code: OK is not a failure")};
+        }
+        auto c = std::make_shared<Completion>();
+        py::object future = futures_class("Transfer")();
+        c->future = PyRef(future);
+        if (!on_error.is_none()) {
+          c->on_error = PyRef(callable_or_none(std::move(on_error), "on_error"));
+        }
+        struct Restore {
+          ~Restore() { t_break_exception_for_test = false; }
+        } restore;
+        t_break_exception_for_test = break_exception;
+        c->failed(Status(code, std::string(message)));
+        return future;
+      },
+      py::arg("code"), py::arg("message"), py::kw_only(), py::arg("on_error") = py::none(),
+      py::arg("break_exception") = false,
+      "Tests only: a Transfer failed with (code, message: bytes, which may be foreign to "
+      "UTF-8) through the path the engine's callback thread takes, on_error included; with "
+      "break_exception, building the exception object fails as a conversion would. Returns "
+      "the resolved Transfer.");
   m.def("_close_all", &close_all,
         "Closes every engine still open (registered with atexit by the package, so that no "
         "engine thread outlives the interpreter).");

@@ -55,12 +55,118 @@ PyObject* class_for(ErrorCode code) {
 
 }  // namespace
 
-py::object make_exception(const Status& status) {
+thread_local bool t_break_exception_for_test = false;
+
+namespace {
+
+// `s` with every byte outside printable ASCII written as \xNN: text no conversion can refuse.
+std::string ascii_escaped(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out += ch;
+    } else {
+      constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xf];
+    }
+  }
+  return out;
+}
+
+py::object build_exception(const Status& status) {
+  if (t_break_exception_for_test) {
+    PyErr_SetString(PyExc_UnicodeError, "make_exception: a failure simulated by a test");
+    throw py::error_already_set();
+  }
   py::object cls = py::reinterpret_borrow<py::object>(class_for(status.code()));
-  py::object exc = cls(status.message());
+  py::str message = text(status.message());
+  py::object exc = cls(message);
   exc.attr("code") = py::cast(status.code());
-  exc.attr("message") = py::str(status.message());
+  exc.attr("message") = message;
   return exc;
+}
+
+}  // namespace
+
+py::object make_exception(const Status& status) {
+  try {
+    return build_exception(status);
+  } catch (py::error_already_set&) {
+  } catch (const std::exception&) {
+  }
+  // The exception object could not be built (out of memory, a conversion that failed): the
+  // same class with the message in plain ASCII, so that whoever waits for it still gets it;
+  // failing that, MemoryError (the one class that always has an instance).
+  PyErr_Clear();
+  const std::string message = ascii_escaped(status.message());
+  PyObject* text =
+      PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));
+  PyObject* exc = text != nullptr ? PyObject_CallOneArg(class_for(status.code()), text) : nullptr;
+  Py_XDECREF(text);
+  if (exc == nullptr) {
+    PyErr_Clear();
+    return py::reinterpret_borrow<py::object>(PyExc_MemoryError);
+  }
+  py::object out = py::reinterpret_steal<py::object>(exc);
+  try {
+    out.attr("message") = py::str(message);
+    out.attr("code") = py::cast(status.code());
+  } catch (...) {
+    PyErr_Clear();
+  }
+  return out;
+}
+
+std::string utf8(py::handle str) {
+  PyObject* bytes = PyUnicode_AsEncodedString(str.ptr(), "utf-8", "backslashreplace");
+  if (bytes == nullptr) throw py::error_already_set();
+  std::string out(PyBytes_AS_STRING(bytes), static_cast<size_t>(PyBytes_GET_SIZE(bytes)));
+  Py_DECREF(bytes);
+  return out;
+}
+
+namespace {
+
+[[noreturn]] void out_of_range(const IntArg& arg, const char* what, const std::string& range) {
+  std::string value = utf8(py::repr(arg.value));
+  if (value.size() > 40) value = value.substr(0, 37) + "...";
+  throw StatusError{
+      Status(ErrorCode::kInvalidArgument, std::string(what) + ": " + value + " is not " + range)};
+}
+
+}  // namespace
+
+uint64_t unsigned_value(const IntArg& arg, const char* what, uint64_t max) {
+  const std::string range = "an integer from 0 to " + std::to_string(max);
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(arg.value.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (overflow < 0 || (overflow == 0 && v < 0)) out_of_range(arg, what, range);
+  uint64_t u = static_cast<uint64_t>(v);
+  if (overflow > 0) {
+    u = PyLong_AsUnsignedLongLong(arg.value.ptr());
+    if (u == static_cast<uint64_t>(-1) && PyErr_Occurred()) {
+      PyErr_Clear();
+      out_of_range(arg, what, range);
+    }
+  }
+  if (u > max) out_of_range(arg, what, range);
+  return u;
+}
+
+int64_t signed_value(const IntArg& arg, const char* what, int64_t min, int64_t max) {
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(arg.value.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (overflow != 0 || v < min || v > max) {
+    out_of_range(arg, what,
+                 "an integer from " + std::to_string(min) + " to " + std::to_string(max));
+  }
+  return v;
 }
 
 void report_callback_error(py::error_already_set& e, py::handle callback) {

@@ -11,10 +11,12 @@
 namespace fabric::python {
 namespace {
 
-// (fabric-info --json's object as text, fabric-info's text).
-std::pair<std::string, std::string> gather(std::optional<std::string> provider,
-                                           std::optional<std::vector<std::string>> nics,
-                                           std::optional<std::string> cpu, bool engine) {
+// (fabric-info --json's object as UTF-8 bytes, fabric-info's text). The JSON goes as bytes:
+// a name holding bytes that are not UTF-8 (a NIC, an environment variable in an error) is
+// escaped by the package's own decoder, into JSON that still parses.
+std::pair<py::bytes, std::string> gather(std::optional<std::string> provider,
+                                         std::optional<std::vector<std::string>> nics,
+                                         std::optional<std::string> cpu, bool engine) {
   EngineProbeRequest request;
   request.provider = std::move(provider);
   request.nics = std::move(nics);
@@ -25,12 +27,17 @@ std::pair<std::string, std::string> gather(std::optional<std::string> provider,
     }
     request.cpu = *parsed;
   }
-  py::gil_scoped_release nogil;
-  const MachineInfo machine = discover();
-  std::optional<EngineProbe> probe;
-  if (engine) probe = probe_engine(request);
-  const EngineProbe* e = probe ? &*probe : nullptr;
-  return {to_json(machine, e), to_text(machine, e)};
+  std::string json, text;
+  {
+    py::gil_scoped_release nogil;
+    const MachineInfo machine = discover();
+    std::optional<EngineProbe> probe;
+    if (engine) probe = probe_engine(request);
+    const EngineProbe* e = probe ? &*probe : nullptr;
+    json = to_json(machine, e);
+    text = to_text(machine, e);
+  }
+  return {py::bytes(json), std::move(text)};
 }
 
 }  // namespace
@@ -38,7 +45,7 @@ std::pair<std::string, std::string> gather(std::optional<std::string> provider,
 void bind_info(py::module_& m) {
   m.def("_gather_info", &gather, py::arg("provider") = py::none(), py::arg("nics") = py::none(),
         py::arg("cpu") = py::none(), py::arg("engine") = true,
-        "fabric-info's report as (JSON text, text); fabric_lib.info() wraps it.");
+        "fabric-info's report as (JSON as UTF-8 bytes, text); fabric_lib.info() wraps it.");
 }
 
 }  // namespace fabric::python

@@ -106,7 +106,7 @@ auto with_object(const std::shared_ptr<Slot>& slot, const char* what, Fn&& fn) {
 // An engine address from an Address, its bytes, or its hex text (Member.address).
 Address address_arg(py::handle obj, const char* what) {
   if (py::isinstance<py::str>(obj)) {
-    auto a = Address::from_hex(py::cast<std::string>(obj));
+    auto a = Address::from_hex(utf8(obj));
     if (!a) {
       throw StatusError{
           Status(ErrorCode::kInvalidArgument, std::string(what) + ": " + a.status().message())};

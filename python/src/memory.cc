@@ -50,7 +50,7 @@ constexpr uint8_t kDLUInt = 1;
 }
 
 std::string type_name(py::handle obj) {
-  return py::str(py::type::handle_of(obj).attr("__qualname__"));
+  return utf8(py::type::handle_of(obj).attr("__qualname__"));
 }
 
 std::string device_name(const DLDevice& d) {

@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string_view>
+#include <type_traits>
 
 #include "bindings.h"
 
@@ -19,7 +21,7 @@ auto with_bytes(py::handle obj, const char* what, Fn&& fn) {
   if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_SIMPLE) != 0) {
     PyErr_Clear();
     throw py::type_error(std::string(what) + ": expected bytes, not " +
-                         std::string(py::str(py::type::handle_of(obj).attr("__qualname__"))));
+                         utf8(py::type::handle_of(obj).attr("__qualname__")));
   }
   std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> guard(&view, PyBuffer_Release);
   return fn(std::span<const std::byte>(static_cast<const std::byte*>(view.buf),
@@ -30,27 +32,71 @@ py::bytes to_pybytes(const Bytes& b) {
   return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
 }
 
-template <typename Duration, Duration Config::*Field>
-void duration_property(py::class_<Config>& cls, const char* name, const char* doc) {
+// "Class.name", for messages about a field.
+template <typename C>
+std::string qualified(const py::class_<C>& cls, const char* name) {
+  return utf8(cls.attr("__name__")) + "." + name;
+}
+
+// A property reading a field as it is.
+template <typename C, typename T>
+auto getter(T C::*field) {
+  return [field](const C& c) { return c.*field; };
+}
+
+// A setter of an unsigned integer field: InvalidArgument naming `what` for a value out of range.
+template <typename C, typename T>
+auto unsigned_setter(T C::*field, std::string what) {
+  return [field, what = std::move(what)](C& c, const IntArg& v) {
+    c.*field = unsigned_arg<T>(v, what.c_str());
+  };
+}
+
+// An unsigned integer field as a property named `name` (messages name it as "Class.name").
+template <typename C, typename T>
+void unsigned_property(py::class_<C>& cls, const char* name, T C::*field, const char* doc) {
+  static_assert(std::is_unsigned_v<T>);
+  cls.def_property(name, getter(field), unsigned_setter(field, qualified(cls, name)), doc);
+}
+
+// A signed int field (a CPU or GID index with negative specials) as a property.
+template <typename C>
+void int_property(py::class_<C>& cls, const char* name, int C::*field, const char* doc) {
   cls.def_property(
-      name, [](const Config& c) { return c.*Field; },
-      [name](Config& c, py::handle v) { c.*Field = to_duration<Duration>(v, name); }, doc);
+      name, getter(field),
+      [field, what = qualified(cls, name)](C& c, const IntArg& v) {
+        c.*field = static_cast<int>(signed_value(v, what.c_str(), std::numeric_limits<int>::min(),
+                                                 std::numeric_limits<int>::max()));
+      },
+      doc);
+}
+
+// A duration field: read as a timedelta, set with a timedelta or seconds.
+template <typename C, typename Duration>
+void duration_property(py::class_<C>& cls, const char* name, Duration C::*field, const char* doc) {
+  cls.def_property(
+      name, getter(field),
+      [field, what = qualified(cls, name)](C& c, py::handle v) {
+        c.*field = to_duration<Duration>(v, what.c_str());
+      },
+      doc);
 }
 
 // A duration that may be unset (None): the engine then picks it (Config::auto_spin).
-template <typename Duration, std::optional<Duration> Config::*Field>
-void optional_duration_property(py::class_<Config>& cls, const char* name, const char* doc) {
+template <typename C, typename Duration>
+void optional_duration_property(py::class_<C>& cls, const char* name,
+                                std::optional<Duration> C::*field, const char* doc) {
   cls.def_property(
       name,
-      [](const Config& c) -> py::object {
-        if (!(c.*Field)) return py::none();
-        return py::cast(*(c.*Field));
+      [field](const C& c) -> py::object {
+        if (!(c.*field)) return py::none();
+        return py::cast(*(c.*field));
       },
-      [name](Config& c, py::handle v) {
+      [field, what = qualified(cls, name)](C& c, py::handle v) {
         if (v.is_none()) {
-          (c.*Field).reset();
+          (c.*field).reset();
         } else {
-          c.*Field = to_duration<Duration>(v, name);
+          c.*field = to_duration<Duration>(v, what.c_str());
         }
       },
       doc);
@@ -73,6 +119,52 @@ struct FailWriteHook {
     }
   }
 };
+
+// FaultConfig.receive_length_delta: a Python callable run on the worker thread for each
+// receive completion; its int result is added to the length the provider reported.
+struct LengthDeltaHook {
+  std::shared_ptr<PyRef> fn;
+  int64_t operator()(uint64_t sequence) const {
+    if (interpreter_finalizing()) return 0;
+    py::gil_scoped_acquire gil;
+    try {
+      py::object r = fn->get()(sequence);
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(r.ptr(), &overflow);
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      if (overflow != 0) {
+        PyErr_SetString(PyExc_OverflowError, "receive_length_delta: the result is not an int64");
+        throw py::error_already_set();
+      }
+      return v;
+    } catch (py::error_already_set& e) {
+      report_callback_error(e, fn->get());
+      return 0;
+    }
+  }
+};
+
+// A hook field of FaultConfig (a std::function) as a property holding a Python callable.
+template <typename Hook, typename Fn>
+void hook_property(py::class_<FaultConfig>& cls, const char* name, Fn FaultConfig::*field,
+                   const char* doc) {
+  cls.def_property(
+      name,
+      [field](const FaultConfig& f) -> py::object {
+        if (const auto* hook = (f.*field).template target<Hook>()) return hook->fn->get();
+        return py::none();
+      },
+      [field, name](FaultConfig& f, py::object fn) {
+        if (fn.is_none()) {
+          f.*field = nullptr;
+        } else {
+          if (!PyCallable_Check(fn.ptr()))
+            throw py::type_error(std::string(name) + ": not callable");
+          f.*field = Hook{std::make_shared<PyRef>(std::move(fn))};
+        }
+      },
+      doc);
+}
 
 template <typename T>
 py::object not_implemented_unless(py::handle other) {
@@ -211,8 +303,8 @@ void bind_types(py::module_& m) {
   py::class_<MemoryHandle>(m, "MemoryHandle",
                            "A local registration handle of one engine (Registration.handle). "
                            "Never reused: a handle kept after unregister() is unknown.")
-      .def(py::init([](uint64_t id) { return MemoryHandle{id}; }), py::arg("id"),
-           "A handle from its id (for handles kept as integers).")
+      .def(py::init([](const IntArg& id) { return MemoryHandle{u64(id, "MemoryHandle: id")}; }),
+           py::arg("id"), "A handle from its id (for handles kept as integers).")
       .def_property_readonly(
           "id", [](const MemoryHandle& h) { return h.id; }, "The handle's id.")
       .def(
@@ -258,11 +350,18 @@ void bind_types(py::module_& m) {
       .value("SHARDED", Routing::Kind::kSharded)
       .value("PINNED", Routing::Kind::kPinned);
   routing
-      .def_static("sharded", &Routing::sharded, py::arg("shards") = 0,
-                  "Split into at most `shards` shards rotated across NICs (0: one per NIC). "
-                  "Writes below Config.shard_min_bytes are never split.")
-      .def_static("pinned", &Routing::pinned, py::arg("nic"),
-                  "Use local NIC (rail) `nic`; the peer's NIC of the same rail receives.")
+      .def_static(
+          "sharded",
+          [](const IntArg& shards) {
+            return Routing::sharded(u32(shards, "Routing.sharded: shards"));
+          },
+          py::arg("shards") = 0,
+          "Split into at most `shards` shards rotated across NICs (0: one per NIC). "
+          "Writes below Config.shard_min_bytes are never split.")
+      .def_static(
+          "pinned",
+          [](const IntArg& nic) { return Routing::pinned(u32(nic, "Routing.pinned: nic")); },
+          py::arg("nic"), "Use local NIC (rail) `nic`; the peer's NIC of the same rail receives.")
       .def_property_readonly(
           "kind", [](const Routing& r) { return r.kind; }, "SHARDED or PINNED.")
       .def_property_readonly(
@@ -288,9 +387,12 @@ void bind_types(py::module_& m) {
                             "One target of scatter(): `length` bytes from the source's "
                             "`src_offset` to `dst` at `dst_offset`. A (dst, length, src_offset, "
                             "dst_offset) tuple is accepted wherever a ScatterTarget is.")
-      .def(py::init([](py::handle dst, uint64_t length, uint64_t src_offset, uint64_t dst_offset) {
-             return ScatterTarget{to_remote(dst, "ScatterTarget.dst"), length, src_offset,
-                                  dst_offset};
+      .def(py::init([](py::handle dst, const IntArg& length, const IntArg& src_offset,
+                       const IntArg& dst_offset) {
+             return ScatterTarget{to_remote(dst, "ScatterTarget.dst"),
+                                  u64(length, "ScatterTarget: length"),
+                                  u64(src_offset, "ScatterTarget: src_offset"),
+                                  u64(dst_offset, "ScatterTarget: dst_offset")};
            }),
            py::arg("dst"), py::arg("length"), py::arg("src_offset") = 0, py::arg("dst_offset") = 0,
            "dst: a RemoteMemory (or its bytes) whose owner is a member of the peer group.")
@@ -298,9 +400,15 @@ void bind_types(py::module_& m) {
           "dst", [](const ScatterTarget& t) { return t.dst; },
           [](ScatterTarget& t, py::handle v) { t.dst = to_remote(v, "ScatterTarget.dst"); },
           "The destination region.")
-      .def_readwrite("length", &ScatterTarget::length, "Bytes to write.")
-      .def_readwrite("src_offset", &ScatterTarget::src_offset, "Offset in the source region.")
-      .def_readwrite("dst_offset", &ScatterTarget::dst_offset, "Offset in the destination region.")
+      .def_property("length", getter(&ScatterTarget::length),
+                    unsigned_setter(&ScatterTarget::length, "ScatterTarget.length"),
+                    "Bytes to write.")
+      .def_property("src_offset", getter(&ScatterTarget::src_offset),
+                    unsigned_setter(&ScatterTarget::src_offset, "ScatterTarget.src_offset"),
+                    "Offset in the source region.")
+      .def_property("dst_offset", getter(&ScatterTarget::dst_offset),
+                    unsigned_setter(&ScatterTarget::dst_offset, "ScatterTarget.dst_offset"),
+                    "Offset in the destination region.")
       .def(
           "__repr__",
           [](const ScatterTarget& t) {
@@ -442,79 +550,133 @@ void bind_config(py::module_& m) {
   group_config.attr("CPU_AUTO") = GroupConfig::kCpuAuto;
   group_config.attr("CPU_NONE") = GroupConfig::kCpuNone;
   group_config
-      .def(
-          py::init([](std::optional<std::vector<std::string>> nics, int cpu, bool caller_progress) {
-            GroupConfig g;
-            if (nics) g.nics = std::move(*nics);
-            g.cpu = cpu;
-            g.caller_progress = caller_progress;
-            return g;
-          }),
-          py::arg("nics") = py::none(), py::arg("cpu") = GroupConfig::kCpuAuto,
-          py::arg("caller_progress") = false,
-          "nics: domain names ('lo', 'shm', 'eth0', ...; none: the provider's first); cpu: "
-          "CPU_AUTO, CPU_NONE or a CPU number for the worker thread; caller_progress: no "
-          "worker thread, TransferEngine.progress() drives the group.")
+      .def(py::init([](std::optional<std::vector<std::string>> nics, const IntArg& cpu,
+                       bool caller_progress) {
+             GroupConfig g;
+             if (nics) g.nics = std::move(*nics);
+             g.cpu = static_cast<int>(signed_value(cpu, "GroupConfig: cpu",
+                                                   std::numeric_limits<int>::min(),
+                                                   std::numeric_limits<int>::max()));
+             g.caller_progress = caller_progress;
+             return g;
+           }),
+           py::arg("nics") = py::none(), py::arg("cpu") = GroupConfig::kCpuAuto,
+           py::arg("caller_progress") = false,
+           "nics: domain names ('lo', 'shm', 'eth0', ...; none: the provider's first); cpu: "
+           "CPU_AUTO, CPU_NONE or a CPU number for the worker thread; caller_progress: no "
+           "worker thread, TransferEngine.progress() drives the group.")
       .def_readwrite("caller_progress", &GroupConfig::caller_progress,
                      "No worker thread: the caller's thread drives the group with "
                      "TransferEngine.progress(group), and its callbacks run there.")
       .def_readwrite("nics", &GroupConfig::nics,
                      "Domain names as libfabric reports them; empty: the provider's first. A NIC "
                      "may be listed twice. Assign a new list (in-place edits of the returned "
-                     "list are lost).")
-      .def_readwrite("cpu", &GroupConfig::cpu,
-                     "CPU to pin the worker to: CPU_AUTO (a core near the first NIC), CPU_NONE "
-                     "(never pin) or a CPU number.")
-      .def(
-          "__repr__",
-          [](const GroupConfig& g) {
-            std::string nics;
-            for (const auto& n : g.nics) nics += (nics.empty() ? "'" : ", '") + n + "'";
-            return "GroupConfig(nics=[" + nics + "], cpu=" + std::to_string(g.cpu) + ")";
-          },
-          "GroupConfig(nics=[...], cpu=...).");
+                     "list are lost).");
+  int_property(group_config, "cpu", &GroupConfig::cpu,
+               "CPU to pin the worker to: CPU_AUTO (a core near the first NIC), CPU_NONE "
+               "(never pin) or a CPU number.");
+  group_config.def(
+      "__repr__",
+      [](const GroupConfig& g) {
+        std::string nics;
+        for (const auto& n : g.nics) nics += (nics.empty() ? "'" : ", '") + n + "'";
+        return "GroupConfig(nics=[" + nics + "], cpu=" + std::to_string(g.cpu) + ")";
+      },
+      "GroupConfig(nics=[...], cpu=...).");
 
   py::bind_vector<std::vector<GroupConfig>>(
       m, "GroupConfigList", "Config.groups: a list of GroupConfig that edits the config in place.");
   py::implicitly_convertible<py::list, std::vector<GroupConfig>>();
   py::implicitly_convertible<py::tuple, std::vector<GroupConfig>>();
 
-  py::class_<FaultConfig>(m, "FaultConfig",
-                          "Fault injection for tests (Config.faults): reorders completions and "
-                          "immediates, fails chosen writes. Off by default.")
-      .def(py::init<>(), "Disabled fault injection.")
-      .def_readwrite("enabled", &FaultConfig::enabled, "Wrap every domain in the fault domain.")
-      .def_readwrite("seed", &FaultConfig::seed, "Seed of the shuffling.")
-      .def_readwrite("max_hold_polls", &FaultConfig::max_hold_polls,
-                     "A held completion is released after at most this many polls.")
-      .def_property(
-          "fail_write",
-          [](const FaultConfig& f) -> py::object {
-            if (const auto* hook = f.fail_write.target<FailWriteHook>()) return hook->fn->get();
-            return py::none();
-          },
-          [](FaultConfig& f, py::object fn) {
-            if (fn.is_none()) {
-              f.fail_write = nullptr;
-            } else {
-              if (!PyCallable_Check(fn.ptr())) throw py::type_error("fail_write: not callable");
-              f.fail_write = FailWriteHook{std::make_shared<PyRef>(std::move(fn))};
-            }
-          },
-          "Called as fail_write(sequence) on the worker thread (holding the GIL) before each "
-          "write is posted; a true result fails that write with ProviderError. None: never "
-          "fail.");
+  py::class_<FaultConfig> faults(m, "FaultConfig",
+                                 "Fault injection for tests (Config.faults): reorders completions "
+                                 "and immediates, fails chosen writes, changes received lengths. "
+                                 "Off by default.");
+  faults.def(py::init<>(), "Disabled fault injection.")
+      .def_readwrite("enabled", &FaultConfig::enabled, "Wrap every domain in the fault domain.");
+  unsigned_property(faults, "seed", &FaultConfig::seed, "Seed of the shuffling.");
+  unsigned_property(faults, "max_hold_polls", &FaultConfig::max_hold_polls,
+                    "A held completion is released after at most this many polls.");
+  hook_property<FailWriteHook>(
+      faults, "fail_write", &FaultConfig::fail_write,
+      "Called as fail_write(sequence) on the worker thread (holding the GIL) before each "
+      "write is posted; a true result fails that write with ProviderError. None: never "
+      "fail.");
+  hook_property<LengthDeltaHook>(
+      faults, "receive_length_delta", &FaultConfig::receive_length_delta,
+      "Called as receive_length_delta(sequence) on the worker thread (holding the GIL) for "
+      "each receive completion carrying a message (`sequence` counts them per NIC from 0); the "
+      "int it returns is added to the length the provider reported (at least 0 is kept): a "
+      "provider handing over a message with bytes after it (> 0) or cut short (< 0). None: "
+      "lengths unchanged.");
+
+  py::class_<VerbsConfig> verbs(m, "VerbsConfig",
+                                "The verbs backend (Config.verbs; provider 'verbs', "
+                                "docs/verbs.md): GID, connection set-up, signalling, thread "
+                                "domains. GID_AUTO: the RoCE v2 GID carrying the port's IPv4 "
+                                "address.");
+  verbs.attr("GID_AUTO") = VerbsConfig::kGidAuto;
+  verbs.def(py::init([](const py::kwargs& fields) {
+              VerbsConfig v;
+              py::object obj = py::cast(v);
+              py::object type = py::type::of(obj);
+              py::object property = py::module_::import("builtins").attr("property");
+              for (auto [key, value] : fields) {
+                auto name = py::cast<std::string>(key);
+                if (name.empty() || name[0] == '_' || !py::hasattr(type, name.c_str()) ||
+                    !py::isinstance(type.attr(name.c_str()), property)) {
+                  throw py::type_error("VerbsConfig has no field '" + name + "'");
+                }
+                py::setattr(obj, key, value);
+              }
+              return py::cast<VerbsConfig>(obj);
+            }),
+            "The defaults; any field can be given by name (VerbsConfig(gid_index=3)).");
+  int_property(verbs, "gid_index", &VerbsConfig::gid_index,
+               "GID index used on every NIC of the engine; GID_AUTO (-1): the RoCE v2 GID that "
+               "carries the IPv4 address of the port's interface (the IB GID 0 on InfiniBand).");
+  duration_property(verbs, "connect_retry", &VerbsConfig::connect_retry,
+                    "A peer is connected on first use with a handshake datagram, resent after "
+                    "this (doubling each time; timedelta or seconds).");
+  unsigned_property(verbs, "connect_attempts", &VerbsConfig::connect_attempts,
+                    "Handshake datagrams sent before the peer's queued work fails with "
+                    "PeerUnreachable.");
+  unsigned_property(verbs, "drop_handshakes", &VerbsConfig::drop_handshakes,
+                    "Fault injection: the first this many handshake datagrams of each domain are "
+                    "dropped.");
+  unsigned_property(verbs, "delay_handshakes", &VerbsConfig::delay_handshakes,
+                    "Fault injection: the next this many are sent only after handshake_delay.");
+  duration_property(verbs, "handshake_delay", &VerbsConfig::handshake_delay,
+                    "Fault injection: the delay of delay_handshakes (timedelta or seconds).");
+  unsigned_property(verbs, "signal_every", &VerbsConfig::signal_every,
+                    "Selective signalling: a send work request asks for a completion once in "
+                    "this many on its queue pair (1: every one).");
+  verbs.def_readwrite("thread_domain", &VerbsConfig::thread_domain,
+                      "Queue pairs in a thread domain with a single-threaded completion queue "
+                      "where the device offers them (the provider then leaves out its locks).");
+  verbs.def(
+      "__repr__",
+      [](const VerbsConfig& v) {
+        return "VerbsConfig(gid_index=" + std::to_string(v.gid_index) +
+               ", connect_attempts=" + std::to_string(v.connect_attempts) +
+               ", signal_every=" + std::to_string(v.signal_every) +
+               ", thread_domain=" + (v.thread_domain ? "True" : "False") + ")";
+      },
+      "VerbsConfig(gid_index=..., ...).");
 
   py::class_<Config> config(m, "Config",
                             "The one typed configuration of a TransferEngine. Every field has a "
                             "working default.");
   config
       .def(py::init([](const std::string& provider, std::optional<std::vector<std::string>> nics,
-                       int cpu, const py::kwargs& fields) {
+                       const IntArg& cpu, const py::kwargs& fields) {
              Config c;
              c.provider = provider;
              if (nics) c.groups[0].nics = std::move(*nics);
-             c.groups[0].cpu = cpu;
+             c.groups[0].cpu =
+                 static_cast<int>(signed_value(cpu, "Config: cpu", std::numeric_limits<int>::min(),
+                                               std::numeric_limits<int>::max()));
              if (fields.empty()) return c;
              // Any other field by name, through its property (same checks as assignment).
              py::object obj = py::cast(c);
@@ -540,29 +702,19 @@ void bind_config(py::module_& m) {
       .def_readwrite("groups", &Config::groups,
                      "One GroupConfig per device group (default: one group on the provider's "
                      "first domain).")
-      .def_readwrite("shard_min_bytes", &Config::shard_min_bytes,
-                     "Single writes and byte-sharded scatter targets below this use one NIC.")
-      .def_readwrite("shard_alignment", &Config::shard_alignment,
-                     "Shard boundaries are aligned to this many bytes.")
       .def_readwrite("weighted_sharding", &Config::weighted_sharding,
                      "Split sharded writes across NICs by each NIC's measured write rate.")
-      .def_readwrite("cq_batch", &Config::cq_batch, "Most completions read from a CQ per call.")
-      .def_readwrite("post_budget", &Config::post_budget,
-                     "Most work requests posted per domain in one pass of the worker loop.")
-      .def_readwrite("max_message_bytes", &Config::max_message_bytes,
-                     "Largest message send() accepts.")
-      .def_readwrite("send_buffers", &Config::send_buffers,
-                     "Send buffers each group keeps registered.")
-      .def_readwrite("control_buffers", &Config::control_buffers,
-                     "Receive buffers each group keeps posted for the engine's own messages.")
-      .def_readwrite("staging_chunk_bytes", &Config::staging_chunk_bytes,
-                     "The staged GPU path's pipeline chunk.")
-      .def_readwrite("shm_copy_threads", &Config::shm_copy_threads,
-                     "shm transport: threads copying one large incoming write together (0: "
-                     "half the CPUs, 1 to 8; 1: the worker alone).")
       .def_readwrite("gpu_direct", &Config::gpu_direct,
                      "Let providers that reach GPU memory themselves (FI_HMEM) register it "
                      "directly; otherwise GPU memory is staged.")
+      .def_readwrite(
+          "reliable_imm", &Config::reliable_imm,
+          "Immediates of writes to host memory travel as one engine message (a Commit, which "
+          "fails over like any message) after all of the transfer's data has completed, so that "
+          "a NIC failure mid-write re-posts the data without any risk of double counting "
+          "(docs/failover.md). Off (the default): an immediate rides on its write, one work "
+          "request less, but a write carrying one that was in flight on a NIC that failed "
+          "cannot be re-sent, and its transfer fails.")
       .def_property(
           "cuda_ipc",
           [](const Config& c) {
@@ -578,7 +730,9 @@ void bind_config(py::module_& m) {
             } else if (mode == "off") {
               c.cuda_ipc = Config::CudaIpc::kOff;
             } else {
-              throw py::value_error("Config.cuda_ipc is 'auto', 'on' or 'off', not '" + mode + "'");
+              throw StatusError{
+                  Status(ErrorCode::kInvalidArgument,
+                         "Config.cuda_ipc is 'auto', 'on' or 'off', not '" + mode + "'")};
             }
           },
           "Same-host GPU to GPU over CUDA IPC: 'auto' (wherever possible), 'on' (a GPU write "
@@ -589,17 +743,15 @@ void bind_config(py::module_& m) {
           "(no thread hop; a slow callback, or one waiting for the GIL, delays the group's "
           "transfers). There, register and unregister raise InvalidArgument, and wait_imm "
           "returns at once whether the count is reached.")
-      .def_readwrite("submission_ring", &Config::submission_ring,
-                     "Slots of each group's lock-free submission ring (2 to 2**20); a full ring "
-                     "sends submissions to a locked overflow list (nothing is refused).")
-      .def_readwrite("max_wr_bytes", &Config::max_wr_bytes,
-                     "Writes larger than this are split into several work requests.")
       .def_readwrite("faults", &Config::faults, "Fault injection (tests only; off by default).")
+      .def_readwrite("verbs", &Config::verbs,
+                     "The verbs backend's settings (a VerbsConfig; provider 'verbs' only).")
       .def(
           "apply_env_overrides", [](Config& c) { check(c.apply_env_overrides()); },
           "Applies FABRIC_PROVIDER, FABRIC_NICS (comma-separated, group 0), FABRIC_CPU, "
-          "FABRIC_SPIN_US and FABRIC_IDLE_SLEEP_US; raises InvalidArgument naming a malformed "
-          "variable.")
+          "FABRIC_SPIN_US, FABRIC_IDLE_SLEEP_US, FABRIC_INFLIGHT_SPIN_US, "
+          "FABRIC_CALLBACK_SPIN_US, FABRIC_WEIGHTED_SHARDING, FABRIC_CUDA_IPC and "
+          "FABRIC_SHM_COPY_THREADS; raises InvalidArgument naming a malformed variable.")
       .def(
           "__repr__",
           [](const Config& c) {
@@ -613,31 +765,65 @@ void bind_config(py::module_& m) {
             return "Config(provider='" + c.provider + "', groups=[" + groups + "])";
           },
           "Config(provider=..., groups=[...]).");
-  duration_property<std::chrono::microseconds, &Config::spin_time>(
-      config, "spin_time",
-      "How long an idle worker spins before sleeping (timedelta; set with a timedelta or "
-      "seconds).");
-  duration_property<std::chrono::microseconds, &Config::idle_sleep>(
-      config, "idle_sleep", "The idle worker's sleep step (timedelta or seconds).");
-  duration_property<std::chrono::microseconds, &Config::inflight_spin>(
-      config, "inflight_spin",
+  unsigned_property(config, "shard_min_bytes", &Config::shard_min_bytes,
+                    "Single writes and byte-sharded scatter targets below this use one NIC.");
+  unsigned_property(config, "shard_alignment", &Config::shard_alignment,
+                    "Shard boundaries are aligned to this many bytes.");
+  unsigned_property(config, "cq_batch", &Config::cq_batch,
+                    "Most completions read from a CQ per call.");
+  unsigned_property(config, "post_budget", &Config::post_budget,
+                    "Most work requests posted per domain in one pass of the worker loop.");
+  unsigned_property(config, "max_message_bytes", &Config::max_message_bytes,
+                    "Largest message send() accepts.");
+  unsigned_property(config, "send_buffers", &Config::send_buffers,
+                    "Send buffers each group keeps registered.");
+  unsigned_property(config, "control_buffers", &Config::control_buffers,
+                    "Receive buffers each group keeps posted for the engine's own messages.");
+  unsigned_property(config, "staging_chunk_bytes", &Config::staging_chunk_bytes,
+                    "The staged GPU path's pipeline chunk.");
+  unsigned_property(config, "shm_copy_threads", &Config::shm_copy_threads,
+                    "shm transport: threads copying one large incoming write together (0: "
+                    "half the CPUs, 1 to 8; 1: the worker alone).");
+  unsigned_property(config, "cuda_ipc_streams", &Config::cuda_ipc_streams,
+                    "CUDA streams the owner of a destination copies on over the CUDA IPC path "
+                    "(jobs are spread over them in turn).");
+  unsigned_property(config, "submission_ring", &Config::submission_ring,
+                    "Slots of each group's lock-free submission ring (2 to 2**20); a full ring "
+                    "sends submissions to a locked overflow list (nothing is refused).");
+  unsigned_property(config, "max_wr_bytes", &Config::max_wr_bytes,
+                    "Writes larger than this are split into several work requests.");
+  duration_property(config, "spin_time", &Config::spin_time,
+                    "How long an idle worker spins before sleeping (timedelta; set with a "
+                    "timedelta or seconds).");
+  duration_property(config, "idle_sleep", &Config::idle_sleep,
+                    "The idle worker's sleep step (timedelta or seconds).");
+  duration_property(
+      config, "inflight_spin", &Config::inflight_spin,
       "With work in flight and nothing else to do, how long the worker polls before blocking "
       "on the NICs' completion descriptors (timedelta or seconds).");
-  optional_duration_property<std::chrono::microseconds, &Config::callback_spin>(
-      config, "callback_spin",
+  optional_duration_property(
+      config, "callback_spin", &Config::callback_spin,
       "How long the callback thread polls for more callbacks before sleeping (timedelta or "
       "seconds; None, the default: 50 us on a host with 8 or more usable CPUs, else 0; "
       "EngineStats.callback_spin says what an engine uses).");
-  optional_duration_property<std::chrono::microseconds, &Config::wait_spin>(
-      config, "wait_spin",
+  optional_duration_property(
+      config, "wait_spin", &Config::wait_spin,
       "How long wait_imm polls before it sleeps (timedelta or seconds; 0: sleep at once; None, "
       "the default: as callback_spin).");
-  duration_property<std::chrono::milliseconds, &Config::peer_timeout>(
-      config, "peer_timeout",
+  duration_property(
+      config, "peer_timeout", &Config::peer_timeout,
       "A peer silent this long with work outstanding is declared unreachable (timedelta or "
       "seconds).");
-  duration_property<std::chrono::milliseconds, &Config::close_timeout>(
-      config, "close_timeout",
+  duration_property(
+      config, "nic_timeout", &Config::nic_timeout,
+      "NIC failover (docs/failover.md): a NIC whose work towards a peer makes no progress for "
+      "this long while another NIC of the group completed work is marked down (timedelta or "
+      "seconds; on only when non-zero and shorter than peer_timeout).");
+  duration_property(config, "nic_probe_interval", &Config::nic_probe_interval,
+                    "How often a NIC marked down is probed; the first probe that completes "
+                    "brings it back (timedelta or seconds).");
+  duration_property(
+      config, "close_timeout", &Config::close_timeout,
       "How long close() lets posted work finish before cancelling it (timedelta or seconds).");
 }
 
