@@ -21,13 +21,18 @@ Metric names and labels (docs/metrics.md lists them with their meaning):
     fabric_messages_received_total{engine,group}     messages received
     fabric_cuda_ipc_transfers_total{engine,group}    transfers over the CUDA IPC path
     fabric_cuda_ipc_bytes_total{engine,group}        ... and their payload bytes
+    fabric_internal_work_requests_total{engine,group}  work requests of the engine's own messages
+    fabric_worker_passes_total{engine,group}         passes of the group's worker loop
+    fabric_worker_sleeps_total{engine,group}         times the worker blocked with nothing to do
+    fabric_worker_wakeups_total{engine,group}        times a submitter woke it
     fabric_immediates_received_total{engine}         immediates counted
     fabric_nic_up{engine,group,nic}                  1 while the NIC is up, 0 once marked down
     fabric_host_mirror_bytes{engine,group}           pinned host memory of staging mirrors
 
 Labels stay bounded: `engine` is the name given to register() (one per engine), `group` a
 device group index, `nic` one of a group's NICs; no label is made from peers, immediates or
-transfer ids, whose number grows with traffic.
+transfer ids, whose number grows with traffic. An engine's name is released when it is closed
+(or collected): a new engine may then be registered under it.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ._fabric_lib import TransferEngine
+from ._fabric_lib import Closed, TransferEngine
 
 __all__ = ["EngineCollector", "GROUP_COUNTERS", "register", "unregister"]
 
@@ -67,22 +72,43 @@ GROUP_COUNTERS = [
 ]
 
 
+def _open(ref: "weakref.ref[TransferEngine]") -> Optional[TransferEngine]:
+    """The engine behind `ref` while it is open; None once it is closed or collected."""
+    engine = ref()
+    return engine if engine is not None and not engine.closed else None
+
+
 class EngineCollector(Collector):
     """A prometheus_client collector reading the stats of the engines added to it. Engines are
-    held weakly: one that is garbage-collected, or closed, drops out of the next scrape."""
+    held weakly: one that is closed or garbage-collected drops out of the next scrape, and its
+    name is free again at once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._engines: dict[str, weakref.ref[TransferEngine]] = {}
+        self._next_default = 0
 
-    def add(self, engine: TransferEngine, name: str) -> None:
-        """Exports `engine` with the label engine=`name`; ValueError if the name is taken by a
-        live engine."""
+    def add(self, engine: TransferEngine, name: Optional[str] = None) -> str:
+        """Exports `engine` with the label engine=`name` (None: "engine<N>", N counting up past
+        every name in use); returns the name. ValueError if the name is taken by another engine
+        that is still open."""
         with self._lock:
+            self._forget_closed()
+            if name is None:
+                while f"engine{self._next_default}" in self._engines:
+                    self._next_default += 1
+                name = f"engine{self._next_default}"
+                self._next_default += 1
             old = self._engines.get(name)
-            if old is not None and old() is not None and old() is not engine:
+            if old is not None and old() is not engine:
                 raise ValueError(f"fabric_lib.metrics: engine name {name!r} is already exported")
             self._engines[name] = weakref.ref(engine)
+            return name
+
+    def _forget_closed(self) -> None:
+        """Drops the engines closed or collected, and with them their names. Holding _lock."""
+        for n in [n for n, ref in self._engines.items() if _open(ref) is None]:
+            del self._engines[n]
 
     def remove(self, engine: TransferEngine) -> bool:
         """Stops exporting `engine`; whether it was exported."""
@@ -93,9 +119,10 @@ class EngineCollector(Collector):
             return bool(names)
 
     def names(self) -> list[str]:
-        """The names of the live engines exported."""
+        """The names of the engines exported (those still open)."""
         with self._lock:
-            return [n for n, ref in self._engines.items() if ref() is not None]
+            self._forget_closed()
+            return list(self._engines)
 
     def collect(self) -> Iterator[Any]:
         counters = {
@@ -113,20 +140,23 @@ class EngineCollector(Collector):
             "Pinned host memory held by the staging mirrors of registered GPU memory.",
             labels=["engine", "group"])
         with self._lock:
+            self._forget_closed()
             live = [(n, ref()) for n, ref in self._engines.items()]
-            for n, e in live:
-                if e is None:
-                    del self._engines[n]
         for name, engine in live:
             if engine is None or engine.closed:
                 continue
-            stats = engine.stats()
+            try:
+                stats = engine.stats()
+                infos = [(engine.group_info(g).nics, engine.nics_up(g))
+                         for g in range(len(stats.groups))]
+            except Closed:  # closed since the look above
+                continue
             for g, gs in enumerate(stats.groups):
                 for _, field, _ in GROUP_COUNTERS:
                     counters[field].add_metric([name, str(g)], getattr(gs, field))
                 mirrors.add_metric([name, str(g)], float(gs.host_mirror_bytes))
-                nics = engine.group_info(g).nics
-                for nic, up in zip(nics, engine.nics_up(g)):
+                nics, nics_up = infos[g]
+                for nic, up in zip(nics, nics_up):
                     nic_up.add_metric([name, str(g), nic], 1.0 if up else 0.0)
             imms.add_metric([name], stats.immediates_received)
         yield from counters.values()
@@ -145,8 +175,10 @@ def register(
     registry: Optional[CollectorRegistry] = None,
 ) -> EngineCollector:
     """Exports `engine`'s stats to `registry` (prometheus_client's REGISTRY by default) under
-    the label engine=`name` (default "engine<N>", N counting engines registered there). The
-    registry's collector is created and registered on the first call; returns it."""
+    the label engine=`name` (default: "engine<N>", N counting up past every name in use). The name is the
+    engine's until it is closed, collected or unregistered: another open engine under it is
+    a ValueError. The registry's collector is created and registered on the first call;
+    returns it."""
     registry = REGISTRY if registry is None else registry
     with _collectors_lock:
         collector = _collectors.get(id(registry))
@@ -154,7 +186,7 @@ def register(
             collector = EngineCollector()
             registry.register(collector)
             _collectors[id(registry)] = collector
-    collector.add(engine, name if name is not None else f"engine{len(collector.names())}")
+    collector.add(engine, name)
     return collector
 
 

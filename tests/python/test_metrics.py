@@ -3,8 +3,10 @@ an HTTP endpoint served by prometheus_client is scraped before and after traffic
 is parsed with prometheus_client's own parser."""
 
 import http.server
+import re
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -150,3 +152,57 @@ def test_scrape_shows_counters_moving_under_traffic(pair, endpoint):
     assert metrics.unregister(a, registry=registry)
     third = scrape(url)
     assert not any(dict(labels).get("engine") == "sender" for _, labels in third)
+
+
+def test_a_closed_engine_releases_its_name(provider):
+    """close() frees the engine's name at once (not when the object is collected): a new engine
+    may take it, and the old one is not scraped."""
+    registry = prometheus_client.CollectorRegistry()
+    old = open_engine_or_skip(provider)  # held by the test: only close() may free the name
+    metrics.register(old, name="prefill0", registry=registry)
+    old.close()
+    with open_engine_or_skip(provider) as new, open_engine_or_skip(provider) as third:
+        collector = metrics.register(new, name="prefill0", registry=registry)
+        assert collector.names() == ["prefill0"]
+        families = {f.name: f for f in registry.collect()}
+        engines = {s.labels["engine"] for s in families["fabric_transfers_submitted"].samples}
+        assert engines == {"prefill0"}
+        # Default names: never a live engine's, whatever was registered and closed before.
+        others = prometheus_client.CollectorRegistry()
+        with open_engine_or_skip(provider) as first:
+            metrics.register(first, registry=others)  # engine0
+            c = metrics.register(third, registry=others)  # engine1
+            first.close()
+            metrics.register(new, registry=others)  # not engine1 again
+            assert len(c.names()) == len(set(c.names())) == 2, c.names()
+    assert old.closed
+    assert collector.names() == []
+
+
+def exported_metric_names(engine):
+    """The metric names a scrape of `engine` shows (counters with their _total)."""
+    registry = prometheus_client.CollectorRegistry()
+    metrics.register(engine, name="e", registry=registry)
+    names = set()
+    for family in registry.collect():
+        names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return names
+
+
+def documented_metric_names():
+    doc = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+    if not doc.exists():
+        pytest.skip(f"{doc} is not here (an installed package)")
+    return set(re.findall(r"^\| `(fabric_\w+)` \|", doc.read_text(), re.M))
+
+
+def test_metrics_md_lists_every_metric_exported(pair):
+    a, _ = pair
+    exported = exported_metric_names(a)
+    documented = documented_metric_names()
+    assert exported == documented, (
+        f"exported, not in docs/metrics.md: {sorted(exported - documented)}; "
+        f"in docs/metrics.md, not exported: {sorted(documented - exported)}")
+    # The module's docstring lists them too.
+    listed = set(re.findall(r"^\s+(fabric_\w+)\{", metrics.__doc__, re.M))
+    assert listed == exported, sorted(listed ^ exported)
