@@ -58,6 +58,31 @@ def _dtype_name(dtype: Any) -> str:
     raise InvalidArgument(f"dtype {dtype}: expected torch.bfloat16 or torch.float8_e4m3fn")
 
 
+def _torch_with_cuda() -> Any:
+    """(torch, torch.distributed), once it is known that this process can run the kernels:
+    Unsupported naming what is missing (checked before torch is asked for a device, which
+    would raise its own AssertionError without CUDA)."""
+    from ._fabric_lib import HAS_CUDA, Unsupported
+
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as e:
+        raise Unsupported(f"fabric_lib.ep.AllToAll needs PyTorch, which is not importable: {e}"
+                          ) from e
+    if not HAS_CUDA:
+        raise Unsupported("fabric_lib.ep.AllToAll needs fabric_lib built with CUDA "
+                          "(fabric_lib.HAS_CUDA is False)")
+    if not torch.cuda.is_available():
+        raise Unsupported(f"fabric_lib.ep.AllToAll needs a CUDA GPU, and torch "
+                          f"{torch.__version__} sees none (torch.cuda.is_available() is False; "
+                          f"torch built with CUDA {torch.version.cuda})")
+    if not dist.is_available():
+        raise Unsupported(f"fabric_lib.ep.AllToAll needs torch.distributed, which torch "
+                          f"{torch.__version__} was built without")
+    return torch, dist
+
+
 class AllToAll:
     """One rank's side of an MoE all-to-all over the ranks of `group` (default: the world).
     gpus_per_node: ranks of one node (None: all of them; 1: each GPU its own node), ranks r and
@@ -84,12 +109,12 @@ class AllToAll:
         nics: Optional[List[str]] = None,
         proxy_memory: str = "auto",
     ) -> None:
-        import torch
-        import torch.distributed as dist
-
+        torch, dist = _torch_with_cuda()
         self._torch = torch
         self.group = group
         self.device = torch.device("cuda" if device is None else device)
+        if self.device.type != "cuda":
+            raise InvalidArgument(f"device {self.device}: the all-to-all runs on a CUDA GPU")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = torch.bfloat16 if dtype is None else dtype

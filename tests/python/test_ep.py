@@ -510,6 +510,17 @@ def test_without_a_gpu_creation_is_unsupported():
         fabric_lib._fabric_lib._EpAllToAll(0, 2, 256, 7168, 8, 128)
 
 
+@pytest.mark.skipif(fabric_lib.HAS_CUDA and gpu_count() > 0,
+                    reason="this machine has a CUDA GPU: the two-GPU tests create objects")
+def test_the_wrapper_without_cuda_raises_unsupported_naming_what_is_missing():
+    """fabric_lib.ep.AllToAll checks for CUDA before torch is asked for a device (torch raised
+    its own AssertionError from torch.cuda.current_device())."""
+    from fabric_lib.ep import AllToAll
+
+    with pytest.raises(fabric_lib.Unsupported, match="CUDA"):
+        AllToAll(num_experts=256, hidden=7168, top_k=8, max_tokens_per_rank=128)
+
+
 def test_the_reference_checks_catch_a_wrong_dispatch():
     """The checks themselves, on the CPU with a plain-PyTorch all-to-all: they pass on its
     output and fail once one row is wrong."""
