@@ -261,6 +261,28 @@ def test_cancel_from_either_side(ranks):
     assert decode[0].holds(decs[0].result(TIMEOUT), ref)
 
 
+def test_refused_registrations_and_engines_raise_fabric_errors():
+    """What docs/kv.md says a decoder or prefiller refuses, with the class it says: another
+    engine's Registration and an unregistered one (InvalidArgument), a closed engine (Closed)."""
+    lay = layout()
+    with fabric_lib.TransferEngine(make_config("tcp")) as e, \
+            fabric_lib.TransferEngine(make_config("tcp")) as other:
+        theirs = other.register(np.zeros(lay.region_bytes, np.uint8))
+        for cls in (fabric_lib.KvDecoder, fabric_lib.KvPrefiller):
+            with pytest.raises(fabric_lib.InvalidArgument, match="another engine"):
+                cls(e, lay, theirs)
+        gone = e.register(np.zeros(lay.region_bytes, np.uint8))
+        gone.unregister()
+        for cls in (fabric_lib.KvDecoder, fabric_lib.KvPrefiller):
+            with pytest.raises(fabric_lib.InvalidArgument, match="unregistered"):
+                cls(e, lay, gone)
+        mine = other.register(np.zeros(lay.region_bytes, np.uint8))
+        other.close()
+        for cls in (fabric_lib.KvDecoder, fabric_lib.KvPrefiller):
+            with pytest.raises(fabric_lib.Closed):
+                cls(other, lay, mine)
+
+
 def test_bad_input_raises_clear_errors(ranks):
     prefill, decode = ranks(), ranks()
     small = np.zeros(64, dtype=np.uint8)
