@@ -120,7 +120,7 @@ def test_gpu_copies_is_refused_without_a_gpu_naming_why():
             e.register(buf, gpu_copies="yes")
 
 
-
+def test_spins_in_effect_are_in_stats():
     import os
     c = fabric_lib.Config(provider="tcp", nics=["lo"], cpu=fabric_lib.GroupConfig.CPU_NONE)
     auto = datetime.timedelta(microseconds=50) if len(os.sched_getaffinity(0)) >= 8 \
