@@ -773,6 +773,9 @@ void bind_engine(py::module_& m) {
               r.unregister();
               return;
             }
+            if (!py::isinstance<MemoryHandle>(what)) {
+              throw py::type_error("unregister: expected a Registration or a MemoryHandle");
+            }
             auto handle = py::cast<MemoryHandle>(what);
             Status s = [&] {
               py::gil_scoped_release nogil;

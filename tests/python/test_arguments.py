@@ -205,3 +205,9 @@ def test_new_config_fields_reach_the_engine():
     assert c.faults.receive_length_delta is None
     with fabric_lib.TransferEngine(c) as e:
         assert e.group_info().provider.startswith("tcp")
+
+
+def test_unregister_of_something_else_is_a_type_error(tcp_pair):
+    a, _, _, _ = tcp_pair
+    with pytest.raises(TypeError, match="Registration or a MemoryHandle"):
+        a.unregister(42)

@@ -42,6 +42,8 @@ SIZE = 64  # bytes of the destination region; each corrupt write sends 16 of the
 RESOLVE_BOUND = 30.0  # seconds in which every corrupt write must resolve
 CHILD_BOUND = 150  # seconds for one child process
 SKIP_EXIT = 77  # the child's exit status when its provider is absent
+BISECT_BOUND = 100  # seconds for finding the cases behind a crash
+CRASH_AT = "FABRIC_TEST_SWEEP_CRASH_AT"  # tests only: the child crashes at this case
 
 
 def mutations(data):
@@ -92,6 +94,8 @@ def sweep(provider, only=None):
     pending = []
     for i in chosen:
         label, data = cases[i]
+        if os.environ.get(CRASH_AT) == str(i):  # the crash reporting's own test
+            os.kill(os.getpid(), signal.SIGSEGV)
         ends = []
         try:
             t = a.write(src, data, 16, dst_offset=16, on_done=lambda ends=ends: ends.append(None),
@@ -214,13 +218,13 @@ def describe(rc):
     return f"exited with status {rc}"
 
 
-def smallest_failing(provider, indices, runs=12):
-    """Bisects the cases a crashing (or hanging) child ran down to a small set that still
-    crashes on its own, within `runs` more child processes."""
-    while len(indices) > 1 and runs > 0:
+def smallest_failing(provider, indices):
+    """Bisects the cases of a crashing child down to a small set that still crashes on its own
+    (within BISECT_BOUND seconds)."""
+    deadline = time.monotonic() + BISECT_BOUND
+    while len(indices) > 1 and time.monotonic() < deadline:
         half = len(indices) // 2
         for part in (indices[:half], indices[half:]):
-            runs -= 1
             rc, result, _ = run_child(provider, part)
             if rc != 0 or result is None:
                 indices = part
@@ -228,6 +232,20 @@ def smallest_failing(provider, indices, runs=12):
         else:
             break  # neither half fails alone: the cases fail together
     return indices
+
+
+def failure_report(provider, rc, err):
+    """What went wrong with a child that crashed, hung or exited badly, and which cases do it:
+    for a crash, the smallest set of cases that still crashes on its own (a hang is not
+    bisected: each try would take CHILD_BOUND)."""
+    labels = []
+    if rc != "timeout":
+        rc_labels, listed, _ = run_child(provider, labels=True)
+        every = listed["labels"] if rc_labels == 0 and listed else []
+        labels = [every[i] for i in smallest_failing(provider, list(range(len(every))))]
+    tail = "\n".join(err.splitlines()[-15:])
+    return (f"{provider}: the sweep's process {describe(rc)}; the smallest set of cases that "
+            f"fails on its own: {labels}\nits stderr ends:\n{tail}")
 
 
 def unshare_refusal():
@@ -251,14 +269,7 @@ def test_every_corrupt_descriptor_fails_cleanly_and_the_engine_goes_on(provider)
     if rc == SKIP_EXIT and result is not None and "skip" in result:
         pytest.skip(result["skip"])
     if rc != 0 or result is None:
-        # Which cases: bisected down to the smallest set that fails on its own.
-        rc_labels, listed, _ = run_child(provider, labels=True)
-        labels = listed["labels"] if rc_labels == 0 and listed else []
-        culprits = smallest_failing(provider, list(range(len(labels)))) if labels else []
-        labels = [labels[i] for i in culprits]
-        tail = "\n".join(err.splitlines()[-15:])
-        pytest.fail(f"{provider}: the sweep's process {describe(rc)}; the smallest set of cases "
-                    f"that fails on its own: {labels}\nits stderr ends:\n{tail}")
+        pytest.fail(failure_report(provider, rc, err))
     assert "a user callback threw" not in err, err
     assert not result["problems"], (
         f"{provider}: {len(result['problems'])} of {result['cases']} cases went wrong:\n" +
@@ -266,12 +277,25 @@ def test_every_corrupt_descriptor_fails_cleanly_and_the_engine_goes_on(provider)
     print(f"{provider}: {result['cases']} cases: {result['outcomes']}")
 
 
+def test_a_crash_is_reported_with_the_case_that_causes_it(monkeypatch):
+    """The reporting itself: a child made to crash at one case (shm, 24 cases) is reported as
+    died of SIGSEGV, and the bisection names that case alone."""
+    monkeypatch.setenv(CRASH_AT, "13")
+    rc, result, err = run_child("shm", list(range(24)))
+    if rc == SKIP_EXIT and result is not None and "skip" in result:
+        pytest.skip(result["skip"])
+    assert rc == -signal.SIGSEGV and result is None, (rc, result, err[-2000:])
+    assert smallest_failing("shm", list(range(24))) == [13]
+    report = failure_report("shm", rc, err)
+    assert "died of signal 11 (SIGSEGV)" in report and "['byte 4 xor 0x80']" in report, report
+
+
 # --- weight schedules --------------------------------------------------------------------------
 
 
 def weight_descriptions():
-    """Two training ranks and two inference ranks over three parameters (an identity, a fused
-    concatenation, an FP8 quantisation and its scales): every kind of field the bytes hold."""
+    """Two training ranks and two inference ranks over three parameters (a fused concatenation
+    of two sources, an FP8 quantisation and its scales): every kind of field the bytes hold."""
     ext = fabric_lib._fabric_lib
     trainers = [
         ext._weights_encode_trainer(r, 2, [
