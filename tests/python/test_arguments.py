@@ -211,3 +211,26 @@ def test_unregister_of_something_else_is_a_type_error(tcp_pair):
     a, _, _, _ = tcp_pair
     with pytest.raises(TypeError, match="Registration or a MemoryHandle"):
         a.unregister(42)
+
+
+def test_receive_length_delta_runs_on_each_received_message():
+    """FaultConfig.receive_length_delta reaches the fault domain: it is called for the
+    receive completions, and 0 leaves the message as it was sent."""
+    calls = []
+
+    def delta(sequence):
+        calls.append(sequence)
+        return 0
+
+    def config():
+        c = fabric_lib.Config(provider="tcp", nics=["lo"], cpu=fabric_lib.GroupConfig.CPU_NONE)
+        c.faults.enabled = True
+        c.faults.receive_length_delta = delta
+        return c
+
+    assert config().faults.receive_length_delta is delta
+    with fabric_lib.TransferEngine(config()) as a, fabric_lib.TransferEngine(config()) as b:
+        b.set_receive_handler(None)
+        a.send(b.address, b"hello").result(timeout=30)
+        assert b.recv(30) == b"hello"
+    assert calls, "receive_length_delta was never called"
