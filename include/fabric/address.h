@@ -116,11 +116,12 @@ struct MemoryHandle {
 class RemoteMemory {
  public:
   // Version 2 added staged_region(), version 3 cuda_ipc(), version 4 descriptors without rails
-  // (ipc_only()), version 5 the section of host memory (CudaIpc::host); older versions still
-  // decode (not staged, no CUDA IPC section, rails). A descriptor is encoded in the oldest
-  // version that holds it (2 without a CUDA IPC section, 3 with rails, 4 without, 5 for host
-  // memory), so that engines built before keep reading it.
-  static constexpr uint8_t kVersion = 5;
+  // (ipc_only()), version 5 the section of host memory (CudaIpc::host), version 6 a flags byte
+  // (readable()); older versions still decode (not staged, no CUDA IPC section, rails, not
+  // readable). A descriptor is encoded in the oldest version that holds it (2 without a CUDA
+  // IPC section, 3 with rails, 4 without, 5 for host memory, 6 when readable), so that engines
+  // built before keep reading it.
+  static constexpr uint8_t kVersion = 6;
 
   // The CUDA IPC section: the region is CUDA memory whose owner accepts writes from same-host
   // peers over CUDA IPC (docs/cuda-ipc.md). The writer names the region by `region`; the owner
@@ -142,7 +143,8 @@ class RemoteMemory {
 
   RemoteMemory() = default;
   RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails,
-               uint64_t staged_region = 0, std::optional<CudaIpc> cuda_ipc = std::nullopt);
+               uint64_t staged_region = 0, std::optional<CudaIpc> cuda_ipc = std::nullopt,
+               bool readable = false);
 
   static Result<RemoteMemory> decode(std::span<const std::byte> bytes);
   static Result<RemoteMemory> from_hex(std::string_view hex);
@@ -163,6 +165,10 @@ class RemoteMemory {
   // GPU memory registered without a host mirror (RegisterOptions::host_mirror false) on a group
   // that would have staged it: no rails, and only the CUDA IPC path reaches it.
   bool ipc_only() const { return data().rails.empty() && data().cuda_ipc.has_value(); }
+  // Its owner registered it readable (RegisterOptions::remote_read): peers may read it. A read
+  // of a descriptor without it fails at the reader; the owner's fabric or transport refuses one
+  // whose descriptor says so falsely.
+  bool readable() const { return data().readable; }
   // One rail per NIC of the owner, or none for ipc_only(): what a writer's plan needs (decode
   // checks it; a descriptor made by hand may not hold it).
   bool rails_fit_owner() const { return data().rails.size() == owner().num_nics() || ipc_only(); }
@@ -177,6 +183,7 @@ class RemoteMemory {
     std::vector<Rail> rails;
     uint64_t staged_region = 0;
     std::optional<CudaIpc> cuda_ipc;
+    bool readable = false;
   };
   static const Data& no_data();  // what an empty descriptor reads
   const Data& data() const { return data_ ? *data_ : no_data(); }

@@ -66,6 +66,12 @@ struct RegisterOptions {
   // torch's pin_memory) is used as it is: its owner must keep it locked while it is registered.
   // Writes from host memory into it, and from it, take the fabric as before.
   bool gpu_copies = false;
+  // Peers may read the memory (SingleRead, PagedRead), besides writing into it. Off by default:
+  // a read of memory registered without it fails at the reader (kRemoteAccess), and the owner's
+  // fabric refuses one from a forged descriptor. Reads reach host memory and GPU memory the
+  // group's NICs reach directly; GPU memory staged through a host mirror, or reached only over
+  // CUDA IPC, cannot be registered readable yet (kUnsupported).
+  bool remote_read = false;
 };
 
 // What a device group turned out to be, once opened.
@@ -155,6 +161,16 @@ class TransferEngine {
   Result<TransferId> submit(const Scatter& scatter, Callbacks callbacks);
   Result<TransferId> submit(const Barrier& barrier, Callbacks callbacks);
   Result<TransferId> submit(const ImmWrite& imm, Callbacks callbacks);
+
+  // --- one-sided reads ----------------------------------------------------------------------
+  // Each returns at once with the transfer's id, or an error and no callback: kRemoteAccess
+  // when the descriptor is not readable, kOutOfRange outside either region, kInvalidArgument
+  // for malformed pages, kUnsupported where reads cannot go yet (GPU memory staged through a
+  // host mirror on either side, memory reached only over CUDA IPC). The owner's fabric refuses
+  // a read of memory it did not register readable, or no longer holds (kRemoteAccess in
+  // on_error); unregister_memory() is a barrier: no byte is read from a region once it returns.
+  Result<TransferId> submit(const SingleRead& read, Callbacks callbacks);
+  Result<TransferId> submit(const PagedRead& read, Callbacks callbacks);
 
   // --- two-sided messages -------------------------------------------------------------------
 

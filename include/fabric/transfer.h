@@ -128,6 +128,35 @@ struct PagedWrite {
   std::optional<uint32_t> imm;
 };
 
+// A one-sided read: `length` bytes of a peer's region `src` (its descriptor, registered
+// readable: RegisterOptions::remote_read), `src_offset` bytes from its start, into the local
+// region `dst` at `dst_offset`. Sharded over the group's NICs like a write, and moved to another
+// NIC when one fails (a read is idempotent). on_done runs once every byte is in local memory.
+// The owner is told nothing: a caller that wants it to know sends a message.
+struct SingleRead {
+  MemoryHandle dst;
+  uint64_t dst_offset = 0;
+  RemoteMemory src;
+  uint64_t src_offset = 0;
+  uint64_t length = 0;
+  Routing routing;
+};
+
+// Pages of a peer's region into pages of a local one: page src_pages[i] of `src` (at
+// src_offset + src_pages[i] * src_stride) into page dst_pages[i] of `dst`. One read per page,
+// spread over the group's NICs.
+struct PagedRead {
+  MemoryHandle dst;
+  RemoteMemory src;
+  uint64_t page_bytes = 0;
+  std::vector<uint32_t> src_pages;
+  uint64_t src_stride = 0;
+  uint64_t src_offset = 0;
+  std::vector<uint32_t> dst_pages;
+  uint64_t dst_stride = 0;
+  uint64_t dst_offset = 0;
+};
+
 // A set of peer group addresses that scatter and barrier address together. Made by
 // TransferEngine::add_peer_group.
 struct PeerGroup {

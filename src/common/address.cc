@@ -10,6 +10,7 @@
 //                 | (version 2) u64 staged region | (version 3) u8 has CUDA IPC (0 or 1;
 //                 from version 5 also 2: host memory the owner's GPU copies into)
 //                 | (when 1 or 2) 16 bytes GPU UUID | u64 IPC region (non-zero)
+//                 | (version 6) u8 flags: bit 0 readable, the others 0
 #include "fabric/address.h"
 
 #include <cstring>
@@ -28,6 +29,7 @@ constexpr uint32_t kAddressMagic = 0x414C4246;  // "FBLA"
 constexpr uint32_t kMemoryMagic = 0x4D4C4246;   // "FBLM"
 constexpr size_t kMaxNics = 64;
 constexpr size_t kMaxNameBytes = 1024;
+constexpr uint8_t kReadable = 1;  // RemoteMemory flags (version 6)
 
 Status malformed(std::string_view what, std::string_view detail) {
   return Status(ErrorCode::kInvalidArgument, fmt::format("malformed {}: {}", what, detail));
@@ -206,9 +208,9 @@ Result<Address> Address::from_hex(std::string_view hex) {
 // --- RemoteMemory ---------------------------------------------------------------------------
 
 RemoteMemory::RemoteMemory(Address owner, uint64_t base, uint64_t length, std::vector<Rail> rails,
-                           uint64_t staged_region, std::optional<CudaIpc> cuda_ipc)
-    : data_(std::make_shared<const Data>(
-          Data{std::move(owner), base, length, std::move(rails), staged_region, cuda_ipc})) {}
+                           uint64_t staged_region, std::optional<CudaIpc> cuda_ipc, bool readable)
+    : data_(std::make_shared<const Data>(Data{std::move(owner), base, length, std::move(rails),
+                                              staged_region, cuda_ipc, readable})) {}
 
 const RemoteMemory::Data& RemoteMemory::no_data() {
   static const Data kEmpty;
@@ -219,13 +221,18 @@ bool operator==(const RemoteMemory& a, const RemoteMemory& b) {
   if (a.data_ == b.data_) return true;
   return a.owner() == b.owner() && a.base() == b.base() && a.length() == b.length() &&
          a.rails() == b.rails() && a.staged_region() == b.staged_region() &&
-         a.cuda_ipc() == b.cuda_ipc();
+         a.cuda_ipc() == b.cuda_ipc() && a.readable() == b.readable();
 }
 
 Bytes RemoteMemory::encode() const {
   detail::ByteWriter w;
   w.u32(kMemoryMagic);
-  w.u8(!cuda_ipc() ? 2 : cuda_ipc()->host ? 5 : ipc_only() ? 4 : 3);
+  const uint8_t version = readable()         ? 6
+                          : !cuda_ipc()      ? 2
+                          : cuda_ipc()->host ? 5
+                          : ipc_only()       ? 4
+                                             : 3;
+  w.u8(version);
   w.u64(base());
   w.u64(length());
   Bytes addr = owner().encode();
@@ -237,11 +244,12 @@ Bytes RemoteMemory::encode() const {
     w.u64(rail.key);
   }
   w.u64(staged_region());
+  if (version >= 3) w.u8(!cuda_ipc() ? 0 : cuda_ipc()->host ? 2 : 1);
   if (cuda_ipc()) {
-    w.u8(cuda_ipc()->host ? 2 : 1);
     w.bytes(cuda_ipc()->device);
     w.u64(cuda_ipc()->region);
   }
+  if (version >= 6) w.u8(kReadable);
   return w.take();
 }
 
@@ -299,6 +307,12 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
       ipc = c;
     }
   }
+  uint8_t flags = 0;
+  if (version >= 6) {
+    if (!r.u8(flags)) return malformed(kWhat, "truncated before flags");
+    if ((flags & ~kReadable) != 0)
+      return malformed(kWhat, fmt::format("unknown flags {:#04x}", flags));
+  }
   if (r.remaining() != 0) {
     return malformed(kWhat, fmt::format("{} trailing bytes", r.remaining()));
   }
@@ -311,7 +325,8 @@ Result<RemoteMemory> RemoteMemory::decode(std::span<const std::byte> bytes) {
   if (ipc && ipc->host && (count == 0 || staged != 0)) {
     return malformed(kWhat, "a CUDA IPC section of host memory needs rails and no staged region");
   }
-  return RemoteMemory(std::move(*owner), base, length, std::move(rails), staged, ipc);
+  return RemoteMemory(std::move(*owner), base, length, std::move(rails), staged, ipc,
+                      (flags & kReadable) != 0);
 }
 
 Result<RemoteMemory> RemoteMemory::from_hex(std::string_view hex) {

@@ -46,7 +46,7 @@ std::string cuda_registration_problem(const DomainGroup& group) {
   if (!probe) return probe.status().message();
   std::string why;
   for (const auto& d : group.domains) {
-    auto reg = d->register_memory(*probe, 4096);
+    auto reg = d->register_memory(*probe, 4096, false);
     if (!reg) {
       why = fmt::format("'{}': {}", d->info().name, reg.status().message());
       break;

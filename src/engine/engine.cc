@@ -288,6 +288,12 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length,
                   "register_memory: host_mirror is false, but Config::cuda_ipc is off: the "
                   "memory would be unreachable (this group stages GPU memory through a mirror)");
   }
+  if (options.remote_read && wants_mirror) {
+    return Status(ErrorCode::kUnsupported,
+                  "register_memory: remote_read of GPU memory this group's NICs do not reach "
+                  "directly (it would be staged through a host mirror, or reached over CUDA IPC "
+                  "only) is not supported yet");
+  }
   if (options.gpu_copies && memory->kind != cuda::MemoryKind::kHost) {
     return invalid(
         "register_memory: gpu_copies is for host memory; GPU memory takes the CUDA IPC path "
@@ -348,7 +354,7 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length,
   engine::Worker* w = workers_[group].get();
   std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;
   if (!ipc_only) {
-    auto r = w->call([&] { return w->register_on_all(host, length); });
+    auto r = w->call([&] { return w->register_on_all(host, length, options.remote_read); });
     if (!r) {
       if (copy_engines) cuda::unpin_for_copies(*copy_engines, ptr);
       return r.status();
@@ -375,9 +381,10 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length,
   if (copy_uuid) ipc_section = RemoteMemory::CudaIpc{*copy_uuid, region->id, /*host=*/true};
   std::vector<RemoteMemory::Rail> rails;
   for (const auto& r : region->regs) rails.push_back({r->remote_addr(), r->remote_key()});
-  Registration out{MemoryHandle{region->id},
-                   RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length,
-                                std::move(rails), region->staged() ? region->id : 0, ipc_section)};
+  Registration out{
+      MemoryHandle{region->id},
+      RemoteMemory(addresses_[group], reinterpret_cast<uint64_t>(ptr), length, std::move(rails),
+                   region->staged() ? region->id : 0, ipc_section, options.remote_read)};
   if (region->mirror) stats_.mirror(group, static_cast<int64_t>(length));
   regions_.add(std::move(region));
   return out;
@@ -541,6 +548,12 @@ Result<TransferId> TransferEngine::submit(const Barrier& b, Callbacks cb) {
 }
 Result<TransferId> TransferEngine::submit(const ImmWrite& w, Callbacks cb) {
   return impl_->submit(w, std::move(cb));
+}
+Result<TransferId> TransferEngine::submit(const SingleRead& r, Callbacks cb) {
+  return impl_->submit(r, std::move(cb));
+}
+Result<TransferId> TransferEngine::submit(const PagedRead& r, Callbacks cb) {
+  return impl_->submit(r, std::move(cb));
 }
 Result<TransferId> TransferEngine::submit_send(const Address& peer,
                                                std::span<const std::byte> message,

@@ -106,6 +106,8 @@ class EngineImpl {
   Result<TransferId> submit(const Scatter& s, Callbacks&& cb);
   Result<TransferId> submit(const Barrier& b, Callbacks&& cb);
   Result<TransferId> submit(const ImmWrite& w, Callbacks&& cb);
+  Result<TransferId> submit(const SingleRead& r, Callbacks&& cb);
+  Result<TransferId> submit(const PagedRead& r, Callbacks&& cb);
   Result<TransferId> submit_send(const Address& peer, std::span<const std::byte> message,
                                  Callbacks cb, uint32_t group);
   Status set_receive_handler(std::function<void(std::span<const std::byte>)> on_message,
@@ -180,6 +182,10 @@ class EngineImpl {
   Status check_group(uint32_t group) const;
   Status check_peer(const Address& peer, uint32_t group, std::string_view what) const;
   Status check_remote(const RemoteMemory& dst, uint32_t group, std::string_view what) const;
+  // A read of `remote` into `local`: the remote checks, readable, and neither side on a path
+  // reads do not take yet (submit_read.cc).
+  Status check_read(const LocalRegion& local, const RemoteMemory& remote, uint32_t group,
+                    std::string_view what) const;
   // What check_remote holds, without a Status or a call to memcmp: the common case, so that a
   // submission calls check_remote only to say what is wrong.
   bool remote_ok(const RemoteMemory& dst, uint32_t group) const {

@@ -203,7 +203,7 @@ void Worker::fail_over(uint32_t nic, transport::PeerHandle peer, bool posted_too
           Status(ErrorCode::kPeerUnreachable,
                  fmt::format("NIC '{}' went down with a {} of {} bytes in flight that cannot be "
                              "sent again (it may have been delivered)",
-                             name, op->kind == Op::Kind::kSend ? "message" : "write", op->length));
+                             name, kind_name(*op), op->length));
     }
     complete_op(*op, error);
   }
@@ -214,10 +214,9 @@ void Worker::fail_over(uint32_t nic, transport::PeerHandle peer, bool posted_too
       health_->moved_off(nic);
       enqueue(*op);
     } else {
-      complete_op(*op,
-                  Status(ErrorCode::kPeerUnreachable,
-                         fmt::format("NIC '{}' is down and no other NIC can take this {}", name,
-                                     op->kind == Op::Kind::kSend ? "message" : "write")));
+      complete_op(*op, Status(ErrorCode::kPeerUnreachable,
+                              fmt::format("NIC '{}' is down and no other NIC can take this {}",
+                                          name, kind_name(*op))));
     }
   }
 }

@@ -41,7 +41,7 @@ Status closed_unresolved(const Op& op, const Status& error) {
   return Status(ErrorCode::kCancelled,
                 fmt::format("the engine closed before this {} could be posted again alone to "
                             "tell whether it was at fault ({})",
-                            op.kind == Op::Kind::kSend ? "message" : "write", error.message()));
+                            kind_name(op), error.message()));
 }
 
 }  // namespace
@@ -71,8 +71,7 @@ bool PostingQueues::isolate(uint32_t nic, PeerQueue& q, Op& op, const Status& er
     detail::log().warn(
         "group {}: a {} of {} bytes towards a peer on NIC '{}' failed ({}); posting the failed "
         "work requests towards that peer again one at a time, to find the one at fault",
-        group_, op.kind == Op::Kind::kSend ? "message" : "write", op.length,
-        nics_[nic].domain->info().name, error.message());
+        group_, kind_name(op), op.length, nics_[nic].domain->info().name, error.message());
     // The peer may have dropped the connection because it took this engine for dead (a write
     // fence it did not see answered): announce afresh before writing again.
     if (fence_) fence_->forget_owner(q.owner);

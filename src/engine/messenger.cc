@@ -108,7 +108,7 @@ Result<std::unique_ptr<Messenger::ReceivePool>> Messenger::make_pool(uint32_t do
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("cannot allocate {} receive buffers of {} bytes", count, slot));
   }
-  auto reg = domains_[domain]->register_memory(pool->storage.get(), slot * count);
+  auto reg = domains_[domain]->register_memory(pool->storage.get(), slot * count, false);
   if (!reg) return reg.status();
   pool->reg = std::move(*reg);
   pool->slots.reserve(count);
@@ -191,7 +191,7 @@ Status Messenger::add_send_chunk() {
   const uint64_t total = pool.slot_bytes * pool.per_chunk;
   chunk.storage.reset(static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, total)));
   for (transport::Domain* d : domains_) {
-    auto reg = d->register_memory(chunk.storage.get(), total);
+    auto reg = d->register_memory(chunk.storage.get(), total, false);
     if (!reg) return reg.status();
     chunk.regs.push_back(std::move(*reg));
   }

@@ -56,6 +56,9 @@ transport::PostResult PostingQueues::post(uint32_t nic, Op& op, transport::PeerH
   if (op.kind == Op::Kind::kWrite) {
     r = d.post_write({reinterpret_cast<uint64_t>(&op), op.local, op.length, op.local_desc, peer,
                       op.remote_addr, op.remote_key, op.has_imm, op.imm});
+  } else if (op.kind == Op::Kind::kRead) {
+    r = d.post_read({reinterpret_cast<uint64_t>(&op), const_cast<void*>(op.local), op.length,
+                     op.local_desc, peer, op.remote_addr, op.remote_key});
   } else if (!messages_->fill_send(op, abandoned_ > 0)) {
     // A send takes a registered buffer for as long as it is posted. Buffers held by sends
     // abandoned on a dead NIC may not come back soon: then the pool may grow (bounded).
@@ -131,7 +134,7 @@ bool PostingQueues::post_some(uint32_t nic, Clock::time_point now) {
       any = true;
       posted_or_failed(q, op, r);
       if (r.kind == transport::PostResult::Kind::kPosted) {
-        if (op.kind == Op::Kind::kWrite && op.length > 0) health_->posted(nic, now);
+        if (op.kind != Op::Kind::kSend && op.length > 0) health_->posted(nic, now);
         --budget;
       }
     }
@@ -164,9 +167,10 @@ bool PostingQueues::completed(Op& op, const Status& status, Clock::time_point no
 
 bool PostingQueues::held_for_hello(uint32_t nic, PeerQueue& q, const Op& op,
                                    Clock::time_point now) {
-  // Only writes of bytes into a registered region: zero-byte writes and writes into a peer's
-  // scratch buffer (never unregistered) land nothing a fence would protect.
-  if (op.kind != Op::Kind::kWrite || op.length == 0 || op.dst_mem == nullptr ||
+  // Only writes of bytes into a registered region, and reads of one: zero-byte writes and writes
+  // into a peer's scratch buffer (never unregistered) touch nothing a fence would protect. A
+  // read's answer leaves the owner on the connection the fence's note takes, ahead of it.
+  if (op.kind == Op::Kind::kSend || op.length == 0 || op.dst_mem == nullptr ||
       op.owner == nullptr || !nics_[nic].domain->info().key_checked_once) {
     return false;
   }

@@ -92,7 +92,8 @@ struct CommitSend {
 // One work request. Its address is the wr_id the domain hands back on completion, so an Op
 // never moves once the transfer is accepted.
 struct Op {
-  enum class Kind : uint8_t { kWrite, kSend };
+  // kRead: `local` is where the bytes go, dst_mem the peer's region they come from.
+  enum class Kind : uint8_t { kWrite, kSend, kRead };
   static constexpr uint32_t kNoDst = UINT32_MAX;
   Transfer* transfer = nullptr;
   Kind kind = Kind::kWrite;
@@ -130,6 +131,11 @@ struct Op {
   Op* prev = nullptr;
   Op* next = nullptr;
 };
+
+// "write", "read" or "message", for the messages that name an op.
+inline const char* kind_name(const Op& op) {
+  return op.kind == Op::Kind::kSend ? "message" : op.kind == Op::Kind::kRead ? "read" : "write";
+}
 
 // The staged-path state of one destination of a transfer whose region is staged at its owner:
 // ranges written and not yet committed, and the immediate to count once all are copied.

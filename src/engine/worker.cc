@@ -74,7 +74,7 @@ Result<std::unique_ptr<Worker>> Worker::create(
     d.scratch_buf.reset(
         static_cast<std::byte*>(std::aligned_alloc(kBufferAlignment, kScratchBytes)));
     std::memset(d.scratch_buf.get(), 0, kScratchBytes);
-    auto reg = d.domain->register_memory(d.scratch_buf.get(), kScratchBytes);
+    auto reg = d.domain->register_memory(d.scratch_buf.get(), kScratchBytes, false);
     if (!reg) return reg.status();
     d.scratch = std::move(*reg);
     w->fence_writes_ |= d.domain->info().key_checked_once;
@@ -271,10 +271,10 @@ void Worker::release(std::vector<std::unique_ptr<transport::MemoryRegistration>>
 }
 
 Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> Worker::register_on_all(
-    void* ptr, uint64_t length) {
+    void* ptr, uint64_t length, bool remote_read) {
   std::vector<std::unique_ptr<transport::MemoryRegistration>> regs;
   for (auto& d : domains_) {
-    auto reg = d.domain->register_memory(ptr, length);
+    auto reg = d.domain->register_memory(ptr, length, remote_read);
     if (!reg) return reg.status();
     regs.push_back(std::move(*reg));
   }

@@ -149,7 +149,7 @@ class Worker {
 
   // Worker-thread operations, for call().
   Result<std::vector<std::unique_ptr<transport::MemoryRegistration>>> register_on_all(
-      void* ptr, uint64_t length);
+      void* ptr, uint64_t length, bool remote_read);
   Status start_receives(Messenger::Handler handler, uint64_t buffer_bytes, uint32_t count) {
     return messages_->start_receives(std::move(handler), buffer_bytes, count);
   }

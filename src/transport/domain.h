@@ -42,6 +42,19 @@ struct WriteRequest {
   uint32_t imm;
 };
 
+// A one-sided read: `length` bytes of the peer's registered memory at `remote_addr` (its key
+// `remote_key`) into `local` (registered here, `local_desc`). Its completion (kLocal) means the
+// bytes are in local memory.
+struct ReadRequest {
+  uint64_t wr_id;
+  void* local;
+  uint64_t length;
+  void* local_desc;
+  PeerHandle peer;
+  uint64_t remote_addr;
+  uint64_t remote_key;
+};
+
 struct SendRequest {
   uint64_t wr_id;
   const void* local;
@@ -104,8 +117,10 @@ class Domain {
   // This domain's endpoint address (fi_getname), for the group address.
   virtual const Bytes& endpoint_name() const = 0;
 
-  virtual Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr,
-                                                                      uint64_t length) = 0;
+  // Peers may write into the registered memory; with `remote_read`, read it too (the fabric's
+  // access flags where it has them, the transport's own check where it has not).
+  virtual Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length,
+                                                                      bool remote_read) = 0;
   // Resolves a peer's endpoint name into a handle for posting (cached by the domain).
   virtual Result<PeerHandle> resolve_peer(std::span<const std::byte> name) = 0;
   // Drops a peer (declared dead): the handle becomes invalid and the next resolve_peer of its
@@ -120,6 +135,7 @@ class Domain {
   // Posting: kPosted (a completion will come for wr_id), kAgain (queue full: nothing posted,
   // retry after polling; not a failure), or kFailed (nothing posted, `error` says why).
   virtual PostResult post_write(const WriteRequest& req) = 0;
+  virtual PostResult post_read(const ReadRequest& req) = 0;
   virtual PostResult post_send(const SendRequest& req) = 0;
   virtual PostResult post_recv(const RecvRequest& req) = 0;
   // Hands the provider what post_write and post_send accepted but held back to post together

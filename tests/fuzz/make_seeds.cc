@@ -186,6 +186,13 @@ int main(int argc, char** argv) {
   const RemoteMemory m5(shm2, 0x1000, 4096, {{0x1000, 3}, {0x1000, 4}}, 0,
                         RemoteMemory::CudaIpc{gpu, 0x1236, /*host=*/true});
   write(root / "descriptor", "shm_2rail_gpu_copies", m5.encode());
+  // Version 6: readable by peers (the flags byte), with and without a CUDA IPC section.
+  const RemoteMemory m6(tcp1, 0x7f0000100000, 1 << 20, {{0x7f0000100000, 7}}, 0, std::nullopt,
+                        /*readable=*/true);
+  write(root / "descriptor", "tcp_1rail_readable", m6.encode());
+  const RemoteMemory m7(shm2, 0x1000, 4096, {{0x1000, 3}, {0x1000, 4}}, 0,
+                        RemoteMemory::CudaIpc{gpu, 0x1237, /*host=*/true}, /*readable=*/true);
+  write(root / "descriptor", "shm_2rail_gpu_copies_readable", m7.encode());
 
   engine::Commit commit;
   commit.transfer = 17;

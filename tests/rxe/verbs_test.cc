@@ -325,8 +325,8 @@ void make_rig(Rig& r, const std::string& device, const VerbsConfig& c, size_t by
   r.src.resize(bytes);
   r.dst.assign(bytes, std::byte{0});
   fill_pattern(r.src.data(), bytes, 77);
-  auto s = r.a->register_memory(r.src.data(), bytes);
-  auto d = r.b->register_memory(r.dst.data(), bytes);
+  auto s = r.a->register_memory(r.src.data(), bytes, false);
+  auto d = r.b->register_memory(r.dst.data(), bytes, false);
   ASSERT_TRUE(s && d);
   r.src_reg = std::move(*s);
   r.dst_reg = std::move(*d);

@@ -152,6 +152,30 @@ TEST(Codec, DescriptorRoundTripIsRailAligned) {
   EXPECT_EQ(back->owner(), owner);
 }
 
+TEST(Codec, AReadableDescriptorIsVersionSixAndOthersKeepTheirVersion) {
+  const Address owner = sample_address(2);
+  RemoteMemory plain(owner, 0x1000, 4096, {{0x1000, 1}, {0x1000, 2}});
+  RemoteMemory readable(owner, 0x1000, 4096, {{0x1000, 1}, {0x1000, 2}}, 0, std::nullopt, true);
+  EXPECT_EQ(plain.encode()[4], std::byte{2});  // engines built before reads still decode it
+  const Bytes b = readable.encode();
+  EXPECT_EQ(b[4], std::byte{6});
+  auto back = RemoteMemory::decode(b);
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_TRUE(back->readable());
+  EXPECT_EQ(*back, readable);
+  EXPECT_NE(*back, plain);
+  EXPECT_FALSE(RemoteMemory::decode(plain.encode())->readable());
+  // Unknown flags are refused; a missing flags byte is a truncation.
+  Bytes unknown = b;
+  unknown.back() = std::byte{0x03};
+  auto r = RemoteMemory::decode(unknown);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.status().message().find("unknown flags"), std::string::npos);
+  Bytes cut = b;
+  cut.pop_back();
+  EXPECT_FALSE(RemoteMemory::decode(cut));
+}
+
 TEST(Codec, DescriptorWithRailCountUnlikeItsOwnerIsRejected) {
   RemoteMemory m(sample_address(2), 0, 100, {{0, 1}});
   auto r = RemoteMemory::decode(m.encode());
@@ -162,8 +186,8 @@ TEST(Codec, DescriptorWithRailCountUnlikeItsOwnerIsRejected) {
 // Bad-input table (docs/bad-input.md): a descriptor of a version this build does not read.
 TEST(Codec, DescriptorVersionAndMagicAreChecked) {
   Bytes b = RemoteMemory(sample_address(1), 0, 100, {{0, 1}}).encode();
-  // Version 5 is current (the CUDA IPC section of host memory).
-  for (uint8_t version : {0, 6, 255}) {
+  // Version 6 is current (the flags byte: readable).
+  for (uint8_t version : {0, 7, 255}) {
     Bytes wrong = b;
     wrong[4] = std::byte{version};
     auto r = RemoteMemory::decode(wrong);

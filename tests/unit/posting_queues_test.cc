@@ -23,7 +23,8 @@ class RecordingDomain final : public transport::Domain {
   explicit RecordingDomain(std::string name) { info_ = {"test", std::move(name), 1 << 20, true}; }
   const transport::DomainInfo& info() const override { return info_; }
   const Bytes& endpoint_name() const override { return endpoint_; }
-  Result<std::unique_ptr<transport::MemoryRegistration>> register_memory(void*, uint64_t) override {
+  Result<std::unique_ptr<transport::MemoryRegistration>> register_memory(void*, uint64_t,
+                                                                         bool) override {
     return std::unique_ptr<transport::MemoryRegistration>(new Registration);
   }
   Result<transport::PeerHandle> resolve_peer(std::span<const std::byte> name) override {
@@ -32,6 +33,9 @@ class RecordingDomain final : public transport::Domain {
   void forget_peer(transport::PeerHandle peer) override { forgotten.push_back(peer); }
   void reset_peer(transport::PeerHandle peer) override { resets.push_back(peer); }
   transport::PostResult post_write(const transport::WriteRequest& req) override {
+    return answer(req.wr_id);
+  }
+  transport::PostResult post_read(const transport::ReadRequest& req) override {
     return answer(req.wr_id);
   }
   transport::PostResult post_send(const transport::SendRequest& req) override {

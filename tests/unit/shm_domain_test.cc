@@ -91,7 +91,7 @@ bool Pair::check_cma(PeerHandle peer, const MemoryRegistration& dst, uint64_t wr
 TEST(ShmDomain, WritesThroughTheRingThenThroughCmaWithImmediatesAfterTheBytes) {
   Pair p;
   std::vector<std::byte> dst(1 << 20);
-  auto reg = p.b->register_memory(dst.data(), dst.size());
+  auto reg = p.b->register_memory(dst.data(), dst.size(), false);
   ASSERT_TRUE(reg);
   const PeerHandle peer = p.b_from_a();
   // Posted before b ever polled: b has not checked whether it can read a's memory, so the
@@ -123,7 +123,7 @@ TEST(ShmDomain, LargeCmaWritesAreCopiedBySeveralThreads) {
   EXPECT_EQ(p.b->copy_threads(), 4u);
   constexpr uint64_t kBig = (5ull << 20) + 13;
   std::vector<std::byte> dst(kBig + 64);
-  auto reg = p.b->register_memory(dst.data(), dst.size());
+  auto reg = p.b->register_memory(dst.data(), dst.size(), false);
   ASSERT_TRUE(reg);
   const PeerHandle peer = p.b_from_a();
   ASSERT_TRUE(p.check_cma(peer, **reg, 1));
@@ -172,7 +172,7 @@ TEST(ShmDomain, AWindowOfCmaWritesIsCopiedSideBySide) {
   constexpr size_t kWrites = 8;
   constexpr size_t kSize = 1 << 20;  // one part each: under two of kMinPartBytes
   std::vector<std::byte> dst(kWrites * kSize);
-  auto reg = p.b->register_memory(dst.data(), dst.size());
+  auto reg = p.b->register_memory(dst.data(), dst.size(), false);
   ASSERT_TRUE(reg);
   const PeerHandle peer = p.b_from_a();
   ASSERT_TRUE(p.check_cma(peer, **reg, 100));
@@ -262,8 +262,8 @@ TEST(ParallelCopier, EveryPartRunsOnceAndAFailureIsReported) {
 TEST(ShmDomain, StaleKeyFailsAloneAndUnregisterIsABarrier) {
   Pair p;
   std::vector<std::byte> live(4096), dead(4096);
-  auto live_reg = p.b->register_memory(live.data(), live.size());
-  auto dead_reg = p.b->register_memory(dead.data(), dead.size());
+  auto live_reg = p.b->register_memory(live.data(), live.size(), false);
+  auto dead_reg = p.b->register_memory(dead.data(), dead.size(), false);
   ASSERT_TRUE(live_reg && dead_reg);
   const uint64_t dead_addr = (*dead_reg)->remote_addr();
   const uint64_t dead_key = (*dead_reg)->remote_key();
@@ -330,7 +330,7 @@ TEST(ShmDomain, MessagesBeforeAndAfterTheirReceives) {
 TEST(ShmDomain, BackPressureThenAClosedPeerFailsEverythingPromptly) {
   Pair p;
   std::vector<std::byte> dst(64);
-  auto reg = p.b->register_memory(dst.data(), dst.size());
+  auto reg = p.b->register_memory(dst.data(), dst.size(), false);
   ASSERT_TRUE(reg);
   const PeerHandle peer = p.b_from_a();
   const auto src = pattern(64, 6);
@@ -379,7 +379,7 @@ TEST(ShmDomain, BackPressureThenAClosedPeerFailsEverythingPromptly) {
 TEST(ShmDomain, ForgetCompletesWhatWasPostedAndReconnects) {
   Pair p;
   std::vector<std::byte> dst(64);
-  auto reg = p.b->register_memory(dst.data(), dst.size());
+  auto reg = p.b->register_memory(dst.data(), dst.size(), false);
   ASSERT_TRUE(reg);
   const PeerHandle peer = p.b_from_a();
   const auto src = pattern(64, 7);

@@ -9,8 +9,10 @@ FaultDomain::FaultDomain(std::unique_ptr<Domain> inner, FaultConfig config, uint
   scratch_.resize(64);
 }
 
-PostResult FaultDomain::post_write(const WriteRequest& req) {
-  // Sequence numbers count accepted writes only, so a retry after kAgain keeps its number.
+template <typename Request, typename Post>
+PostResult FaultDomain::post_or_fail(const Request& req, Post post) {
+  // Sequence numbers count accepted writes and reads only, so a retry after kAgain keeps its
+  // number.
   if (config_.fail_write && config_.fail_write(sequence_)) {
     ++sequence_;
     ++injected_;
@@ -23,9 +25,17 @@ PostResult FaultDomain::post_write(const WriteRequest& req) {
     held_.push_back({std::move(c), 0});
     return PostResult::posted();
   }
-  PostResult r = inner_->post_write(req);
+  PostResult r = post(req);
   if (r.kind != PostResult::Kind::kAgain) ++sequence_;
   return r;
+}
+
+PostResult FaultDomain::post_write(const WriteRequest& req) {
+  return post_or_fail(req, [&](const WriteRequest& w) { return inner_->post_write(w); });
+}
+
+PostResult FaultDomain::post_read(const ReadRequest& req) {
+  return post_or_fail(req, [&](const ReadRequest& r) { return inner_->post_read(r); });
 }
 
 size_t FaultDomain::poll(std::span<Completion> out) {

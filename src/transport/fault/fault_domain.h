@@ -19,8 +19,9 @@ class FaultDomain final : public Domain {
 
   const DomainInfo& info() const override { return inner_->info(); }
   const Bytes& endpoint_name() const override { return inner_->endpoint_name(); }
-  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override {
-    return inner_->register_memory(ptr, length);
+  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length,
+                                                              bool remote_read) override {
+    return inner_->register_memory(ptr, length, remote_read);
   }
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override {
     return inner_->resolve_peer(name);
@@ -28,6 +29,7 @@ class FaultDomain final : public Domain {
   void forget_peer(PeerHandle peer) override { inner_->forget_peer(peer); }
   void reset_peer(PeerHandle peer) override { inner_->reset_peer(peer); }
   PostResult post_write(const WriteRequest& req) override;
+  PostResult post_read(const ReadRequest& req) override;
   PostResult post_send(const SendRequest& req) override { return inner_->post_send(req); }
   void flush() override { inner_->flush(); }
   PostResult post_recv(const RecvRequest& req) override { return inner_->post_recv(req); }
@@ -44,6 +46,10 @@ class FaultDomain final : public Domain {
     Completion completion;
     uint32_t polls_left;
   };
+
+  // Fails the work request when FaultConfig::fail_write picks its sequence number, else posts it.
+  template <typename Request, typename Post>
+  PostResult post_or_fail(const Request& req, Post post);
 
   std::unique_ptr<Domain> inner_;
   FaultConfig config_;

@@ -126,6 +126,19 @@ PostResult LfDomain::post_write(const WriteRequest& req) {
   return post_failed(req.has_imm ? "fi_writedata" : "fi_write", info_, rc);
 }
 
+PostResult LfDomain::post_read(const ReadRequest& req) {
+  if (!ep_) return closed_endpoint();
+  const fi_addr_t peer = fi_address(req.peer);
+  if (peer == FI_ADDR_UNSPEC) return no_peer_address(info_);
+  void* ctx = context_for(req.wr_id);
+  ssize_t rc = fi_read(ep_.get(), req.local, req.length, req.local_desc, peer, req.remote_addr,
+                       req.remote_key, ctx);
+  if (rc == 0) return PostResult::posted();
+  release_context(ctx);
+  if (rc == -FI_EAGAIN) return PostResult::again();
+  return post_failed("fi_read", info_, rc);
+}
+
 PostResult LfDomain::post_send(const SendRequest& req) {
   if (!ep_) return closed_endpoint();
   const fi_addr_t peer = fi_address(req.peer);

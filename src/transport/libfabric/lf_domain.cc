@@ -94,7 +94,8 @@ fi_info* make_hints(const lf::Api& api, const std::string& provider, bool delive
                     bool hmem) {
   fi_info* hints = api.dupinfo(nullptr);  // fi_allocinfo()
   if (hints == nullptr) return nullptr;
-  hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+  hints->caps =
+      FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ | FI_SEND | FI_RECV;
   hints->ep_attr->type = FI_EP_RDM;
   // We can hand the provider context storage with every operation.
   hints->mode = FI_CONTEXT | FI_CONTEXT2;
@@ -333,10 +334,13 @@ class LfRegistration final : public MemoryRegistration {
 
 }  // namespace
 
-Result<std::unique_ptr<MemoryRegistration>> LfDomain::register_memory(void* ptr, uint64_t length) {
+Result<std::unique_ptr<MemoryRegistration>> LfDomain::register_memory(void* ptr, uint64_t length,
+                                                                      bool remote_read) {
   // With FI_MR_PROV_KEY the provider picks the key; otherwise keys must be unique per domain.
   const uint64_t requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_++;
-  constexpr uint64_t kAccess = FI_WRITE | FI_READ | FI_SEND | FI_RECV | FI_REMOTE_WRITE;
+  // A peer's read of memory registered without FI_REMOTE_READ is refused by the provider.
+  const uint64_t access =
+      FI_WRITE | FI_READ | FI_SEND | FI_RECV | FI_REMOTE_WRITE | (remote_read ? FI_REMOTE_READ : 0);
   fid_mr* mr = nullptr;
   int rc = 0;
   // CUDA memory on a provider that reaches it: registered as what it is.
@@ -347,13 +351,13 @@ Result<std::unique_ptr<MemoryRegistration>> LfDomain::register_memory(void* ptr,
     fi_mr_attr attr{};
     attr.mr_iov = &iov;
     attr.iov_count = 1;
-    attr.access = kAccess;
+    attr.access = access;
     attr.requested_key = requested_key;
     attr.iface = FI_HMEM_CUDA;
     attr.device.cuda = memory->device;
     rc = fi_mr_regattr(domain_.get(), &attr, 0, &mr);
   } else {
-    rc = fi_mr_reg(domain_.get(), ptr, length, kAccess, 0, requested_key, 0, &mr, nullptr);
+    rc = fi_mr_reg(domain_.get(), ptr, length, access, 0, requested_key, 0, &mr, nullptr);
   }
   if (rc != 0) {
     return Status(ErrorCode::kFabric, fmt::format("fi_mr_reg of {} bytes at {} on '{}' failed: {}",

@@ -50,13 +50,15 @@ class LfDomain final : public Domain {
   const DomainInfo& info() const override { return info_; }
   const Bytes& endpoint_name() const override { return name_; }
 
-  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override;
+  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length,
+                                                              bool remote_read) override;
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
   void forget_peer(PeerHandle peer) override;
   void reset_peer(PeerHandle peer) override;
   void close() override;
 
   PostResult post_write(const WriteRequest& req) override;
+  PostResult post_read(const ReadRequest& req) override;
   PostResult post_send(const SendRequest& req) override;
   PostResult post_recv(const RecvRequest& req) override;
   size_t poll(std::span<Completion> out) override;

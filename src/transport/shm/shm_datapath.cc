@@ -45,11 +45,25 @@ bool read_process(uint32_t pid, uint64_t src, void* dst, uint64_t length) {
   return true;
 }
 
+// Writes `length` bytes at `src` into `dst` in process `pid` (one copy, by the kernel). False
+// when the kernel refuses.
+bool write_process(uint32_t pid, uint64_t dst, const void* src, uint64_t length) {
+  uint64_t done = 0;
+  while (done < length) {
+    iovec local{const_cast<std::byte*>(static_cast<const std::byte*>(src)) + done, length - done};
+    iovec remote{reinterpret_cast<void*>(dst + done), length - done};
+    const ssize_t n = ::process_vm_writev(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
+    if (n <= 0) return false;
+    done += static_cast<uint64_t>(n);
+  }
+  return true;
+}
+
 std::string why_refused(ErrorCode code) {
   switch (code) {
     case ErrorCode::kRemoteAccess:
-      return "the peer refused the access (unknown or stale key, or a range outside its "
-             "registration)";
+      return "the peer refused the access (unknown or stale key, a range outside its "
+             "registration, or a read of memory not registered readable)";
     case ErrorCode::kInvalidArgument:
       return "the peer's receive buffer is smaller than the message";
     default:
@@ -78,7 +92,9 @@ PostResult ShmDomain::post(PeerHandle peer, uint64_t wr_id, TxItem item) {
     return PostResult::again();
   }
   if (r->outstanding == 0) r->next_watch = std::chrono::steady_clock::now() + kWatchEvery;
-  pending_.put(item.seq, {peer, wr_id, item.length});
+  pending_.put(item.seq,
+               {peer, wr_id, item.length,
+                item.kind == RecordKind::kRead ? const_cast<std::byte*>(item.local) : nullptr});
   ++r->outstanding;
   r->outstanding_bytes += item.length;
   ++r->ops_queued;
@@ -92,6 +108,17 @@ PostResult ShmDomain::post_write(const WriteRequest& req) {
   item.kind = RecordKind::kWrite;
   item.has_imm = req.has_imm;
   item.imm = req.imm;
+  item.seq = next_seq_++;
+  item.local = static_cast<const std::byte*>(req.local);
+  item.length = req.length;
+  item.addr = req.remote_addr;
+  item.key = req.remote_key;
+  return post(req.peer, req.wr_id, item);
+}
+
+PostResult ShmDomain::post_read(const ReadRequest& req) {
+  TxItem item;
+  item.kind = RecordKind::kRead;
   item.seq = next_seq_++;
   item.local = static_cast<const std::byte*>(req.local);
   item.length = req.length;
@@ -144,6 +171,14 @@ bool ShmDomain::push_item(Remote& r, TxItem& item) {
     rec.status = item.status;
     return r.writer.push(rec, nullptr, 0);
   }
+  if (item.kind == RecordKind::kRead) {  // one record, no payload: the owner answers
+    rec.flags = shm::kFirst | shm::kLast;
+    rec.addr = item.addr;
+    rec.key = item.key;
+    rec.length = item.length;
+    rec.src = reinterpret_cast<uint64_t>(item.local);
+    return r.writer.push(rec, nullptr, 0);
+  }
   const uint8_t imm_flag = item.has_imm ? shm::kHasImm : 0;
   if (!item.started) {
     item.started = true;
@@ -159,6 +194,7 @@ bool ShmDomain::push_item(Remote& r, TxItem& item) {
     rec.src = reinterpret_cast<uint64_t>(item.local);
     return r.writer.push(rec, nullptr, 0);
   }
+  const std::byte* bytes = item.kind == RecordKind::kReadData ? item.data.data() : item.local;
   const uint64_t max = r.writer.max_payload();
   do {
     const uint64_t chunk = std::min(item.length - item.offset, max);
@@ -169,7 +205,7 @@ bool ShmDomain::push_item(Remote& r, TxItem& item) {
     rec.key = item.key;
     rec.length = chunk;
     rec.total = item.length;
-    if (!r.writer.push(rec, item.local + item.offset, chunk)) return false;
+    if (!r.writer.push(rec, bytes + item.offset, chunk)) return false;
     item.offset += chunk;
   } while (item.offset < item.length);
   return true;
@@ -358,6 +394,46 @@ void ShmDomain::on_write(Inbound& in, const Record& rec, const std::byte* payloa
   acknowledge(in, rec.seq, in.write_error);
 }
 
+void ShmDomain::serve_read(Inbound& in, const Record& rec) {
+  const ErrorCode code = check_access(rec.addr, rec.length, rec.key, /*read=*/true);
+  if (code == ErrorCode::kOk && rec.length > 0) {
+    const auto* from = reinterpret_cast<const std::byte*>(rec.addr);
+    // Into the reader's memory by the kernel where it lets this process, or through the ring.
+    // Either way the bytes leave the registration now, while it is surely registered: the
+    // registration is closed on this thread, so no byte is read from it once that returns.
+    bool copied = false;
+    if (in.cma && rec.length >= kCmaMinBytes) {
+      copied = write_process(in.pid, rec.src, from, rec.length);
+      if (copied) ++stats_.cma_reads;
+    }
+    if (!copied) {
+      auto r = connect(in.sender);
+      if (!r || (*r)->dead) return;  // the reader is gone: nobody waits for this
+      TxItem data;
+      data.kind = RecordKind::kReadData;
+      data.seq = rec.seq;
+      data.addr = rec.src;
+      data.length = rec.length;
+      data.data.assign(from, from + rec.length);
+      stats_.ring_read_bytes += rec.length;
+      (*r)->tx.push_back(std::move(data));
+    }
+  }
+  acknowledge(in, rec.seq, code);  // behind the data, in the same ring
+}
+
+void ShmDomain::on_read_data(const Inbound& in, const Record& rec, const std::byte* payload) {
+  auto it = pending_.find(rec.seq);
+  if (it == pending_.end() || it->second.read_into == nullptr) return;  // failed already
+  // Only the owner the read went to answers it, and only into the read's own buffer.
+  const Remote* owner = find_remote(it->second.peer);
+  if (owner == nullptr || owner->name != in.sender) return;
+  const auto base = reinterpret_cast<uint64_t>(it->second.read_into);
+  const uint64_t size = it->second.bytes;
+  if (rec.addr < base || rec.length > size || rec.addr - base > size - rec.length) return;
+  if (rec.length > 0) std::memcpy(reinterpret_cast<void*>(rec.addr), payload, rec.length);
+}
+
 void ShmDomain::on_send(Inbound& in, const Record& rec, const std::byte* payload) {
   if ((rec.flags & shm::kFirst) != 0) {
     in.in_message = true;
@@ -416,6 +492,7 @@ void ShmDomain::start_claim(uint32_t slot, Inbound& in, uint64_t word) {
   uint64_t value = 0;
   const bool readable =
       read_process(in.pid, s->probe_addr, &value, sizeof(value)) && value == s->probe_value;
+  in.cma = readable;
   store(s->cma, uint64_t{in.token} << 32 | (readable ? shm::kCmaYes : shm::kCmaNo));
 }
 
@@ -465,6 +542,14 @@ void ShmDomain::consume(uint32_t slot, Inbound& in, uint64_t& budget) {
         break;
       case RecordKind::kAck:
         on_ack(rec);
+        break;
+      case RecordKind::kRead:
+        budget -= std::min(budget, rec.length + sizeof(Record));
+        serve_read(in, rec);
+        break;
+      case RecordKind::kReadData:
+        budget -= std::min(budget, rec.length + sizeof(Record));
+        on_read_data(in, rec, payload);
         break;
       default:
         break;

@@ -125,6 +125,7 @@ struct ShmDomain::Registry {
   struct Range {
     uint64_t addr;
     uint64_t length;
+    bool readable;  // peers may read it (RegisterOptions::remote_read)
   };
   std::unordered_map<uint64_t, Range> by_key;
 };
@@ -283,14 +284,15 @@ int ShmDomain::remove_dead_regions() {
   return static_cast<int>(dead.size());
 }
 
-Result<std::unique_ptr<MemoryRegistration>> ShmDomain::register_memory(void* ptr, uint64_t length) {
+Result<std::unique_ptr<MemoryRegistration>> ShmDomain::register_memory(void* ptr, uint64_t length,
+                                                                       bool remote_read) {
   const uint64_t addr = reinterpret_cast<uint64_t>(ptr);
   if (ptr == nullptr || length == 0 || addr + length < addr) {
     return Status(ErrorCode::kInvalidArgument, "shm: registering an empty or wrapping range");
   }
   uint64_t key = next_key_++;
   if (key == 0) key = next_key_++;
-  registry_->by_key[key] = {addr, length};
+  registry_->by_key[key] = {addr, length, remote_read};
   std::weak_ptr<Registry> registry = registry_;
   return std::unique_ptr<MemoryRegistration>(
       std::make_unique<ShmMemoryRegistration>(addr, key, [registry](uint64_t k) {
@@ -298,10 +300,11 @@ Result<std::unique_ptr<MemoryRegistration>> ShmDomain::register_memory(void* ptr
       }));
 }
 
-ErrorCode ShmDomain::check_access(uint64_t addr, uint64_t length, uint64_t key) const {
+ErrorCode ShmDomain::check_access(uint64_t addr, uint64_t length, uint64_t key, bool read) const {
   auto it = registry_->by_key.find(key);
   if (it == registry_->by_key.end()) return ErrorCode::kRemoteAccess;
   const Registry::Range& r = it->second;
+  if (read && !r.readable) return ErrorCode::kRemoteAccess;
   if (addr < r.addr || length > r.length || addr - r.addr > r.length - length) {
     return ErrorCode::kRemoteAccess;
   }

@@ -48,11 +48,13 @@ class ShmDomain final : public Domain {
   const DomainInfo& info() const override { return info_; }
   const Bytes& endpoint_name() const override { return name_bytes_; }
 
-  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override;
+  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length,
+                                                              bool remote_read) override;
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
   void forget_peer(PeerHandle peer) override;
 
   PostResult post_write(const WriteRequest& req) override;
+  PostResult post_read(const ReadRequest& req) override;
   PostResult post_send(const SendRequest& req) override;
   PostResult post_recv(const RecvRequest& req) override;
   size_t poll(std::span<Completion> out) override;
@@ -68,6 +70,8 @@ class ShmDomain final : public Domain {
     uint64_t cma_writes = 0;           // with bytes, into a range their registration holds
     uint64_t cma_parallel_writes = 0;  // of those, copied by several threads
     uint64_t ring_write_bytes = 0;
+    uint64_t cma_reads = 0;        // reads served by process_vm_writev into the reader
+    uint64_t ring_read_bytes = 0;  // read bytes served through the ring instead
   };
   uint32_t copy_threads() const { return copier_->threads(); }
   const Stats& stats() const { return stats_; }
@@ -86,6 +90,7 @@ class ShmDomain final : public Domain {
     PeerHandle peer = 0;
     uint64_t wr_id = 0;
     uint64_t bytes = 0;
+    std::byte* read_into = nullptr;  // a read: where its `bytes` go
   };
   static constexpr size_t kMaxPendingKept = 4096;  // pending_'s nodes kept for reuse
 
@@ -106,11 +111,15 @@ class ShmDomain final : public Domain {
   void copy_cma_batch(uint32_t pid);
   void on_send(Inbound& in, const shm::Record& rec, const std::byte* payload);
   void on_ack(const shm::Record& rec);
+  // The owner's side of a read (checked, then copied into the reader or queued as kReadData),
+  // and the reader's side of kReadData.
+  void serve_read(Inbound& in, const shm::Record& rec);
+  void on_read_data(const Inbound& in, const shm::Record& rec, const std::byte* payload);
   void acknowledge(Inbound& in, uint64_t seq, ErrorCode code);
   void release(Remote& r);
   void ring(Remote& r);
   bool work_pending() const;
-  ErrorCode check_access(uint64_t addr, uint64_t length, uint64_t key) const;
+  ErrorCode check_access(uint64_t addr, uint64_t length, uint64_t key, bool read = false) const;
   PostResult post(PeerHandle peer, uint64_t wr_id, TxItem item);
 
   DomainInfo info_;

@@ -55,7 +55,8 @@ struct ShmDomain::TxItem {
   uint64_t addr = 0;
   uint64_t key = 0;
   uint64_t offset = 0;  // bytes pushed so far
-  bool is_op() const { return kind != RecordKind::kAck; }
+  Bytes data;           // kReadData: the bytes, copied out of the registration when served
+  bool is_op() const { return kind != RecordKind::kAck && kind != RecordKind::kReadData; }
 };
 
 struct ShmDomain::Remote {
@@ -91,6 +92,7 @@ struct ShmDomain::Inbound {
   uint32_t token = 0;  // the claim whose records are being read
   uint32_t pid = 0;
   std::string sender;
+  bool cma = false;  // this process can reach the sender's memory (process_vm_readv/writev)
   // A write arriving in chunks.
   bool in_write = false;
   ErrorCode write_error = ErrorCode::kOk;

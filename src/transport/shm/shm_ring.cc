@@ -142,7 +142,8 @@ RingReader::Next RingReader::peek(Record& out, const std::byte*& payload) {
     // A write by process_vm_readv is one record, first and last: nothing else reads its
     // `length` as bytes the reader may take from elsewhere.
     if (cma && (out.flags & (kFirst | kLast)) != (kFirst | kLast)) return Next::kCorrupt;
-    const bool carries = out.kind == RecordKind::kSend || (out.kind == RecordKind::kWrite && !cma);
+    const bool carries = out.kind == RecordKind::kSend || out.kind == RecordKind::kReadData ||
+                         (out.kind == RecordKind::kWrite && !cma);
     if (carries && out.length > out.bytes - sizeof(Record)) return Next::kCorrupt;
     payload = ring_ + pos + sizeof(Record);
     return Next::kRecord;

@@ -79,7 +79,17 @@ struct alignas(64) SlotHeader {
   alignas(64) uint64_t head;  // bytes consumed so far (consumer)
 };
 
-enum class RecordKind : uint8_t { kPad = 1, kWrite = 2, kSend = 3, kAck = 4 };
+// kRead: a reader asks the owner for `length` bytes at `addr` (key `key`) into its own memory at
+// `src`; the owner answers with kReadData records carrying the bytes (or copies them into the
+// reader itself by process_vm_writev), then a kAck.
+enum class RecordKind : uint8_t {
+  kPad = 1,
+  kWrite = 2,
+  kSend = 3,
+  kAck = 4,
+  kRead = 5,
+  kReadData = 6,
+};
 // kCma: a write the receiver copies from the writer's memory, always one record (kFirst and
 // kLast too; the reader refuses one without).
 enum RecordFlags : uint8_t { kHasImm = 1, kFirst = 2, kLast = 4, kCma = 8 };
@@ -93,10 +103,11 @@ struct Record {
   uint32_t token;   // the claim that wrote it: records of an earlier claim are dropped
   uint32_t imm;
   uint64_t seq;     // the sender's operation (kAck: the operation acknowledged)
-  uint64_t addr;    // kWrite: the receiver's address of this record's first byte
-  uint64_t key;     // kWrite: the registration it must lie in
-  uint64_t length;  // kWrite + kCma: bytes to read at `src`; else payload bytes in the record
-  uint64_t src;     // kWrite + kCma: the writer's address
+  uint64_t addr;    // kWrite, kRead: the receiver's address of the first byte; kReadData: the
+                    // reader's
+  uint64_t key;     // kWrite, kRead: the registration it must lie in
+  uint64_t length;  // kWrite + kCma, kRead: bytes at `src` / `addr`; else payload bytes here
+  uint64_t src;     // kWrite + kCma: the writer's address; kRead: where the reader wants them
   uint64_t total;   // kSend: the whole message's length
 };
 static_assert(sizeof(Record) == kRecordAlign);

@@ -112,7 +112,7 @@ Status VerbsDomain::connect_qps(Peer& p, const Hello& h) {
     at.path_mtu = mtu;
     at.dest_qp_num = remote_qpn;
     at.rq_psn = remote_psn;
-    at.max_dest_rd_atomic = 1;
+    at.max_dest_rd_atomic = rd_atomic_;
     at.min_rnr_timer = kMinRnrTimer;
     at.ah_attr.is_global = 1;
     std::memcpy(at.ah_attr.grh.dgid.raw, h.gid, 16);
@@ -132,7 +132,7 @@ Status VerbsDomain::connect_qps(Peer& p, const Hello& h) {
     at.retry_cnt = kRetryCount;
     at.rnr_retry = kRnrRetryForever;
     at.sq_psn = my_psn;
-    at.max_rd_atomic = 1;
+    at.max_rd_atomic = rd_atomic_;
     if (ibv_modify_qp(q.qp, &at,
                       IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                           IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) != 0) {

@@ -91,8 +91,10 @@ void VerbsDomain::flush(QueuePair& qp) {
       ready_.push_back(Completion{
           Completion::Kind::kLocal, wr_id, 0, 0, ErrorCode::kFabric,
           fmt::format("ibv_post_send ({} of a chain of {} on the {} queue pair) on '{}' failed: {}",
-                      c.wrs[i].opcode == IBV_WR_SEND ? "a send" : "a write", c.length,
-                      qp.role_name(), info_.name, strerror(rc))});
+                      c.wrs[i].opcode == IBV_WR_SEND        ? "a send"
+                      : c.wrs[i].opcode == IBV_WR_RDMA_READ ? "a read"
+                                                            : "a write",
+                      c.length, qp.role_name(), info_.name, strerror(rc))});
     }
     std::reverse(ready_.begin() + static_cast<std::ptrdiff_t>(at), ready_.end());
     // What was posted may end with an unsignalled request, and a queue pair that refuses work
@@ -136,6 +138,31 @@ PostResult VerbsDomain::post_write(const WriteRequest& req) {
   wr.wr.rdma.rkey = static_cast<uint32_t>(req.remote_key);
   // Small payloads go inside the work request: the NIC need not read them from memory.
   if (req.length > 0 && req.length <= p->wr->max_inline) wr.send_flags = IBV_SEND_INLINE;
+  return post_on(*p->wr, wr, req.length > 0 ? &sge : nullptr);
+}
+
+PostResult VerbsDomain::post_read(const ReadRequest& req) {
+  Peer* p = peer_of(req.peer);
+  if (p == nullptr) {
+    return PostResult::failed(Status(
+        ErrorCode::kNotFound, fmt::format("'{}': unknown peer handle {}", info_.name, req.peer)));
+  }
+  if (req.length > info_.max_write_bytes || req.length > UINT32_MAX) {
+    return PostResult::failed(Status(
+        ErrorCode::kInvalidArgument,
+        fmt::format("'{}': a read of {} bytes is larger than one work request can carry ({})",
+                    info_.name, req.length,
+                    std::min<uint64_t>(info_.max_write_bytes, UINT32_MAX))));
+  }
+  if (p->state != Peer::State::kConnected) return not_connected(*p);
+  ibv_sge sge{reinterpret_cast<uint64_t>(req.local), static_cast<uint32_t>(req.length),
+              lkey_of(req.local_desc)};
+  ibv_send_wr wr{};
+  wr.wr_id = req.wr_id;
+  wr.num_sge = req.length > 0 ? 1 : 0;
+  wr.opcode = IBV_WR_RDMA_READ;
+  wr.wr.rdma.remote_addr = req.remote_addr;
+  wr.wr.rdma.rkey = static_cast<uint32_t>(req.remote_key);
   return post_on(*p->wr, wr, req.length > 0 ? &sge : nullptr);
 }
 

@@ -50,6 +50,7 @@ constexpr uint32_t kCqDepth = 16384;
 constexpr uint32_t kQpSendDepth = 512;
 constexpr uint32_t kMsgSrqDepth = 1024;
 constexpr uint32_t kImmSrqDepth = 1024;
+constexpr uint8_t kMaxRdAtomic = 16;  // RDMA reads outstanding per queue pair, at most
 constexpr uint32_t kUdRecvSlots = 64;
 constexpr uint32_t kUdSendSlots = 64;
 
@@ -284,6 +285,8 @@ Status VerbsDomain::open_port(const std::string& nic, bool gpu_direct) {
       qp_send_depth_ = std::min<uint32_t>(kQpSendDepth, static_cast<uint32_t>(da.max_qp_wr) - 1);
       msg_srq_depth_ = std::min<uint32_t>(kMsgSrqDepth, static_cast<uint32_t>(da.max_srq_wr));
       imm_srq_depth_ = std::min<uint32_t>(kImmSrqDepth, static_cast<uint32_t>(da.max_srq_wr));
+      rd_atomic_ = static_cast<uint8_t>(
+          std::clamp(std::min(da.max_qp_rd_atom, da.max_qp_init_rd_atom), 1, int{kMaxRdAtomic}));
       detail::log().debug("verbs: opened {} port {} GID {} ({}{}), active MTU {}", name, p, gid,
                           gid_text(gid_), netdev.empty() ? "" : " on " + netdev,
                           mtu_bytes(active_mtu_));
@@ -489,12 +492,14 @@ int VerbsDomain::wait_fd() const {
 
 // --- memory ---------------------------------------------------------------------------------
 
-Result<std::unique_ptr<MemoryRegistration>> VerbsDomain::register_memory(void* ptr,
-                                                                         uint64_t length) {
+Result<std::unique_ptr<MemoryRegistration>> VerbsDomain::register_memory(void* ptr, uint64_t length,
+                                                                         bool remote_read) {
   // Relaxed ordering lets the NIC reorder its PCIe writes (faster through some root complexes);
   // the contract never depended on their order. Devices without it ignore the flag (it is one
   // of the optional access flags), and a kernel that rejects it gets a second try without.
-  constexpr int kBase = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+  // Remote reads only where the owner allowed them: the NIC refuses the others.
+  const int kBase =
+      IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | (remote_read ? IBV_ACCESS_REMOTE_READ : 0);
   const uint64_t addr = reinterpret_cast<uint64_t>(ptr);
   ibv_mr* mr = nullptr;
   auto memory =

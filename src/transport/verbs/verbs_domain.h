@@ -70,11 +70,13 @@ class VerbsDomain final : public Domain {
   // the device reports after an error): for tests of selective signalling.
   uint64_t send_completions_read() const { return send_cqes_; }
 
-  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length) override;
+  Result<std::unique_ptr<MemoryRegistration>> register_memory(void* ptr, uint64_t length,
+                                                              bool remote_read) override;
   Result<PeerHandle> resolve_peer(std::span<const std::byte> name) override;
   void forget_peer(PeerHandle peer) override;
 
   PostResult post_write(const WriteRequest& req) override;
+  PostResult post_read(const ReadRequest& req) override;
   PostResult post_send(const SendRequest& req) override;
   PostResult post_recv(const RecvRequest& req) override;
   void flush() override;
@@ -171,7 +173,10 @@ class VerbsDomain final : public Domain {
   ibv_gid gid_{};
   uint16_t lid_ = 0;
   uint8_t active_mtu_ = IBV_MTU_1024;  // enum ibv_mtu
-  uint64_t instance_ = 0;              // random: tells this domain from an earlier one
+  // RDMA reads a queue pair keeps outstanding as initiator, and serves as responder: the
+  // device's limits, at most kMaxRdAtomic (both ends of a pair use the same kind of device).
+  uint8_t rd_atomic_ = 1;
+  uint64_t instance_ = 0;  // random: tells this domain from an earlier one
   bool gpu_direct_ = false;
   bool software_device_ = false;  // rxe, siw: the "NIC" runs on the host's CPUs
 
