@@ -126,6 +126,8 @@ class RemoteMemory:
     @property
     def ipc_only(self) -> bool: ...
     @property
+    def readable(self) -> bool: ...
+    @property
     def gpu_copies(self) -> bool: ...
     @property
     def rails(self) -> list[tuple[int, int]]: ...
@@ -657,7 +659,12 @@ class TransferEngine:
     def group_address(self, group: int) -> Address: ...
     # memory
     def register(
-        self, memory: Any, group: int = 0, host_mirror: bool = True, gpu_copies: bool = False
+        self,
+        memory: Any,
+        group: int = 0,
+        host_mirror: bool = True,
+        gpu_copies: bool = False,
+        remote_read: bool = False,
     ) -> Registration: ...
     def register_ptr(
         self,
@@ -667,6 +674,7 @@ class TransferEngine:
         owner: Any = None,
         host_mirror: bool = True,
         gpu_copies: bool = False,
+        remote_read: bool = False,
     ) -> Registration: ...
     def unregister(self, registration: Union[Registration, MemoryHandle]) -> None: ...
     # peers
@@ -739,6 +747,69 @@ class TransferEngine:
         dst_stride: Optional[int] = None,
         dst_offset: int = 0,
         imm: Optional[int] = None,
+        on_done: None = None,
+        on_error: None = None,
+        counter: CompletionCounter = ...,
+    ) -> int: ...
+    # one-sided reads
+    @overload
+    def read(
+        self,
+        dst: _Source,
+        src: _RemoteLike,
+        length: Optional[int] = None,
+        *,
+        dst_offset: int = 0,
+        src_offset: int = 0,
+        routing: Optional[Routing] = None,
+        on_done: _OnDone = None,
+        on_error: _OnError = None,
+        counter: None = None,
+    ) -> Transfer: ...
+    @overload
+    def read(
+        self,
+        dst: _Source,
+        src: _RemoteLike,
+        length: Optional[int] = None,
+        *,
+        dst_offset: int = 0,
+        src_offset: int = 0,
+        routing: Optional[Routing] = None,
+        on_done: None = None,
+        on_error: None = None,
+        counter: CompletionCounter = ...,
+    ) -> int: ...
+    @overload
+    def paged_read(
+        self,
+        dst: _Source,
+        src: _RemoteLike,
+        page_bytes: int,
+        src_pages: _Pages,
+        dst_pages: _Pages,
+        *,
+        src_stride: Optional[int] = None,
+        src_offset: int = 0,
+        dst_stride: Optional[int] = None,
+        dst_offset: int = 0,
+        on_done: _OnDone = None,
+        on_error: _OnError = None,
+        counter: None = None,
+    ) -> Transfer: ...
+    @overload
+    def paged_read(
+        self,
+        dst: _Source,
+        src: _RemoteLike,
+        page_bytes: int,
+        src_pages: _Pages,
+        dst_pages: _Pages,
+        *,
+        src_stride: Optional[int] = None,
+        src_offset: int = 0,
+        dst_stride: Optional[int] = None,
+        dst_offset: int = 0,
         on_done: None = None,
         on_error: None = None,
         counter: CompletionCounter = ...,

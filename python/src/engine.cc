@@ -715,19 +715,20 @@ void bind_engine(py::module_& m) {
       .def(
           "register",
           [](PyEngine& e, py::handle memory, const IntArg& group_arg, bool host_mirror,
-             bool gpu_copies) {
+             bool gpu_copies, bool remote_read) {
             const uint32_t group = u32(group_arg, "register: group");
             auto pinned = PinnedMemory::from_object(memory);
             Result<Registration> r = [&] {
               py::gil_scoped_release nogil;
-              return e.engine().register_memory(pinned->ptr(), pinned->length(),
-                                                RegisterOptions{group, host_mirror, gpu_copies});
+              return e.engine().register_memory(
+                  pinned->ptr(), pinned->length(),
+                  RegisterOptions{group, host_mirror, gpu_copies, remote_read});
             }();
             return std::make_unique<PyRegistration>(e.core(), std::move(pinned),
                                                     check(std::move(r)), group);
           },
           py::arg("memory"), py::arg("group") = 0, py::arg("host_mirror") = true,
-          py::arg("gpu_copies") = false,
+          py::arg("gpu_copies") = false, py::arg("remote_read") = false,
           "Registers the memory of a NumPy array, a PyTorch tensor (CPU or CUDA), or any object "
           "with "
           "the buffer protocol or DLPack, on every NIC of `group`, for local reads and remote "
@@ -738,28 +739,32 @@ void bind_engine(py::module_& m) {
           "they raise Unsupported. gpu_copies=True (host memory only): page-locked, and "
           "same-host writers' CUDA tensors are copied into it by this process's current GPU over "
           "CUDA IPC instead of the fabric (InvalidArgument for CUDA tensors, Unsupported without "
-          "a GPU or with cuda_ipc off). Returns a Registration, which keeps the object alive. "
-          "Blocking, GIL released.")
+          "a GPU or with cuda_ipc off). remote_read=True: peers may also read the memory "
+          "(read(), paged_read()); off, their reads fail with RemoteAccess. Returns a "
+          "Registration, which keeps the object alive. Blocking, GIL released.")
       .def(
           "register_ptr",
           [](PyEngine& e, const IntArg& ptr, const IntArg& length, const IntArg& group_arg,
-             py::object owner, bool host_mirror, bool gpu_copies) {
+             py::object owner, bool host_mirror, bool gpu_copies, bool remote_read) {
             const uint32_t group = u32(group_arg, "register_ptr: group");
             auto pinned =
                 PinnedMemory::from_pointer(unsigned_arg<uintptr_t>(ptr, "register_ptr: ptr"),
                                            u64(length, "register_ptr: length"), std::move(owner));
             Result<Registration> r = [&] {
               py::gil_scoped_release nogil;
-              return e.engine().register_memory(pinned->ptr(), pinned->length(),
-                                                RegisterOptions{group, host_mirror, gpu_copies});
+              return e.engine().register_memory(
+                  pinned->ptr(), pinned->length(),
+                  RegisterOptions{group, host_mirror, gpu_copies, remote_read});
             }();
             return std::make_unique<PyRegistration>(e.core(), std::move(pinned),
                                                     check(std::move(r)), group);
           },
           py::arg("ptr"), py::arg("length"), py::arg("group") = 0, py::arg("owner") = py::none(),
           py::arg("host_mirror") = true, py::arg("gpu_copies") = false,
+          py::arg("remote_read") = false,
           "Registers [ptr, ptr + length): raw memory the caller keeps valid (`owner` is kept "
-          "alive with the registration); host_mirror and gpu_copies as for register(). "
+          "alive with the registration); host_mirror, gpu_copies and remote_read as for "
+          "register(). "
           "Blocking, GIL released.")
       .def(
           "unregister",
@@ -884,6 +889,73 @@ void bind_engine(py::module_& m) {
           "Page lists: sequences of ints, integer NumPy arrays or integer CPU tensors. With "
           "`imm`, the receiver counts one arrival per page. Returns a Transfer (with `counter`, "
           "the transfer id).")
+
+      // --- one-sided reads ---
+      .def(
+          "read",
+          [](PyEngine& e, py::handle dst, py::handle src, const std::optional<IntArg>& length_arg,
+             const IntArg& dst_offset_arg, const IntArg& src_offset_arg,
+             std::optional<Routing> routing, py::object on_done, py::object on_error,
+             py::object counter) {
+            std::optional<uint64_t> length = u64(length_arg, "read: length");
+            const uint64_t dst_offset = u64(dst_offset_arg, "read: dst_offset");
+            const uint64_t src_offset = u64(src_offset_arg, "read: src_offset");
+            Source local = to_source(dst);
+            RemoteMemory remote = to_remote(src, "read: src");
+            if (!length) {
+              if (src_offset > remote.length()) {
+                throw StatusError{Status(ErrorCode::kOutOfRange,
+                                         "read: src_offset " + std::to_string(src_offset) +
+                                             " exceeds the remote region's " +
+                                             std::to_string(remote.length()) + " bytes")};
+              }
+              length = remote.length() - src_offset;
+            }
+            SingleRead r{local.handle, dst_offset, std::move(remote),
+                         src_offset,   *length,    routing.value_or(Routing{})};
+            return submit(e, r, {std::move(on_done), std::move(on_error), std::move(counter)},
+                          std::move(local.keepalive));
+          },
+          py::arg("dst"), py::arg("src"), py::arg("length") = py::none(), py::kw_only(),
+          py::arg("dst_offset") = 0, py::arg("src_offset") = 0, py::arg("routing") = py::none(),
+          py::arg("on_done") = py::none(), py::arg("on_error") = py::none(),
+          py::arg("counter") = py::none(),
+          "Reads `length` bytes (default: the rest of the remote region) of a peer's region "
+          "`src` (RemoteMemory or its bytes, registered with remote_read=True) at src_offset into "
+          "`dst` (Registration or MemoryHandle) at dst_offset. The transfer is done once every "
+          "byte is in `dst`; the peer is told nothing. Returns a Transfer (with `counter`, the "
+          "transfer id); raises RemoteAccess (not readable), OutOfRange, NotFound, "
+          "InvalidArgument, Unsupported, Closed for a rejected read.")
+      .def(
+          "paged_read",
+          [](PyEngine& e, py::handle dst, py::handle src, const IntArg& page_bytes,
+             py::handle src_pages, py::handle dst_pages, const std::optional<IntArg>& src_stride,
+             const IntArg& src_offset, const std::optional<IntArg>& dst_stride,
+             const IntArg& dst_offset, py::object on_done, py::object on_error,
+             py::object counter) {
+            PagedRead r;
+            r.page_bytes = u64(page_bytes, "paged_read: page_bytes");
+            r.src_stride = u64(src_stride, "paged_read: src_stride").value_or(r.page_bytes);
+            r.src_offset = u64(src_offset, "paged_read: src_offset");
+            r.dst_stride = u64(dst_stride, "paged_read: dst_stride").value_or(r.page_bytes);
+            r.dst_offset = u64(dst_offset, "paged_read: dst_offset");
+            Source local = to_source(dst);
+            r.dst = local.handle;
+            r.src = to_remote(src, "paged_read: src");
+            r.src_pages = to_page_indices(src_pages, "src_pages");
+            r.dst_pages = to_page_indices(dst_pages, "dst_pages");
+            return submit(e, r, {std::move(on_done), std::move(on_error), std::move(counter)},
+                          std::move(local.keepalive));
+          },
+          py::arg("dst"), py::arg("src"), py::arg("page_bytes"), py::arg("src_pages"),
+          py::arg("dst_pages"), py::kw_only(), py::arg("src_stride") = py::none(),
+          py::arg("src_offset") = 0, py::arg("dst_stride") = py::none(), py::arg("dst_offset") = 0,
+          py::arg("on_done") = py::none(), py::arg("on_error") = py::none(),
+          py::arg("counter") = py::none(),
+          "Pulls pages: page i copies page_bytes of the peer's region `src` at src_offset + "
+          "src_pages[i] * src_stride into `dst` at dst_offset + dst_pages[i] * dst_stride "
+          "(strides default to page_bytes). Page lists as for paged_write. Returns a Transfer "
+          "(with `counter`, the transfer id).")
       .def(
           "scatter",
           [](PyEngine& e, py::handle src, PeerGroup group, py::iterable targets, py::object imm,

@@ -264,6 +264,9 @@ void bind_types(py::module_& m) {
                              "Whether the region is GPU memory registered with "
                              "host_mirror=False: no rails, only same-host peers reach it over "
                              "CUDA IPC.")
+      .def_property_readonly("readable", &RemoteMemory::readable,
+                             "Whether its owner registered the region with remote_read=True: "
+                             "peers may read it.")
       .def_property_readonly(
           "gpu_copies", [](const RemoteMemory& r) { return r.cuda_ipc() && r.cuda_ipc()->host; },
           "Whether the region is host memory registered with gpu_copies=True: same-host "

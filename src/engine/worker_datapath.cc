@@ -106,13 +106,14 @@ bool Worker::poll(uint32_t index) {
         }
         WorkerCounters::bump(c.error == ErrorCode::kOk ? counters_->nic[index].completed
                                                        : counters_->nic[index].failed);
-        if (c.error == ErrorCode::kOk && op.kind == Op::Kind::kWrite && op.length > 0) {
+        if (c.error == ErrorCode::kOk && op.kind != Op::Kind::kSend && op.length > 0) {
           measure(index, op);
         }
         Status status;
         if (c.error != ErrorCode::kOk) {
           status = Status(c.error, fmt::format("{} of {} bytes on NIC '{}' failed: {}",
-                                               op.kind == Op::Kind::kSend ? "send" : "write",
+                                               op.kind == Op::Kind::kSend ? "send"
+                                                                          : kind_name(op),
                                                op.length, d.domain->info().name, c.error_message));
         }
         // The queues keep a suspect (isolation), or say what to do with it as events, which the

@@ -4,6 +4,7 @@
 // not register readable read nothing.
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -17,14 +18,18 @@ constexpr std::byte kPoison{0xA5};
 
 class Reads : public ::testing::TestWithParam<Backend> {
  protected:
-  void open(int nics_a = 1, int nics_b = 1) {
-    auto ea = TransferEngine::create(make_config(GetParam(), nics_a));
+  void open(int nics_a = 1, int nics_b = 1,
+            std::optional<std::chrono::milliseconds> peer_timeout = std::nullopt) {
+    Config ca = make_config(GetParam(), nics_a);
+    Config cb = make_config(GetParam(), nics_b);
+    if (peer_timeout) ca.peer_timeout = cb.peer_timeout = *peer_timeout;
+    auto ea = TransferEngine::create(ca);
     if (!ea && ea.status().code() == ErrorCode::kUnsupported) {
       skip_reason_ = ea.status().to_string();
       return;
     }
     ASSERT_TRUE(ea) << ea.status().to_string();
-    auto eb = TransferEngine::create(make_config(GetParam(), nics_b));
+    auto eb = TransferEngine::create(cb);
     ASSERT_TRUE(eb) << eb.status().to_string();
     a_ = std::move(*ea);
     b_ = std::move(*eb);
@@ -268,8 +273,15 @@ TEST_P(Reads, AReadAfterUnregisterFailsAndReadsNothing) {
 }
 
 // Reads stream from a region while its owner unregisters it and then overwrites it: every read
-// that completes holds only bytes from before unregister_memory() returned.
+// that completes holds only bytes from before unregister_memory() returned. Those that fail are
+// refused (RemoteAccess); on Soft-RoCE a read whose region is deregistered while the owner's
+// device answers it gets no answer at all, and the reads behind it on that queue pair wait for
+// peer_timeout (PeerUnreachable): the test runs with 3 s there.
 TEST_P(Reads, UnregisterIsABarrierForReads) {
+  a_.reset();
+  b_.reset();
+  open(1, 1, std::chrono::milliseconds(3000));
+  if (!skip_reason_.empty()) GTEST_SKIP() << skip_reason_;
   constexpr uint64_t kSize = 256 << 10;
   constexpr std::byte kAfter{0x3C};
   auto src = readable(kSize, 6);
@@ -301,7 +313,9 @@ TEST_P(Reads, UnregisterIsABarrierForReads) {
   }
   EXPECT_EQ(complete, tally.done()) << tally.summary();
   for (auto [code, n] : tally.codes()) {
-    EXPECT_EQ(code, ErrorCode::kRemoteAccess) << n << " reads: " << tally.summary();
+    EXPECT_TRUE(code == ErrorCode::kRemoteAccess ||
+                (code == ErrorCode::kPeerUnreachable && GetParam().provider == "verbs"))
+        << n << " reads: " << tally.summary();
   }
 }
 
