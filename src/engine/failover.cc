@@ -173,12 +173,13 @@ void Worker::fail_over(uint32_t nic, transport::PeerHandle peer, bool posted_too
     Transfer& t = *op->transfer;
     const uint32_t to = health_->survivor(nic);
     const bool idempotent = (op->kind == Op::Kind::kWrite && !op->has_imm) ||
+                            op->kind == Op::Kind::kRead ||
                             (op->kind == Op::Kind::kSend && movable(*op));
     if (idempotent && t.probe_nic < 0 && to != nic) {
       // Data only: the same bytes to the same place, so posting it again is harmless whether or
-      // not the first one landed. A message: the receiver drops a second copy. The copy
-      // completes in the original's place. The connection was dropped: the original's buffer
-      // is free again.
+      // not the first one landed; a read reads the same bytes again. A message: the receiver
+      // drops a second copy. The copy completes in the original's place. The connection was
+      // dropped, so nothing of the original lands later: its buffer is free again.
       messages_->release_send_slot(*op);
       repost_copy(*op, to);
       continue;

@@ -693,6 +693,54 @@ TEST_F(Failover, LinkKilledMidStreamEveryTransferCompletesWithExactCounts) {
             static_cast<uint64_t>((kPaged + 8) * kPagesPerWrite));
 }
 
+// (a3) A link killed mid-stream of sharded and paged reads: a read is idempotent, so the shards
+// stalled on the dead NIC are read again over the others. Every read completes, the bytes read
+// are the peer's, and the dead NIC is marked down.
+TEST_F(Failover, LinkKilledMidReadEveryReadCompletesWithThePeersBytes) {
+  ASSERT_NO_FATAL_FAILURE(open_failover(4, false));
+  peer_->fill(17);  // before any read: nothing else touches the peer's buffer meanwhile
+  auto dst = make_buffer(*engine_, kPeerBytes);
+  const uint64_t pages_total = (kPeerBytes - kSingleSpan) / kPageBytes;
+  std::vector<std::unique_ptr<Probe>> probes;
+  constexpr int kSingles = 48, kPaged = 48;
+  for (int i = 0; i < kSingles; ++i) {
+    const uint64_t off = (static_cast<uint64_t>(i) * kSingleBytes) % kSingleSpan;
+    auto& p = probes.emplace_back(std::make_unique<Probe>());
+    ASSERT_TRUE(engine_->submit(
+        SingleRead{dst->reg.handle, off, peer_->memory, off, kSingleBytes, Routing::sharded()},
+        p->callbacks()));
+  }
+  for (int i = 0; i < kPaged; ++i) {
+    std::vector<uint32_t> pages;
+    for (size_t k = 0; k < kPagesPerWrite; ++k) {
+      pages.push_back(static_cast<uint32_t>((i * kPagesPerWrite + k) % pages_total));
+    }
+    auto& p = probes.emplace_back(std::make_unique<Probe>());
+    ASSERT_TRUE(engine_->submit(PagedRead{dst->reg.handle, peer_->memory, kPageBytes, pages,
+                                          kPageBytes, kSingleSpan, pages, kPageBytes, kSingleSpan},
+                                p->callbacks()));
+  }
+  std::this_thread::sleep_for(150ms);  // under way: 240 MiB at 4 x 1 Gbit/s take about 0.5 s
+  set_link(1, "down");
+  int failed = 0;
+  Status first_error;
+  for (const auto& p : probes) {
+    Status s = p->wait(60s);
+    ASSERT_NE(s.code(), ErrorCode::kTimeout) << "a read got no callback within 60 s";
+    if (!s && failed++ == 0) first_error = s;
+    EXPECT_EQ(p->calls(), 1);
+  }
+  EXPECT_EQ(failed, 0) << "first error: " << first_error.to_string();
+  EXPECT_TRUE(wait_nic(1, false, 5s)) << "NIC 1 was not marked down";
+  const uint64_t paged_bytes =
+      std::min<uint64_t>(kPaged * kPagesPerWrite, pages_total) * kPageBytes;
+  EXPECT_EQ(std::to_string(fnv1a(dst->bytes.data(), kSingleSpan)), peer_->checksum(0, kSingleSpan))
+      << "the single reads' bytes differ";
+  EXPECT_EQ(std::to_string(fnv1a(dst->bytes.data() + kSingleSpan, paged_bytes)),
+            peer_->checksum(kSingleSpan, paged_bytes))
+      << "the paged reads' bytes differ";
+}
+
 // (a2) A link down before its NIC ever connected to the peer: the provider refuses the first
 // posts there at once ("Network is unreachable") instead of letting them stall. That NIC, not
 // the peer, is at fault while the others reach it: it is marked down and its work moves, so

@@ -75,7 +75,10 @@ int main(int argc, char** argv) {
   auto to_device = [] {};
   auto from_device = [] {};
 #endif
-  auto reg = engine.register_memory(mem, size);
+  // Readable too: the read tests (conformance, the multi-NIC lab) read what `fill` wrote.
+  RegisterOptions options;
+  options.remote_read = true;
+  auto reg = engine.register_memory(mem, size, options);
   if (!reg) {
     std::cout << "error " << reg.status().to_string() << std::endl;
     return 1;
