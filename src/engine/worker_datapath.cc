@@ -112,8 +112,7 @@ bool Worker::poll(uint32_t index) {
         Status status;
         if (c.error != ErrorCode::kOk) {
           status = Status(c.error, fmt::format("{} of {} bytes on NIC '{}' failed: {}",
-                                               op.kind == Op::Kind::kSend ? "send"
-                                                                          : kind_name(op),
+                                               op.kind == Op::Kind::kSend ? "send" : kind_name(op),
                                                op.length, d.domain->info().name, c.error_message));
         }
         // The queues keep a suspect (isolation), or say what to do with it as events, which the
