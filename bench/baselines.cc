@@ -125,18 +125,35 @@ Result<std::string> RawRunner::request(const std::string& line) {
 }
 
 BaselineFigure RawRunner::bw(uint64_t size, uint64_t count, uint64_t window, uint64_t span) {
+  return throughput("bw", "raw", size, count, window, span);
+}
+
+BaselineFigure RawRunner::read_bw(uint64_t size, uint64_t count, uint64_t window, uint64_t span) {
+  return throughput("rd", "rawread", size, count, window, span);
+}
+
+BaselineFigure RawRunner::lat(uint64_t size, uint64_t rounds) {
+  return round_trips("lat", "rawlat", size, rounds);
+}
+
+BaselineFigure RawRunner::read_lat(uint64_t size, uint64_t rounds) {
+  return round_trips("rdlat", "rawreadlat", size, rounds);
+}
+
+BaselineFigure RawRunner::throughput(const char* verb, const char* tag, uint64_t size,
+                                     uint64_t count, uint64_t window, uint64_t span) {
   BaselineFigure f;
   constexpr uint64_t kWarmup = 16;
   auto r = request(
-      fmt::format("bw {} {} {} {} {}", size, count, window, std::min(count, kWarmup), span));
-  char prov[64] = {};
+      fmt::format("{} {} {} {} {} {}", verb, size, count, window, std::min(count, kWarmup), span));
+  char got[16] = {}, prov[64] = {};
   unsigned long long s = 0, n = 0;
   double seconds = 0, gbps = 0, post = 0, cpu = 0;
   if (!r) {
     f.error = "fabric-bench-raw: " + r.status().message();
-  } else if (std::sscanf(r->c_str(), "raw %63s %llu %llu %lf %lf %lf %lf", prov, &s, &n, &seconds,
-                         &gbps, &post, &cpu) != 7 ||
-             seconds <= 0) {
+  } else if (std::sscanf(r->c_str(), "%15s %63s %llu %llu %lf %lf %lf %lf", got, prov, &s, &n,
+                         &seconds, &gbps, &post, &cpu) != 8 ||
+             std::string_view(got) != tag || seconds <= 0) {
     f.error = "fabric-bench-raw: " + *r;
   } else {
     if (size > 0) f.gbps = gbps;
@@ -147,16 +164,18 @@ BaselineFigure RawRunner::bw(uint64_t size, uint64_t count, uint64_t window, uin
   return f;
 }
 
-BaselineFigure RawRunner::lat(uint64_t size, uint64_t rounds) {
+BaselineFigure RawRunner::round_trips(const char* verb, const char* tag, uint64_t size,
+                                      uint64_t rounds) {
   BaselineFigure f;
-  auto r = request(fmt::format("lat {} {} 20", size, rounds));
-  char prov[64] = {};
+  auto r = request(fmt::format("{} {} {} 20", verb, size, rounds));
+  char got[16] = {}, prov[64] = {};
   unsigned long long s = 0, n = 0;
   double p50 = 0, p99 = 0;
   if (!r) {
     f.error = "fabric-bench-raw: " + r.status().message();
-  } else if (std::sscanf(r->c_str(), "rawlat %63s %llu %llu %lf %lf", prov, &s, &n, &p50, &p99) !=
-             5) {
+  } else if (std::sscanf(r->c_str(), "%15s %63s %llu %llu %lf %lf", got, prov, &s, &n, &p50,
+                         &p99) != 6 ||
+             std::string_view(got) != tag) {
     f.error = "fabric-bench-raw: " + *r;
   } else {
     f.p50_us = p50;

@@ -1,6 +1,7 @@
 // The programs fabric-bench compares the engine with, each run as a separate process with a
 // deadline, its output parsed into one BaselineFigure:
-//   raw     fabric-bench-raw (bench/raw_baseline.cc): the same provider through bare libfabric
+//   raw     fabric-bench-raw (bench/raw_baseline.cc): the same provider through bare libfabric,
+//           fi_writedata for the write rows and fi_read for the read rows
 //   ucx     ucx_perftest (Debian ucx-utils): ucp_put_bw, tag_bw, tag_lat over UCX_TLS=tcp on lo,
 //           or posix,cma for shm
 //   iperf3  one TCP stream, the kernel's loopback ceiling
@@ -60,9 +61,17 @@ class RawRunner {
   BaselineFigure bw(uint64_t size, uint64_t count, uint64_t window, uint64_t span);
   // `rounds` ping-pong round trips of `size`-byte writes with an immediate.
   BaselineFigure lat(uint64_t size, uint64_t rounds);
+  // As bw, with `count` fi_read of `size` bytes (at least 1) from the other process's buffer.
+  BaselineFigure read_bw(uint64_t size, uint64_t count, uint64_t window, uint64_t span);
+  // `rounds` reads of `size` bytes one at a time: each read's completion is its round trip.
+  BaselineFigure read_lat(uint64_t size, uint64_t rounds);
 
  private:
   Result<std::string> request(const std::string& line);
+  // One `bw` or `rd` measurement, its line tagged `tag`; one `lat` or `rdlat`.
+  BaselineFigure throughput(const char* verb, const char* tag, uint64_t size, uint64_t count,
+                            uint64_t window, uint64_t span);
+  BaselineFigure round_trips(const char* verb, const char* tag, uint64_t size, uint64_t rounds);
 
   const BaselineTools& tools_;
   std::unique_ptr<ChildProcess> process_;

@@ -27,9 +27,23 @@
 //   rawlat PROVIDER SIZE COUNT P50_US P99_US
 // the round-trip times. Untimed warm-up writes (--warmup) come first.
 //
+// --mode read: as bw, with fi_read: the client reads slot i % slots of the server's buffer into
+// the same slot of its own, `window` reads in flight. The server's code takes no part but
+// progress (manual progress: its CQ is read, so that the provider answers); it learns where
+// the warm-up ends and the timed reads end from a write of no bytes with an immediate that the
+// client sends after each (its only remote CQ data). Prints
+//   rawread PROVIDER SIZE COUNT SECONDS GBPS POST_US CPU_S
+// as bw, POST_US being the time inside one successful fi_read.
+// --mode readlat: one read of `size` bytes at a time, each waited for before the next: the
+// read's completion is its round trip (the request to the server, the data back). Prints
+//   rawreadlat PROVIDER SIZE COUNT P50_US P99_US
+// Both sides' domains ask for FI_READ and FI_REMOTE_READ, and every buffer is registered for
+// remote reads as well as writes, as the engine does for memory registered remote_read.
+//
 // --commands: the two processes stay up and measure once per line of stdin, printing one line
-// each (or `error ...`): `bw SIZE COUNT WINDOW WARMUP [SPAN]` or `lat SIZE COUNT WARMUP`; `quit` or
-// EOF ends. fabric-bench runs it so, as libfabric's start-up takes most of a second here.
+// each (or `error ...`): `bw SIZE COUNT WINDOW WARMUP [SPAN]`, `lat SIZE COUNT WARMUP`, `rd SIZE
+// COUNT WINDOW WARMUP [SPAN]` or `rdlat SIZE COUNT WARMUP`; `quit` or EOF ends. fabric-bench
+// runs it so, as libfabric's start-up takes most of a second here.
 //
 // Waiting (--wait): like the engine's worker with its default Config, each side busy-polls its
 // CQ while it has writes outstanding, and otherwise sleeps on the CQ's wait fd once --spin-us
@@ -82,7 +96,7 @@ struct Options {
   std::string wait = "fd";
   uint64_t spin_us = 200;
   bool commands = false;
-  uint64_t batch = 1;  // bw: writes posted per burst, all but the last with FI_MORE
+  uint64_t batch = 1;  // bw, read: operations posted per burst, all but the last with FI_MORE
 };
 
 [[noreturn]] void die(const char* what, int rc) {
@@ -103,7 +117,7 @@ double cpu_seconds() {
   return s(u.ru_utime) + s(u.ru_stime);
 }
 
-// One side: endpoint, CQ, and a buffer registered for local and remote writes.
+// One side: endpoint, CQ, and a buffer registered for local and remote writes and reads.
 struct Side {
   fi_info* info = nullptr;
   fid_fabric* fabric = nullptr;
@@ -123,6 +137,7 @@ struct Side {
   std::vector<fi_context2> ctx;
   uint64_t batch = 1;     // --batch
   uint64_t op_flags = 0;  // the endpoint's default transmit flags, for fi_writemsg
+  bool read = false;      // the current run reads from the peer instead of writing to it
 
   void* desc() const { return fi_mr_desc(mr); }
   ~Side() {  // the endpoint before what it is bound to
@@ -138,7 +153,8 @@ struct Side {
 
 void open_side(Side& s, const Options& o) {
   fi_info* hints = fi_allocinfo();
-  hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+  hints->caps =
+      FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ | FI_SEND | FI_RECV;
   hints->ep_attr->type = FI_EP_RDM;
   hints->mode = FI_CONTEXT | FI_CONTEXT2;
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
@@ -270,14 +286,31 @@ Polled next(Side& s, bool outstanding) {
   return p;
 }
 
-// Posts one write of `size` bytes from slot `slot` of the buffer to the peer's slot, with
-// context `ctx` (which must not be in use); true once posted, false on EAGAIN. `more`: through
-// fi_writemsg with FI_MORE (the provider may hold it until a write without the flag).
+// Posts one write of `size` bytes from slot `slot` of the buffer to the peer's slot (s.read:
+// one read of the peer's slot into ours), with context `ctx` (which must not be in use); true
+// once posted, false on EAGAIN. `more`: through fi_writemsg (fi_readmsg) with FI_MORE (the
+// provider may hold it until an operation without the flag).
 bool post(Side& s, uint64_t size, uint64_t slot, uint64_t ctx, double* post_seconds,
           bool more = false) {
   const auto t0 = Clock::now();
   ssize_t rc = 0;
-  if (s.batch > 1) {
+  if (s.read && s.batch > 1) {
+    iovec iov{s.buf.data() + slot * size, size};
+    void* desc = s.desc();
+    fi_rma_iov rma{s.peer_addr + slot * size, size, s.peer_key};
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = s.peer;
+    msg.rma_iov = &rma;
+    msg.rma_iov_count = 1;
+    msg.context = &s.ctx[ctx % s.ctx.size()];
+    rc = fi_readmsg(s.ep, &msg, s.op_flags | FI_COMPLETION | (more ? FI_MORE : 0));
+  } else if (s.read) {
+    rc = fi_read(s.ep, s.buf.data() + slot * size, size, s.desc(), s.peer,
+                 s.peer_addr + slot * size, s.peer_key, &s.ctx[ctx % s.ctx.size()]);
+  } else if (s.batch > 1) {
     iovec iov{s.buf.data() + slot * size, size};
     void* desc = s.desc();
     fi_rma_iov rma{s.peer_addr + slot * size, size, s.peer_key};
@@ -297,7 +330,7 @@ bool post(Side& s, uint64_t size, uint64_t slot, uint64_t ctx, double* post_seco
                       s.peer_addr + slot * size, s.peer_key, &s.ctx[ctx % s.ctx.size()]);
   }
   if (rc == -FI_EAGAIN) return false;
-  if (rc != 0) die("fi_writedata", static_cast<int>(rc));
+  if (rc != 0) die(s.read ? "fi_read" : "fi_writedata", static_cast<int>(rc));
   if (post_seconds) *post_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
   return true;
 }
@@ -307,8 +340,8 @@ struct Blast {
   double post_seconds = 0;
 };
 
-// Posts `count` writes, `window` in flight, cycling through `slots` slots, until every local
-// completion has come.
+// Posts `count` writes (s.read: reads), `window` in flight, cycling through `slots` slots, until
+// every local completion has come.
 Blast blast(Side& s, uint64_t size, uint64_t window, uint64_t slots, uint64_t count) {
   Blast b;
   uint64_t posted = 0, done = 0;
@@ -324,7 +357,7 @@ Blast blast(Side& s, uint64_t size, uint64_t window, uint64_t slots, uint64_t co
       if (last) in_burst = UINT64_MAX;  // the next write starts a burst
     }
     done += next(s, posted > done).local;
-    if (Clock::now() > deadline) die("writes did not complete in time", -FI_ETIMEDOUT);
+    if (Clock::now() > deadline) die("operations did not complete in time", -FI_ETIMEDOUT);
   }
   b.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return b;
@@ -332,18 +365,23 @@ Blast blast(Side& s, uint64_t size, uint64_t window, uint64_t slots, uint64_t co
 
 // One measurement, as the client tells the server over their pipe.
 struct Run {
-  uint64_t mode = 0;  // kBw, kLat or kQuit
+  uint64_t mode = 0;  // kBw, kLat, kRead, kReadLat or kQuit
   uint64_t size = 0;
   uint64_t count = 0;
   uint64_t window = 1;
   uint64_t warmup = 0;
-  uint64_t span = 0;  // bw: bytes the slots cover, at least window * size
+  uint64_t span = 0;  // bw, read: bytes the slots cover, at least window * size
+  bool reads() const { return mode == kRead || mode == kReadLat; }
+  bool round_trips() const { return mode == kLat || mode == kReadLat; }
   uint64_t slots() const {
-    if (mode == kLat || size == 0) return 1;
+    if (round_trips() || size == 0) return 1;
     return std::max(window, std::min(span, kMaxSpan) / size);
   }
   uint64_t buffer_bytes() const { return slots() * size; }
-  static constexpr uint64_t kBw = 0, kLat = 1, kQuit = 2;
+  // Reads: the immediates the server counts, the client's marks (after the warm-up reads of a
+  // kRead run, and after its timed reads).
+  uint64_t marks() const { return mode == kRead && warmup > 0 ? 2 : 1; }
+  static constexpr uint64_t kBw = 0, kLat = 1, kQuit = 2, kRead = 3, kReadLat = 4;
 };
 
 // Makes the side's buffer hold `bytes` (registering it afresh when it grows), then tells the
@@ -354,10 +392,12 @@ void prepare(Side& s, const Run& r, int out, int in) {
     if (s.mr) fi_close(&s.mr->fid);
     s.mr = nullptr;
     s.buf.assign(bytes, 'x');
-    CHECK(fi_mr_reg(s.domain, s.buf.data(), s.buf.size(), FI_WRITE | FI_REMOTE_WRITE, 0, 7, 0,
-                    &s.mr, nullptr));
+    CHECK(fi_mr_reg(s.domain, s.buf.data(), s.buf.size(),
+                    FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ, 0, 7, 0, &s.mr,
+                    nullptr));
   }
   s.ctx.resize(r.mode == Run::kLat ? kLatContexts : r.window);
+  s.read = r.reads();
   const uint64_t mine[2] = {(s.info->domain_attr->mr_mode & FI_MR_VIRT_ADDR)
                                 ? reinterpret_cast<uint64_t>(s.buf.data())
                                 : 0,
@@ -370,7 +410,9 @@ void prepare(Side& s, const Run& r, int out, int in) {
 }
 
 // The target: for each run, counts immediates (bw, measuring its CPU time once the warm-up
-// has arrived) or answers every arrival with a write back (lat); then reports what it saw.
+// has arrived), answers every arrival with a write back (lat), or only progresses until the
+// client's marks have come (read, readlat: measuring its CPU time from the first mark of a
+// read run with a warm-up); then reports what it saw.
 int serve(const Options& o, int out, int in) {
   Side s;
   open_side(s, o);
@@ -383,7 +425,13 @@ int serve(const Options& o, int out, int in) {
     const auto deadline = Clock::now() + kDeadline;
     uint64_t seen = 0;
     double cpu0 = r.warmup == 0 ? cpu_seconds() : 0;
-    if (r.mode == Run::kLat) {
+    if (r.reads()) {
+      while (seen < r.marks() && Clock::now() < deadline) {
+        const uint64_t before = seen;
+        seen += next(s, false).remote;
+        if (r.marks() == 2 && before == 0 && seen >= 1) cpu0 = cpu_seconds();
+      }
+    } else if (r.mode == Run::kLat) {
       uint64_t owed = 0, posted = 0, completed = 0;
       while ((seen < total || owed > 0 || completed < posted) && Clock::now() < deadline) {
         Polled p = next(s, owed > 0 || completed < posted);
@@ -441,46 +489,100 @@ std::vector<double> ping_pong(Side& s, uint64_t size, uint64_t total, uint64_t t
   return rtt_us;
 }
 
+// Reads one at a time, each waited for before the next; the times of the last `timed` of
+// `total`.
+std::vector<double> read_round_trips(Side& s, uint64_t size, uint64_t total, uint64_t timed) {
+  std::vector<double> rtt_us;
+  const auto deadline = Clock::now() + kDeadline;
+  for (uint64_t k = 0; k < total; ++k) {
+    const auto t0 = Clock::now();
+    while (!post(s, size, 0, 0, nullptr)) {
+      next(s, true);
+      if (Clock::now() > deadline) die("reads did not complete in time", -FI_ETIMEDOUT);
+    }
+    while (next(s, true).local == 0) {
+      if (Clock::now() > deadline) die("reads did not complete in time", -FI_ETIMEDOUT);
+    }
+    if (k >= total - timed) {
+      rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+  }
+  return rtt_us;
+}
+
+// Tells the server that a phase of reads is over: a write of no bytes with an immediate, the
+// only thing of a read run it counts. Returns once it has completed (nothing else is
+// outstanding then, so context 0 is free).
+void mark(Side& s) {
+  const auto deadline = Clock::now() + kDeadline;
+  for (;;) {
+    const ssize_t rc = fi_writedata(s.ep, s.buf.data(), 0, s.desc(), 1, s.peer, s.peer_addr,
+                                    s.peer_key, &s.ctx[0]);
+    if (rc == 0) break;
+    if (rc != -FI_EAGAIN) die("fi_writedata", static_cast<int>(rc));
+    next(s, true);
+    if (Clock::now() > deadline) die("the mark was not posted in time", -FI_ETIMEDOUT);
+  }
+  while (next(s, true).local == 0) {
+    if (Clock::now() > deadline) die("the mark did not complete in time", -FI_ETIMEDOUT);
+  }
+}
+
 // Runs one measurement with the server; prints its line. False when the server did not see
-// every immediate.
+// every immediate (reads: every mark).
 bool measure(Side& s, const Options& o, const Run& r, int out, int in) {
   write_all(out, &r, sizeof r);
   prepare(s, r, out, in);
   uint64_t seen = 0;
   double server_cpu = 0;
-  if (r.mode == Run::kLat) {
+  const uint64_t expected = r.reads() ? r.marks() : r.warmup + r.count;
+  if (r.mode == Run::kReadLat) {
+    std::vector<double> rtt = read_round_trips(s, r.size, r.warmup + r.count, r.count);
+    mark(s);
+    read_all(in, &seen, sizeof seen);
+    read_all(in, &server_cpu, sizeof server_cpu);
+    if (seen == expected) {
+      std::printf("rawreadlat %s %lu %lu %.3f %.3f\n", o.provider.c_str(),
+                  static_cast<unsigned long>(r.size), static_cast<unsigned long>(r.count),
+                  percentile(rtt, 50), percentile(rtt, 99));
+    }
+  } else if (r.mode == Run::kLat) {
     std::vector<double> rtt = ping_pong(s, r.size, r.warmup + r.count, r.count);
     read_all(in, &seen, sizeof seen);
     read_all(in, &server_cpu, sizeof server_cpu);
-    if (seen == r.warmup + r.count) {
+    if (seen == expected) {
       std::printf("rawlat %s %lu %lu %.3f %.3f\n", o.provider.c_str(),
                   static_cast<unsigned long>(r.size), static_cast<unsigned long>(r.count),
                   percentile(rtt, 50), percentile(rtt, 99));
     }
   } else {
     if (r.warmup > 0) blast(s, r.size, r.window, r.slots(), r.warmup);
+    if (r.warmup > 0 && r.reads()) mark(s);
     const double cpu0 = cpu_seconds();
     const Blast b = blast(s, r.size, r.window, r.slots(), r.count);
     const double cpu = cpu_seconds() - cpu0;
+    if (r.reads()) mark(s);
     read_all(in, &seen, sizeof seen);
     read_all(in, &server_cpu, sizeof server_cpu);
-    if (seen == r.warmup + r.count) {
-      std::printf("raw %s %lu %lu %.6f %.3f %.3f %.4f\n", o.provider.c_str(),
-                  static_cast<unsigned long>(r.size), static_cast<unsigned long>(r.count),
-                  b.seconds, static_cast<double>(r.size * r.count) * 8 / b.seconds / 1e9,
+    if (seen == expected) {
+      std::printf("%s %s %lu %lu %.6f %.3f %.3f %.4f\n", r.reads() ? "rawread" : "raw",
+                  o.provider.c_str(), static_cast<unsigned long>(r.size),
+                  static_cast<unsigned long>(r.count), b.seconds,
+                  static_cast<double>(r.size * r.count) * 8 / b.seconds / 1e9,
                   b.post_seconds * 1e6 / static_cast<double>(r.count), cpu + server_cpu);
     }
   }
-  if (seen != r.warmup + r.count) {
+  if (seen != expected) {
     std::printf("error the server counted %lu of %lu immediates\n",
-                static_cast<unsigned long>(seen), static_cast<unsigned long>(r.warmup + r.count));
+                static_cast<unsigned long>(seen), static_cast<unsigned long>(expected));
   }
   std::fflush(stdout);
-  return seen == r.warmup + r.count;
+  return seen == expected;
 }
 
 // --commands: one measurement per line of stdin, until EOF or `quit`:
 //   bw SIZE COUNT WINDOW WARMUP [SPAN] | lat SIZE COUNT WARMUP
+//   rd SIZE COUNT WINDOW WARMUP [SPAN] | rdlat SIZE COUNT WARMUP   (SIZE at least 1)
 // Each prints its line (or `error ...`); bad lines print `error usage ...`.
 bool parse_run(const std::string& line, Run& r) {
   char word[8] = {};
@@ -497,6 +599,15 @@ bool parse_run(const std::string& line, Run& r) {
     r = Run{Run::kLat, v[0], v[1], 1, v[2], 0};
     return true;
   }
+  if (mode == "rd" && (n == 5 || n == 6) && v[0] > 0 && v[1] > 0 && v[2] > 0 && v[2] <= 4096 &&
+      v[0] <= (1ull << 30)) {
+    r = Run{Run::kRead, v[0], v[1], v[2], v[3], v[4]};
+    return true;
+  }
+  if (mode == "rdlat" && n == 4 && v[0] > 0 && v[1] > 0 && v[0] <= (1ull << 30)) {
+    r = Run{Run::kReadLat, v[0], v[1], 1, v[2], 0};
+    return true;
+  }
   return false;
 }
 
@@ -507,18 +618,21 @@ int main(int argc, char** argv) {
   CLI::App app{"fabric-bench-raw: the raw libfabric ceiling for fabric-bench"};
   app.add_option("--provider", o.provider, "libfabric provider")->capture_default_str();
   app.add_option("--nic", o.nic, "domain name")->capture_default_str();
-  app.add_option("--mode", o.mode, "bw: windowed writes; lat: ping-pong round trips")
-      ->check(CLI::IsMember({"bw", "lat"}))
+  app.add_option("--mode", o.mode,
+                 "bw: windowed writes; lat: ping-pong round trips; read: windowed fi_read; "
+                 "readlat: one fi_read at a time (its round trip)")
+      ->check(CLI::IsMember({"bw", "lat", "read", "readlat"}))
       ->capture_default_str();
-  app.add_option("--size", o.size, "bytes per write (0: immediate only)")
+  app.add_option("--size", o.size, "bytes per write or read (0: immediate only; reads: >= 1)")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
       ->capture_default_str();
-  app.add_option("--count", o.count, "writes (bw) or round trips (lat) timed")
+  app.add_option("--count", o.count,
+                 "writes or reads (bw, read) or round trips (lat, readlat) timed")
       ->check(CLI::Range(uint64_t{1}, uint64_t{10'000'000}))
       ->capture_default_str();
   app.add_option("--span", o.span, "bw: bytes the write slots cover (at most 256 MiB)")
       ->capture_default_str();
-  app.add_option("--window", o.window, "writes in flight (bw)")
+  app.add_option("--window", o.window, "writes or reads in flight (bw, read)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{4096}))
       ->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed writes or round trips first")
@@ -530,14 +644,21 @@ int main(int argc, char** argv) {
   app.add_option("--spin-us", o.spin_us, "--wait fd: busy-poll this long before sleeping")
       ->capture_default_str();
   app.add_option("--batch", o.batch,
-                 "bw: writes per burst through fi_writemsg, all but the last with FI_MORE (1: "
-                 "fi_writedata, no FI_MORE)")
+                 "bw, read: operations per burst through fi_writemsg or fi_readmsg, all but the "
+                 "last with FI_MORE (1: fi_writedata or fi_read, no FI_MORE)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{4096}))
       ->capture_default_str();
   app.add_flag("--commands", o.commands,
                "measure once per line of stdin: bw SIZE COUNT WINDOW WARMUP [SPAN] | lat SIZE "
-               "COUNT WARMUP; quit or EOF ends");
+               "COUNT WARMUP | rd SIZE COUNT WINDOW WARMUP [SPAN] | rdlat SIZE COUNT WARMUP; quit "
+               "or EOF ends");
   CLI11_PARSE(app, argc, argv);
+  const bool reads = o.mode == "read" || o.mode == "readlat";
+  if (reads && o.size == 0 && !o.commands) {
+    std::fprintf(stderr, "fabric-bench-raw: --mode %s needs --size of at least 1\n",
+                 o.mode.c_str());
+    return 2;
+  }
 
   int down[2], up[2];
   if (pipe(down) != 0 || pipe(up) != 0) return 1;
@@ -559,15 +680,21 @@ int main(int argc, char** argv) {
       while (std::getline(std::cin, line) && line != "quit") {
         Run r;
         if (!parse_run(line, r)) {
-          std::printf("error usage: bw SIZE COUNT WINDOW WARMUP [SPAN] | lat SIZE COUNT WARMUP\n");
+          std::printf(
+              "error usage: bw SIZE COUNT WINDOW WARMUP [SPAN] | lat SIZE COUNT WARMUP | rd SIZE "
+              "COUNT WINDOW WARMUP [SPAN] | rdlat SIZE COUNT WARMUP\n");
           std::fflush(stdout);
           continue;
         }
         ok = measure(s, o, r, down[1], up[0]) && ok;
       }
     } else {
-      const Run r{o.mode == "lat" ? Run::kLat : Run::kBw, o.size,   o.count,
-                  o.mode == "lat" ? 1 : o.window,         o.warmup, o.span};
+      const uint64_t mode = o.mode == "lat"       ? Run::kLat
+                            : o.mode == "read"    ? Run::kRead
+                            : o.mode == "readlat" ? Run::kReadLat
+                                                  : Run::kBw;
+      const bool one_at_a_time = mode == Run::kLat || mode == Run::kReadLat;
+      const Run r{mode, o.size, o.count, one_at_a_time ? 1 : o.window, o.warmup, o.span};
       ok = measure(s, o, r, down[1], up[0]);
     }
     const Run quit{Run::kQuit, 0, 0, 1, 0, 0};
