@@ -7,7 +7,12 @@
 //   --op imm       imm-only writes: round-trip latency and one-way message rate
 //   --op scatter   one source to --peers N peers
 //   --op barrier   imm-only write to N peers, each answering; latency until all answers
-//   --op all       every one of them (the default)
+//   --op read      single reads of the peer's memory, the sizes of --op single, then 4 KiB
+//                  reads one at a time (round trips: the request to the owner, the data back)
+//   --op paged-read  paged reads, the page shapes of --op paged
+//   --op read-rtt  the 4 KiB read round trips alone
+//   --op all       single, paged, imm, scatter and barrier (the default; reads are named:
+//                  --op all,read,paged-read, as make bench runs it)
 //
 // Each row runs --warmup untimed passes, then --iters timed passes (see ops.h), each followed
 // by the row's baselines (baselines.h): ours, raw, UCX, ours, raw, UCX, ... and reports
@@ -56,7 +61,8 @@ constexpr uint64_t kMaxSize = 1 * kGiB;
 constexpr uint64_t kMaxPage = 64 * kMiB;
 // The client's source buffer: at least this, and twice the largest write.
 constexpr uint64_t kMinSourceBytes = 128 * kMiB;
-// Raw baseline of a paged row: one write per page, this many in flight, at most this many.
+// Raw baseline of a paged row: one write (paged read: read) per page, this many in flight, at
+// most this many.
 constexpr uint64_t kRawPagedWindow = 256;
 constexpr uint64_t kRawMaxWrites = 100'000;
 // UCX runs move about this fraction of a pass (UCX put over tcp runs at a few hundred MB/s).
@@ -143,9 +149,16 @@ std::vector<uint64_t> powers_of_two(uint64_t from, uint64_t to) {
 
 // The rows the options ask for, in the order they run.
 Result<std::vector<Row>> make_rows(const Options& o) {
-  std::vector<std::string> ops = o.ops;
-  if (ops.empty() || std::find(ops.begin(), ops.end(), "all") != ops.end()) {
-    ops = {"single", "paged", "imm", "scatter", "barrier"};
+  // "all" stands for the write operations, where it is named (--op all,read: those, then the
+  // single reads); an operation named twice runs once.
+  std::vector<std::string> ops;
+  for (const std::string& op : o.ops.empty() ? std::vector<std::string>{"all"} : o.ops) {
+    const std::vector<std::string> these =
+        op == "all" ? std::vector<std::string>{"single", "paged", "imm", "scatter", "barrier"}
+                    : std::vector<std::string>{op};
+    for (const std::string& t : these) {
+      if (std::find(ops.begin(), ops.end(), t) == ops.end()) ops.push_back(t);
+    }
   }
   std::vector<uint64_t> sizes = o.quick
                                     ? std::vector<uint64_t>{4 * kKiB, 64 * kKiB, kMiB, 16 * kMiB}
@@ -169,17 +182,29 @@ Result<std::vector<Row>> make_rows(const Options& o) {
   std::vector<uint64_t> pages = o.pages.empty() ? std::vector<uint64_t>{100, 10000} : o.pages;
 
   std::vector<Row> rows;
+  auto paged_rows = [&](Op kind) {
+    for (uint64_t n : pages) {
+      for (uint64_t p : page_sizes) {
+        // --quick: 10000-page transfers of 4 KiB pages only, to stay short.
+        if (o.quick && o.page_sizes.empty() && n > 100 && p > 4 * kKiB) continue;
+        rows.push_back(Row{kind, 0, p, n, 1});
+      }
+    }
+  };
+  bool read_rtt = false;  // the round-trip row, once
   for (const std::string& op : ops) {
     if (op == "single") {
       for (uint64_t s : sizes) rows.push_back(Row{Op::kSingle, s, 0, 0, 1});
     } else if (op == "paged") {
-      for (uint64_t n : pages) {
-        for (uint64_t p : page_sizes) {
-          // --quick: 10000-page transfers of 4 KiB pages only, to stay short.
-          if (o.quick && o.page_sizes.empty() && n > 100 && p > 4 * kKiB) continue;
-          rows.push_back(Row{Op::kPaged, 0, p, n, 1});
-        }
+      paged_rows(Op::kPaged);
+    } else if (op == "read" || op == "read-rtt") {
+      if (op == "read") {
+        for (uint64_t s : sizes) rows.push_back(Row{Op::kRead, s, 0, 0, 1});
       }
+      if (!read_rtt) rows.push_back(Row{Op::kReadRtt, kReadRttBytes, 0, 0, 1});
+      read_rtt = true;
+    } else if (op == "paged-read") {
+      paged_rows(Op::kPagedRead);
     } else if (op == "imm") {
       rows.push_back(Row{Op::kImm, 0, 0, 0, 1});
     } else if (op == "scatter") {
@@ -187,9 +212,10 @@ Result<std::vector<Row>> make_rows(const Options& o) {
     } else if (op == "barrier") {
       rows.push_back(Row{Op::kBarrier, 0, 0, 0, o.peers});
     } else {
-      return Status(
-          ErrorCode::kInvalidArgument,
-          fmt::format("--op '{}': expected single, paged, imm, scatter, barrier or all", op));
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("--op '{}': expected single, paged, imm, scatter, barrier, read, "
+                                "paged-read, read-rtt or all",
+                                op));
     }
   }
   return rows;
@@ -292,6 +318,21 @@ void run_row_baselines(const RowReport& r, const BaselinePlan& bp, const Baselin
         rate.gbps = std::nan("");
         out[kUcxTag].push_back(rate);
       }
+      break;
+    case Op::kRead:
+      if (bp.raw) {
+        out[kRaw].push_back(raw.read_bw(row.bytes, r.plan.transfers, r.plan.window, r.plan.bytes));
+      }
+      break;
+    case Op::kPagedRead:
+      if (bp.raw) {
+        const uint64_t reads = std::min(r.plan.wrs, kRawMaxWrites);
+        out[kRaw].push_back(raw.read_bw(row.page_bytes, reads, std::min(reads, kRawPagedWindow),
+                                        reads * row.page_bytes));
+      }
+      break;
+    case Op::kReadRtt:
+      if (bp.raw) out[kRaw].push_back(raw.read_lat(row.bytes, b.rounds));
       break;
     case Op::kScatter:
     case Op::kBarrier:
@@ -571,7 +612,10 @@ int run_client(const Options& o, const std::string& command) {
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"fabric-bench: the engine's benchmark, with its own peer processes"};
-  app.add_option("--op", o.ops, "single, paged, imm, scatter, barrier or all (comma-separated)")
+  app.add_option("--op", o.ops,
+                 "single, paged, imm, scatter, barrier, read (single reads and 4 KiB read round "
+                 "trips), paged-read, read-rtt or all (comma-separated; all: the writes, imm, "
+                 "scatter and barrier)")
       ->delimiter(',');
   app.add_option("--provider", o.provider, "libfabric provider: tcp, shm, efa, verbs, auto")
       ->capture_default_str();
@@ -589,10 +633,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--nics", o.nic_copies, "use the first NIC N times (multi-rail on one NIC)")
       ->check(CLI::Range(1, 16));
-  app.add_option("--sizes", o.sizes, "single (and scatter) sizes, e.g. 4KiB,1MiB")->delimiter(',');
-  app.add_option("--page-sizes", o.page_sizes, "paged: page sizes (default 1,4,8,16,32,64 KiB)")
+  app.add_option("--sizes", o.sizes, "single, read (and scatter) sizes, e.g. 4KiB,1MiB")
       ->delimiter(',');
-  app.add_option("--pages", o.pages, "paged: pages per transfer (default 100,10000)")
+  app.add_option("--page-sizes", o.page_sizes,
+                 "paged, paged-read: page sizes (default 1,4,8,16,32,64 KiB)")
+      ->delimiter(',');
+  app.add_option("--pages", o.pages, "paged, paged-read: pages per transfer (default 100,10000)")
       ->delimiter(',')
       ->check(CLI::Range(uint64_t{1}, uint64_t{100'000}));
   app.add_option("--window", o.window, "transfers in flight")

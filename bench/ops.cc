@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -122,8 +123,18 @@ std::string_view op_name(Op op) {
       return "scatter";
     case Op::kBarrier:
       return "barrier";
+    case Op::kRead:
+      return "read";
+    case Op::kPagedRead:
+      return "paged-read";
+    case Op::kReadRtt:
+      return "read-rtt";
   }
   return "?";
+}
+
+bool is_read(Op op) {
+  return op == Op::kRead || op == Op::kPagedRead || op == Op::kReadRtt;
 }
 
 std::string Row::label() const {
@@ -138,6 +149,12 @@ std::string Row::label() const {
       return fmt::format("scatter {} x {} peers", human_bytes(bytes), peers);
     case Op::kBarrier:
       return fmt::format("barrier {} peers", peers);
+    case Op::kRead:
+      return fmt::format("read {}", human_bytes(bytes));
+    case Op::kPagedRead:
+      return fmt::format("paged read {} x {}", human_bytes(page_bytes), pages);
+    case Op::kReadRtt:
+      return fmt::format("read round trips {}", human_bytes(bytes));
   }
   return "?";
 }
@@ -146,11 +163,13 @@ Plan plan_for(const Row& row, const Budget& b) {
   Plan p;
   switch (row.op) {
     case Op::kSingle:
+    case Op::kRead:
       p.transfers = std::clamp<uint64_t>(b.pass_bytes / row.bytes, 2, b.max_transfers);
       p.wrs = p.transfers;
       p.bytes = p.transfers * row.bytes;
       break;
-    case Op::kPaged: {
+    case Op::kPaged:
+    case Op::kPagedRead: {
       const uint64_t per_transfer = row.page_bytes * row.pages;
       const uint64_t most = std::max<uint64_t>(1, b.max_pages / row.pages);
       p.transfers = std::clamp<uint64_t>(b.pass_bytes / per_transfer, 1, most);
@@ -172,8 +191,13 @@ Plan plan_for(const Row& row, const Budget& b) {
       p.transfers = b.rounds;
       p.wrs = b.rounds * row.peers;
       break;
+    case Op::kReadRtt:
+      p.transfers = b.rounds;
+      p.wrs = b.rounds;
+      p.bytes = b.rounds * row.bytes;
+      break;
   }
-  p.window = std::min(b.window, p.transfers);
+  p.window = row.op == Op::kReadRtt ? 1 : std::min(b.window, p.transfers);
   return p;
 }
 
@@ -194,6 +218,8 @@ Session::~Session() {
   }
   between_cv_.notify_all();
   if (between_.joinable()) between_.join();
+  // Before read_dst_ goes (a closed engine refuses, having let go of it already).
+  if (read_dst_reg_) engine_.unregister_memory(read_dst_reg_->handle).ignore();
 }
 
 std::function<bool()> Session::driver() {
@@ -287,6 +313,12 @@ Result<PassResult> Session::run(const Row& row, const Budget& b, uint32_t iterat
       return scatter(row, b, iteration);
     case Op::kBarrier:
       return barrier(row, b, iteration);
+    case Op::kRead:
+      return read(row, b, iteration);
+    case Op::kPagedRead:
+      return paged_read(row, b, iteration);
+    case Op::kReadRtt:
+      return read_rtt(row, b, iteration);
   }
   return Status(ErrorCode::kInvalidArgument, "unknown operation");
 }
@@ -403,6 +435,58 @@ Status Session::verify(PeerClient& peer, uint64_t len, uint64_t first, uint64_t 
   return Status(ErrorCode::kInternal,
                 fmt::format("verification failed: {} (bytes [{}, {}) at peer {})", describe(lo),
                             first + lo * step, first + lo * step + len, peer.pid()));
+}
+
+Status Session::verify_local(uint64_t len, uint64_t first, uint64_t step, uint64_t count,
+                             const std::function<uint64_t(uint64_t k)>& expected,
+                             const std::function<std::string(uint64_t k)>& describe) const {
+  for (uint64_t k = 0; k < count; ++k) {
+    const uint64_t at = first + k * step;
+    if (hash_bytes(read_dst_.data() + at, len) != expected(k)) {
+      return Status(ErrorCode::kInternal,
+                    fmt::format("verification failed: {} (bytes [{}, {}) of the client's read "
+                                "destination)",
+                                describe(k), at, at + len));
+    }
+  }
+  return Status::ok();
+}
+
+Status Session::prepare_reads(uint64_t dst_bytes) {
+  PeerClient& peer = *peers_[0];
+  if (!src_hash_) src_hash_ = hash_bytes(src_bytes_.data(), src_bytes_.size());
+  if (Status s = peer.ensure_source(src_bytes_.size(), seed_); !s) return s;
+  if (peer.source_hash() != *src_hash_) {
+    return Status(ErrorCode::kInternal,
+                  fmt::format("peer {}: its read source does not hold the client's pattern "
+                              "(hash {:016x}, expected {:016x})",
+                              peer.pid(), peer.source_hash(), *src_hash_));
+  }
+  if (!peer.source().readable()) {
+    return Status(ErrorCode::kInternal,
+                  fmt::format("peer {}: its read source's descriptor is not readable", peer.pid()));
+  }
+  if (read_dst_.size() < dst_bytes) {
+    if (read_dst_reg_) {
+      if (Status s = engine_.unregister_memory(read_dst_reg_->handle); !s) return s;
+      read_dst_reg_.reset();
+    }
+    read_dst_ = PageBuffer();  // the old buffer goes before the new one comes
+    read_dst_ = PageBuffer(dst_bytes);
+    if (read_dst_.data() == nullptr) {
+      return Status(ErrorCode::kOutOfRange,
+                    fmt::format("cannot allocate a {}-byte read destination", dst_bytes));
+    }
+    auto reg = engine_.register_memory(read_dst_.data(), read_dst_.size());
+    if (!reg) return reg.status();
+    read_dst_reg_ = *reg;
+  }
+  std::memset(read_dst_.data(), static_cast<int>(kPoison), dst_bytes);
+  return serve_reads(true);
+}
+
+Status Session::serve_reads(bool on) {
+  return caller_driven_ ? peers_[0]->serving(on) : Status::ok();
 }
 
 Result<PeerGroup> Session::group_of(uint32_t n) {
@@ -719,6 +803,205 @@ Result<PassResult> Session::barrier(const Row& row, const Budget& b, uint32_t it
   }
   r.ops = b.rounds;
   r.post_us = submit_seconds * 1e6 / static_cast<double>(b.rounds * n);
+  r.cpu_seconds = *cpu1 - *cpu0;
+  return r;
+}
+
+Result<PassResult> Session::read(const Row& row, const Budget& b, uint32_t iteration) {
+  const Plan plan = plan_for(row, b);
+  const uint64_t size = row.bytes;
+  if (Status s = prepare_reads(plan.bytes); !s) return s;
+  PeerClient& peer = *peers_[0];
+  auto cpu0 = cpu_of(1);
+  if (!cpu0) return cpu0.status();
+  // Read i comes from the peer's source where single write i came from in the client's, into
+  // slot i of the client's destination; one request, its offsets set per read (as in single()).
+  SingleRead sr;
+  sr.dst = read_dst_reg_->handle;
+  sr.src = peer.source();
+  sr.length = size;
+  Window w = run_window(plan.transfers, plan.window,
+                        [&](uint64_t i, Callbacks cb) {
+                          sr.src_offset = src_offset(iteration, i, size);
+                          sr.dst_offset = i * size;
+                          return engine_.submit(sr, std::move(cb));
+                        },
+                        {});
+  auto cpu1 = cpu_of(1);
+  if (!w.error) return w.error;
+  if (!cpu1) return cpu1.status();
+  if (Status s = serve_reads(false); !s) return s;
+  if (Status s = verify_local(
+          size, 0, size, plan.transfers,
+          [&](uint64_t i) {
+            return hash_bytes(src_bytes_.data() + src_offset(iteration, i, size), size);
+          },
+          [&](uint64_t i) { return fmt::format("single read {} of the pass", i); });
+      !s) {
+    return s;
+  }
+  PassResult r;
+  r.seconds = w.seconds;
+  r.bytes = plan.bytes;
+  r.ops = plan.transfers;
+  r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  count_per_op(r, w);
+  r.cpu_seconds = *cpu1 - *cpu0;
+  r.lat_us = std::move(w.lat_us);
+  return r;
+}
+
+Result<PassResult> Session::paged_read(const Row& row, const Budget& b, uint32_t iteration) {
+  const Plan plan = plan_for(row, b);
+  const uint64_t page = row.page_bytes;
+  const uint64_t stride = page + kPageGap;
+  const uint64_t dst_pages = plan.transfers * row.pages;
+  const uint64_t dst_bytes = dst_pages * stride;
+  const uint64_t src_pages = src_bytes_.size() / stride;
+  if (dst_pages > UINT32_MAX || src_pages == 0) {
+    return Status(ErrorCode::kOutOfRange, fmt::format("{}: too many pages", row.label()));
+  }
+  if (Status s = prepare_reads(dst_bytes); !s) return s;
+  PeerClient& peer = *peers_[0];
+
+  // Page lists as in paged(): destination pages (here, in the client) a random permutation of
+  // the pass's pages, source pages (in the peer's source) random, repeats allowed.
+  std::mt19937_64 rng(seed_ * 1000003 + iteration * 7919 + page * 31 + row.pages);
+  std::vector<uint32_t> perm(dst_pages);
+  std::iota(perm.begin(), perm.end(), 0u);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::uniform_int_distribution<uint32_t> any_src(0, static_cast<uint32_t>(src_pages - 1));
+  std::vector<uint32_t> from(dst_pages);
+  std::vector<PagedRead> reads(plan.transfers);
+  for (uint64_t j = 0; j < plan.transfers; ++j) {
+    PagedRead& pr = reads[j];
+    pr.dst = read_dst_reg_->handle;
+    pr.src = peer.source();
+    pr.page_bytes = page;
+    pr.src_stride = stride;
+    pr.dst_stride = stride;
+    pr.dst_pages.assign(perm.begin() + static_cast<ptrdiff_t>(j * row.pages),
+                        perm.begin() + static_cast<ptrdiff_t>((j + 1) * row.pages));
+    pr.src_pages.resize(row.pages);
+    for (uint64_t i = 0; i < row.pages; ++i) {
+      pr.src_pages[i] = any_src(rng);
+      from[pr.dst_pages[i]] = pr.src_pages[i];
+    }
+  }
+
+  auto cpu0 = cpu_of(1);
+  if (!cpu0) return cpu0.status();
+  Window w = run_window(
+      plan.transfers, plan.window,
+      [&](uint64_t j, Callbacks cb) { return engine_.submit(reads[j], std::move(cb)); }, {});
+  auto cpu1 = cpu_of(1);
+  if (!w.error) return w.error;
+  if (!cpu1) return cpu1.status();
+  if (Status s = serve_reads(false); !s) return s;
+  if (Status s = verify_local(
+          page, 0, stride, dst_pages,
+          [&](uint64_t d) {
+            return hash_bytes(src_bytes_.data() + static_cast<uint64_t>(from[d]) * stride, page);
+          },
+          [&](uint64_t d) {
+            return fmt::format("destination page {} (source page {})", d, from[d]);
+          });
+      !s) {
+    return s;
+  }
+  std::vector<std::byte> poison(kPageGap, kPoison);
+  const uint64_t gap_hash = hash_bytes(poison.data(), poison.size());
+  if (Status s = verify_local(
+          kPageGap, page, stride, dst_pages, [&](uint64_t) { return gap_hash; },
+          [&](uint64_t d) {
+            return fmt::format("the gap after destination page {} was written", d);
+          });
+      !s) {
+    return s;
+  }
+  PassResult r;
+  r.seconds = w.seconds;
+  r.bytes = plan.bytes;
+  r.ops = plan.wrs;
+  r.post_us = w.submit_seconds * 1e6 / static_cast<double>(plan.wrs);
+  count_per_op(r, w);
+  r.cpu_seconds = *cpu1 - *cpu0;
+  r.lat_us = std::move(w.lat_us);
+  return r;
+}
+
+Result<PassResult> Session::read_rtt(const Row& row, const Budget& b, uint32_t iteration) {
+  // Round trips: one read at a time, the next submitted once the last one's done callback has
+  // run: the request to the owner and the data back, as the caller sees it (with a
+  // caller-driven group, the waiting thread drives it; the owner's code takes no part).
+  // Untimed warm-up round trips first. Read k lands in slot k of the destination.
+  const uint64_t size = row.bytes;
+  const uint64_t rounds = kWarmupRounds + b.rounds;
+  if (Status s = prepare_reads(rounds * size); !s) return s;
+  PeerClient& peer = *peers_[0];
+  SingleRead sr;
+  sr.dst = read_dst_reg_->handle;
+  sr.src = peer.source();
+  sr.length = size;
+  PassResult r;
+  Window w;
+  Completions done(rounds, driver(), foreground());
+  auto cpu0 = cpu_of(1);
+  if (!cpu0) return cpu0.status();
+  GroupStats before;
+  SysCounters::Totals sys_before;
+  Clock::time_point start;
+  const auto deadline = Clock::now() + kPassTimeout;
+  for (uint64_t k = 0; k < rounds; ++k) {
+    if (Clock::now() > deadline) {
+      return Status(ErrorCode::kTimeout, fmt::format("{} of {} read round trips in {} s", k, rounds,
+                                                     kPassTimeout.count() / 1000));
+    }
+    sr.src_offset = src_offset(iteration, k, size);
+    sr.dst_offset = k * size;
+    Callbacks callbacks = done.callbacks(k);  // made before the clock starts, as in barrier()
+    if (k == kWarmupRounds) {
+      before = engine_.stats().groups[0];
+      sys_before = sys_.read();
+      start = Clock::now();
+    }
+    const auto t0 = Clock::now();
+    auto id = engine_.submit(sr, std::move(callbacks));
+    const auto t1 = Clock::now();
+    if (!id) return id.status();
+    if (!done.wait_prefix(k + 1, Clock::now() + kRoundTimeout)) {
+      return Status(ErrorCode::kTimeout, fmt::format("read round trip {}: not done within {} ms", k,
+                                                     kRoundTimeout.count()));
+    }
+    if (done.failed() > 0) return done.status();
+    if (k >= kWarmupRounds) {
+      r.lat_us.push_back(us(Clock::now() - t0));
+      w.submit_seconds += std::chrono::duration<double>(t1 - t0).count();
+    }
+  }
+  r.seconds = seconds_since(start);
+  const SysCounters::Totals sys_after = sys_.read();
+  const GroupStats after = engine_.stats().groups[0];
+  auto cpu1 = cpu_of(1);
+  if (!cpu1) return cpu1.status();
+  if (Status s = serve_reads(false); !s) return s;
+  w.sys.syscalls = sys_after.syscalls - sys_before.syscalls;
+  w.sys.context_switches = sys_after.context_switches - sys_before.context_switches;
+  w.wakeups = after.worker_wakeups - before.worker_wakeups;
+  w.sleeps = after.worker_sleeps - before.worker_sleeps;
+  if (Status s = verify_local(
+          size, 0, size, rounds,
+          [&](uint64_t k) {
+            return hash_bytes(src_bytes_.data() + src_offset(iteration, k, size), size);
+          },
+          [&](uint64_t k) { return fmt::format("read round trip {} of the pass", k); });
+      !s) {
+    return s;
+  }
+  r.bytes = b.rounds * size;
+  r.ops = b.rounds;
+  r.post_us = w.submit_seconds * 1e6 / static_cast<double>(b.rounds);
+  count_per_op(r, w);
   r.cpu_seconds = *cpu1 - *cpu0;
   return r;
 }

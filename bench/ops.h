@@ -4,6 +4,12 @@
 // the clock stopped, the pass is verified: every destination range written in the pass
 // against the source range it came from (and, for paged writes, the gaps between pages
 // against the poison they must still hold), every immediate counted exactly.
+//
+// Reads go the other way: the client reads from peer 0's source buffer (registered readable,
+// RegisterOptions::remote_read, and filled with the client's own data pattern, so that it
+// holds the same bytes as the client's source buffer) into a destination buffer of its own,
+// poisoned before each pass; a read pass ends when every done callback has run (a read carries
+// no immediate) and is verified at the client, against its own source buffer.
 #pragma once
 
 #include <cmath>
@@ -13,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -25,8 +32,12 @@
 
 namespace fabric::bench {
 
-enum class Op { kSingle, kPaged, kImm, kScatter, kBarrier };
+enum class Op { kSingle, kPaged, kImm, kScatter, kBarrier, kRead, kPagedRead, kReadRtt };
 std::string_view op_name(Op op);
+bool is_read(Op op);
+
+// The size of the read round trips (Op::kReadRtt).
+constexpr uint64_t kReadRttBytes = 4 * kKiB;
 
 // The gap between pages of a paged write: stride = page + kPageGap (the reference's layout).
 constexpr uint64_t kPageGap = 128;
@@ -34,9 +45,9 @@ constexpr uint64_t kPageGap = 128;
 // What one row of the table measures.
 struct Row {
   Op op = Op::kSingle;
-  uint64_t bytes = 0;       // single: bytes per write; scatter: bytes per target
-  uint64_t page_bytes = 0;  // paged
-  uint64_t pages = 0;       // paged: pages per transfer
+  uint64_t bytes = 0;       // single, read: bytes per transfer; scatter: bytes per target
+  uint64_t page_bytes = 0;  // paged, paged read
+  uint64_t pages = 0;       // paged, paged read: pages per transfer
   uint32_t peers = 1;       // scatter, barrier
   std::string label() const;
 };
@@ -47,7 +58,7 @@ struct Budget {
   uint64_t max_transfers = 5'000;    // transfers per pass (single, scatter)
   uint64_t max_pages = 20'000;       // pages per pass (paged; at least one transfer's)
   uint64_t window = 32;              // transfers in flight
-  uint64_t rounds = 1'000;           // round trips (imm latency, barrier)
+  uint64_t rounds = 1'000;           // round trips (imm latency, barrier, read round trips)
   uint64_t messages = 20'000;        // imm-only writes (message rate)
 };
 
@@ -55,7 +66,7 @@ struct Budget {
 struct Plan {
   uint64_t transfers = 0;  // per pass
   uint64_t window = 0;
-  uint64_t wrs = 0;  // work requests per pass: writes, pages, targets or messages
+  uint64_t wrs = 0;  // work requests per pass: writes, reads, pages, targets or messages
   uint64_t bytes = 0;
 };
 Plan plan_for(const Row& row, const Budget& budget);
@@ -64,7 +75,7 @@ Plan plan_for(const Row& row, const Budget& budget);
 struct PassResult {
   double seconds = 0;  // the timed phase (imm: the message-rate phase)
   uint64_t bytes = 0;
-  uint64_t ops = 0;    // writes, pages, messages or barrier rounds
+  uint64_t ops = 0;    // writes, reads, pages, messages or barrier rounds
   double post_us = 0;  // client thread time inside submit(), per work request
   // The client engine's worker per op, from TransferEngine::stats(): times a submission woke
   // it (an eventfd write) and times it slept (NaN where not measured).
@@ -75,7 +86,7 @@ struct PassResult {
   double syscalls_per_op = std::nan("");
   double switches_per_op = std::nan("");
   double cpu_seconds = 0;      // client and peers, during the timed phase
-  std::vector<double> lat_us;  // per transfer (submit to done); imm and barrier: round trips
+  std::vector<double> lat_us;  // per transfer (submit to done); imm, barrier: round trips
 };
 
 // The client's side of every pass: its engine, its source buffer, and the peer processes.
@@ -131,6 +142,18 @@ class Session {
   Status verify(PeerClient& peer, uint64_t len, uint64_t first, uint64_t step, uint64_t count,
                 const std::function<uint64_t(uint64_t k)>& expected,
                 const std::function<std::string(uint64_t k)>& describe);
+  // The same for the client's read destination: range k at first + k * step, the first bad
+  // one named by describe(k).
+  Status verify_local(uint64_t len, uint64_t first, uint64_t step, uint64_t count,
+                      const std::function<uint64_t(uint64_t k)>& expected,
+                      const std::function<std::string(uint64_t k)>& describe) const;
+  // What reads need: peer 0's readable source (the client's pattern, as large as the client's
+  // source buffer) and a registered destination of at least `dst_bytes` here, poisoned up to
+  // `dst_bytes`; then serve_reads(true).
+  Status prepare_reads(uint64_t dst_bytes);
+  // A caller-driven peer 0 keeps driving its group without naps while `on` (PeerClient::
+  // serving): reads make no completion at their owner. Nothing to do with a worker thread.
+  Status serve_reads(bool on);
   Result<PeerGroup> group_of(uint32_t n);
   uint32_t fresh_imm() { return next_imm_++; }
   std::function<bool()> driver();
@@ -142,6 +165,9 @@ class Session {
   Result<PassResult> imm(const Row& row, const Budget& b, uint32_t iteration);
   Result<PassResult> scatter(const Row& row, const Budget& b, uint32_t iteration);
   Result<PassResult> barrier(const Row& row, const Budget& b, uint32_t iteration);
+  Result<PassResult> read(const Row& row, const Budget& b, uint32_t iteration);
+  Result<PassResult> paged_read(const Row& row, const Budget& b, uint32_t iteration);
+  Result<PassResult> read_rtt(const Row& row, const Budget& b, uint32_t iteration);
 
   TransferEngine& engine_;
   Registration src_;
@@ -152,6 +178,11 @@ class Session {
   std::map<uint32_t, PeerGroup> groups_;
   uint32_t next_imm_ = 1000;
   SysCounters sys_;
+  // The destination of reads (allocated at the first read row, grown as rows need) and its
+  // registration with the client's engine.
+  PageBuffer read_dst_;
+  std::optional<Registration> read_dst_reg_;
+  std::optional<uint64_t> src_hash_;  // hash_bytes of the whole source buffer, once
   bool caller_driven_ = false;
   std::mutex between_mu_;
   std::condition_variable between_cv_;

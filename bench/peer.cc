@@ -57,8 +57,9 @@ class Answerer {
 }  // namespace
 
 int run_peer(const Config& config) {
-  // Declared before the engine, so that both outlive it (its callbacks use them).
+  // Declared before the engine, so that they outlive it (its callbacks use the answerer).
   PageBuffer buf;
+  PageBuffer src_buf;  // what the client reads (`source`)
   Answerer answerer;
   auto created = TransferEngine::create(config);
   if (!created) {
@@ -76,18 +77,23 @@ int run_peer(const Config& config) {
     if (!id) spdlog::warn("peer: cannot answer: {}", id.status().to_string());
   });
   std::optional<Registration> reg;
+  std::optional<Registration> src_reg;
   // A caller-driven group (--mode progress): a thread of the peer's drives it until quit;
   // the command loop's blocking calls drive it too while they wait (one at a time).
   std::atomic<bool> quit{false};
+  // Set by `serving 1` around the client's read passes: the driver never naps then.
+  std::atomic<bool> serving{false};
   std::thread driver;
   if (config.groups[0].caller_progress) {
     driver = std::thread([&] {
       // Spins while there is work; after 2 ms without any it naps 100 us between passes, after
       // 50 ms 2 ms, so that an idle peer leaves the cores to the baselines run between our
       // passes (their first work request waits for the nap to end: warm-up absorbs it).
+      // While serving reads it spins: a read makes no completion at its owner, so progress()
+      // may report nothing while it answers one, and a nap would hold up every read.
       auto last_work = std::chrono::steady_clock::now();
       while (!quit.load(std::memory_order_relaxed)) {
-        if (engine.progress(0)) {
+        if (engine.progress(0) || serving.load(std::memory_order_relaxed)) {
           last_work = std::chrono::steady_clock::now();
           continue;
         }
@@ -139,6 +145,37 @@ int run_peer(const Config& config) {
       }
       reg = *r;
       reply("memory " + to_hex(reg->descriptor.encode()));
+    } else if (cmd == "source") {
+      uint64_t bytes = 0, seed = 0;
+      in >> bytes >> seed;
+      if (!in || bytes == 0) {
+        reply("error usage: source BYTES SEED");
+        continue;
+      }
+      if (src_reg) {
+        if (Status s = engine.unregister_memory(src_reg->handle); !s) {
+          reply("error " + s.to_string());
+          continue;
+        }
+        src_reg.reset();
+      }
+      src_buf = PageBuffer();
+      src_buf = PageBuffer(bytes);
+      if (src_buf.data() == nullptr) {
+        reply(fmt::format("error cannot allocate {} bytes", bytes));
+        continue;
+      }
+      fill_pattern(src_buf.data(), src_buf.size(), seed);
+      RegisterOptions options;
+      options.remote_read = true;
+      auto r = engine.register_memory(src_buf.data(), src_buf.size(), options);
+      if (!r) {
+        reply("error " + r.status().to_string());
+        continue;
+      }
+      src_reg = *r;
+      reply(fmt::format("source {} {:016x}", to_hex(src_reg->descriptor.encode()),
+                        hash_bytes(src_buf.data(), src_buf.size())));
     } else if (cmd == "poison") {
       uint64_t off = 0, len = 0;
       in >> off >> len;
@@ -189,6 +226,15 @@ int run_peer(const Config& config) {
       }
       bool reached = engine.wait_imm(imm, count, milliseconds(timeout_ms));
       reply(fmt::format("{} {} {}", reached ? "got" : "timeout", imm, engine.imm_count(imm)));
+    } else if (cmd == "serving") {
+      int on = 0;
+      in >> on;
+      if (!in) {
+        reply("error usage: serving 0|1");
+        continue;
+      }
+      serving.store(on != 0);
+      reply("ok");
     } else if (cmd == "cpu") {
       reply(fmt::format("cpu {:.6f}", cpu_seconds()));
     } else if (cmd == "quit") {
@@ -247,6 +293,29 @@ Status PeerClient::ensure_buffer(uint64_t bytes) {
   return Status::ok();
 }
 
+Status PeerClient::ensure_source(uint64_t bytes, uint64_t seed) {
+  if (!source_.empty() && source_bytes_ == bytes && source_seed_ == seed) return Status::ok();
+  auto r = request(fmt::format("source {} {}", bytes, seed));
+  if (!r) return r.status();
+  std::istringstream words(*r);
+  std::string word, hex, hash;
+  words >> word >> hex >> hash;
+  unsigned long long h = 0;
+  if (word != "source" || std::sscanf(hash.c_str(), "%llx", &h) != 1) {
+    return Status(ErrorCode::kInternal,
+                  fmt::format("unexpected peer reply '{}'", r->substr(0, 80)));
+  }
+  auto bytes_hex = from_hex(hex);
+  if (!bytes_hex) return bytes_hex.status();
+  auto m = RemoteMemory::decode(*bytes_hex);
+  if (!m) return m.status();
+  source_ = *m;
+  source_bytes_ = bytes;
+  source_seed_ = seed;
+  source_hash_ = static_cast<uint64_t>(h);
+  return Status::ok();
+}
+
 Status PeerClient::poison(uint64_t offset, uint64_t length) {
   auto r = request(fmt::format("poison {} {}", offset, length));
   return r ? Status::ok() : r.status();
@@ -260,6 +329,11 @@ Result<uint64_t> PeerClient::hash(uint64_t len, uint64_t first, uint64_t step, u
     return Status(ErrorCode::kInternal, fmt::format("unexpected peer reply '{}'", *r));
   }
   return static_cast<uint64_t>(h);
+}
+
+Status PeerClient::serving(bool on) {
+  auto r = request(fmt::format("serving {}", on ? 1 : 0));
+  return r ? Status::ok() : r.status();
 }
 
 Status PeerClient::answer(uint32_t in, uint32_t out) {

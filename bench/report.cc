@@ -89,8 +89,11 @@ uint64_t row_bytes(const Row& r) {
   switch (r.op) {
     case Op::kSingle:
     case Op::kScatter:
+    case Op::kRead:
+    case Op::kReadRtt:
       return r.bytes;
     case Op::kPaged:
+    case Op::kPagedRead:
       return r.page_bytes * r.pages;
     default:
       return 0;
@@ -178,7 +181,7 @@ std::string render_tables(const RunInfo& info, const std::vector<RowReport>& row
       "baselines; medians. Window {} transfers; up to {} per pass. Every pass verified.\n",
       info.iters, info.warmup, info.budget.window, human_bytes(info.budget.pass_bytes));
 
-  std::vector<const RowReport*> single, paged, imm, scatter, barrier;
+  std::vector<const RowReport*> single, paged, imm, scatter, barrier, read, paged_read, read_rtt;
   for (const RowReport& r : rows) {
     switch (r.row.op) {
       case Op::kSingle:
@@ -195,6 +198,15 @@ std::string render_tables(const RunInfo& info, const std::vector<RowReport>& row
         break;
       case Op::kBarrier:
         barrier.push_back(&r);
+        break;
+      case Op::kRead:
+        read.push_back(&r);
+        break;
+      case Op::kPagedRead:
+        paged_read.push_back(&r);
+        break;
+      case Op::kReadRtt:
+        read_rtt.push_back(&r);
         break;
     }
   }
@@ -274,6 +286,49 @@ std::string render_tables(const RunInfo& info, const std::vector<RowReport>& row
     }
     out += t.render(markdown);
   }
+  if (!read.empty()) {
+    title("single reads (the owner's code takes no part; no immediate)");
+    Table t({"size", "Gbps", "Mops", "p50 us", "p99 us", "post us", "wake/op", "sleep/op", "sys/op",
+             "csw/op", "CPU s/GiB", "raw Gbps", "ours/raw", "verified"});
+    for (const RowReport* r : read) {
+      const Summary s = summarize(*r);
+      const Summary raw = summarize(runs_of(*r, kRaw));
+      t.add({human_bytes(r->row.bytes), num(s.gbps, 2), num(s.mops, 3), num(s.p50_us, 1),
+             num(s.p99_us, 1), num(s.post_us, 2), num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3),
+             num(s.syscalls_per_op, 2), num(s.switches_per_op, 3), num(s.cpu_s_per_gib, 2),
+             num(raw.gbps, 2), num(ratio(s.gbps, raw.gbps), 2), verified(*r)});
+    }
+    out += t.render(markdown);
+  }
+  if (!paged_read.empty()) {
+    title("paged reads (random page indices, stride = page + 128 B)");
+    Table t({"page", "pages", "Gbps", "Mpages/s", "p50 us", "p99 us", "post us", "wake/op",
+             "sleep/op", "sys/op", "csw/op", "CPU s/GiB", "raw Gbps", "ours/raw", "verified"});
+    for (const RowReport* r : paged_read) {
+      const Summary s = summarize(*r);
+      const Summary raw = summarize(runs_of(*r, kRaw));
+      t.add({human_bytes(r->row.page_bytes), std::to_string(r->row.pages), num(s.gbps, 2),
+             num(s.mops, 3), num(s.p50_us, 0), num(s.p99_us, 0), num(s.post_us, 2),
+             num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3), num(s.syscalls_per_op, 2),
+             num(s.switches_per_op, 3), num(s.cpu_s_per_gib, 2), num(raw.gbps, 2),
+             num(ratio(s.gbps, raw.gbps), 2), verified(*r)});
+    }
+    out += t.render(markdown);
+  }
+  if (!read_rtt.empty()) {
+    title("read round trips: one read at a time (the request to the owner, the data back)");
+    Table t({"size", "RTT p50 us", "RTT p99 us", "post us", "wake/op", "sleep/op", "sys/op",
+             "csw/op", "raw p50", "raw p99", "ours/raw p50", "verified"});
+    for (const RowReport* r : read_rtt) {
+      const Summary s = summarize(*r);
+      const Summary raw = summarize(runs_of(*r, kRaw));
+      t.add({human_bytes(r->row.bytes), num(s.p50_us, 1), num(s.p99_us, 1), num(s.post_us, 2),
+             num(s.wakeups_per_op, 3), num(s.sleeps_per_op, 3), num(s.syscalls_per_op, 2),
+             num(s.switches_per_op, 3), num(raw.p50_us, 1), num(raw.p99_us, 1),
+             num(ratio(s.p50_us, raw.p50_us), 2), verified(*r)});
+    }
+    out += t.render(markdown);
+  }
   if (!info.iperf3.empty()) {
     const Summary ip = summarize(info.iperf3);
     out += fmt::format("\niperf3, one TCP stream over loopback: {} Gbps (median of {}){}\n",
@@ -304,6 +359,14 @@ std::string render_tables(const RunInfo& info, const std::vector<RowReport>& row
       "contiguous); UCX put/tag: ucx_perftest ucp_put_bw / tag_bw (imm row: tag_bw and "
       "tag_lat, 8 B). Ratios: ours / baseline (imm: Mops, and RTT p50 where above 1 is "
       "slower).\n");
+  if (!read.empty() || !paged_read.empty() || !read_rtt.empty()) {
+    out +=
+        "Reads: the client reads the peer's memory (registered remote_read) into its own; "
+        "p50/p99 and Mops as for writes, per read (paged: per page). raw: fabric-bench-raw's "
+        "fi_read of the same size, the same window (paged: one read per page, contiguous); "
+        "read round trips: one read at a time, submit() to done callback, against raw's "
+        "fi_read one at a time (ours/raw p50: above 1 is slower).\n";
+  }
   if (markdown && !notes.empty()) out += "\n";
   for (const std::string& n : notes) out += fmt::format("{}{}\n", markdown ? "- " : "note: ", n);
   return out;
