@@ -222,10 +222,13 @@ bench: deps bench-deps
 	# sys/op counts system calls through the raw_syscalls tracepoint, which needs tracefs.
 	mountpoint -q /sys/kernel/tracing || mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || \
 	  echo "note: tracefs not mounted (not root?): the sys/op column reads n/a"
+	# The writes (--op all) and the reads; an --op in BENCH_ARGS names the rows instead.
+	ops="--op all,read,paged-read"
+	case " $(BENCH_ARGS) " in *" --op"*) ops="";; esac
 	for p in $(BENCH_PROVIDERS); do
 	  echo
 	  echo "== fabric-bench over libfabric $$p =="
-	  ./build/bin/fabric-bench --provider $$p $(BENCH_ARGS) --json bench/results/$$p.json \
+	  ./build/bin/fabric-bench --provider $$p $$ops $(BENCH_ARGS) --json bench/results/$$p.json \
 	    --markdown bench/results/$$p.md --plot bench/results/$$p.png
 	done
 

@@ -5,7 +5,8 @@
 
 Left: single writes (x: bytes per write), with raw libfabric, UCX put/tag and the iperf3 TCP
 ceiling. Right: paged writes (x: page size), one line per pages-per-transfer, with raw
-libfabric and UCX put at the page size. Needs Debian's python3-matplotlib.
+libfabric and UCX put at the page size. Reads, where the run has them (--op read, paged-read),
+join each panel with raw libfabric's fi_read. Needs Debian's python3-matplotlib.
 """
 import json
 import sys
@@ -20,12 +21,16 @@ STYLE = {
     "raw": dict(color="tab:orange", marker="s", linestyle="--"),
     "ucx_put_bw": dict(color="tab:green", marker="^", linestyle=":"),
     "ucx_tag_bw": dict(color="tab:red", marker="v", linestyle=":"),
+    "ours read": dict(color="tab:purple", marker="o", linewidth=2),
+    "raw read": dict(color="tab:brown", marker="s", linestyle="--"),
 }
 LABEL = {
     "ours": "fabric-lib",
     "raw": "raw libfabric",
     "ucx_put_bw": "UCX ucp_put_bw",
     "ucx_tag_bw": "UCX tag_bw",
+    "ours read": "fabric-lib reads",
+    "raw read": "raw libfabric fi_read",
 }
 
 
@@ -70,8 +75,18 @@ def main():
     for b in baselines:
         if b["name"] == "iperf3" and b.get("gbps") is not None:
             left.axhline(b["gbps"], color="gray", linestyle="-.", label="iperf3 TCP stream")
-    left.set_title("single writes with an immediate")
-    left.set_xlabel("bytes per write")
+    # Single reads, with raw fi_read.
+    reads = [(r["bytes"], r["gbps"]) for r in results if r["op"] == "read"]
+    if reads:
+        xs, ys = series(reads)
+        draw(left, xs, ys, label=LABEL["ours read"], **STYLE["ours read"])
+        pts = [(b["bytes"], b["gbps"]) for b in baselines if b["op"] == "read" and b["name"] == "raw"]
+        xs, ys = series(pts)
+        if xs:
+            draw(left, xs, ys, label=LABEL["raw read"], **STYLE["raw read"])
+    left.set_title("single writes (with an immediate) and reads" if reads else
+                   "single writes with an immediate")
+    left.set_xlabel("bytes per write or read" if reads else "bytes per write")
 
     # Paged writes: one line per pages-per-transfer.
     for pages in sorted({r["pages"] for r in results if r["op"] == "paged"}):
@@ -89,7 +104,25 @@ def main():
         if best:
             xs, ys = series(best.items())
             draw(right, xs, ys, label=f"{LABEL[name]} (one write per page)", **STYLE[name])
-    right.set_title("paged writes (stride = page + 128 B, an immediate per page)")
+    # Paged reads: one line per pages-per-transfer, with raw fi_read (one read per page).
+    read_pages = sorted({r["pages"] for r in results if r["op"] == "paged-read"})
+    for pages in read_pages:
+        pts = [(r["page_bytes"], r["gbps"]) for r in results
+               if r["op"] == "paged-read" and r["pages"] == pages]
+        xs, ys = series(pts)
+        style = dict(STYLE["ours read"])
+        if pages != read_pages[0]:
+            style.update(marker="D", linestyle="-.")
+        draw(right, xs, ys, label=f"fabric-lib reads, {pages} pages", **style)
+    best = {}
+    for b in baselines:
+        if b["op"] == "paged-read" and b["name"] == "raw" and b.get("gbps") is not None:
+            best[b["page_bytes"]] = max(best.get(b["page_bytes"], 0), b["gbps"])
+    if best:
+        xs, ys = series(best.items())
+        draw(right, xs, ys, label=f"{LABEL['raw read']} (one read per page)", **STYLE["raw read"])
+    right.set_title("paged writes and reads (stride = page + 128 B)" if read_pages else
+                    "paged writes (stride = page + 128 B, an immediate per page)")
     right.set_xlabel("page size")
 
     for ax in (left, right):
