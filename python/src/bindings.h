@@ -118,6 +118,11 @@ struct InCallback {
   ~InCallback() { t_in_callback = saved; }
 };
 
+// Refuses `what` ("TransferEngine.close()"), a call that waits for the module's callbacks to
+// end, on a thread that runs one of them: InvalidArgument (a ValueError) saying so, since it
+// would wait for itself. Defined below StatusError.
+inline void refuse_in_callback(const std::string& what);
+
 // Calls a user callback, reporting (never propagating) what it raises. Holding the GIL.
 void call_user(const PyRef& fn, py::args args = py::args());
 // concurrent.futures.Future.<method>(future, value), reporting what it raises. Holding the GIL.
@@ -174,6 +179,13 @@ template <typename T>
 T check(Result<T> r) {
   if (!r) throw StatusError{r.status()};
   return std::move(*r);
+}
+
+inline void refuse_in_callback(const std::string& what) {
+  if (!t_in_callback) return;
+  throw StatusError{Status(ErrorCode::kInvalidArgument,
+                           what + " cannot be called from a callback: it waits for the callbacks "
+                                  "to end (call it once the callback has returned)")};
 }
 
 // The Python exception instance for a non-ok status (holding the GIL). Never raises: when the

@@ -326,10 +326,7 @@ class PyEngine {
   TransferEngine& engine() const { return *core_->engine; }
 
   void close() {
-    if (t_in_callback) {
-      throw std::runtime_error(
-          "TransferEngine.close() cannot run in one of its callbacks (it waits for them)");
-    }
+    refuse_in_callback("TransferEngine.close()");
     core_->close();
   }
   bool closed() const { return core_->closed.load(); }

@@ -227,10 +227,7 @@ class PyKvBase {
 
   void close() {
     if (!slot_ || !slot_->impl) return;
-    if (t_in_callback) {
-      throw std::runtime_error(std::string(what_) +
-                               ".close() cannot run in one of its callbacks (it waits for them)");
-    }
+    refuse_in_callback(std::string(what_) + ".close()");
     empty_slot(*slot_);
     pending_->fail_all(what_);
   }
@@ -468,7 +465,7 @@ class PyKvPrefiller : public PyKvBase {
 class PyRegistry {
  public:
   virtual ~PyRegistry() { drop_slot(slot_); }
-  PyRegistry() = default;
+  explicit PyRegistry(const char* what) : what_(what) {}
   PyRegistry(const PyRegistry&) = delete;
   PyRegistry& operator=(const PyRegistry&) = delete;
 
@@ -498,15 +495,14 @@ class PyRegistry {
   }
   void close() {
     if (!slot_ || !slot_->impl) return;
-    if (t_in_callback) {
-      throw std::runtime_error("a registry cannot be closed in one of the module's callbacks");
-    }
+    refuse_in_callback(std::string(what_) + ".close()");
     empty_slot(*slot_);
   }
   bool is_closed() const { return !slot_ || !slot_->impl; }
 
  protected:
   void set(std::shared_ptr<kv::Registry> r) { slot_ = new_slot(std::move(r), py::none()); }
+  const char* what_;  // the Python class, for messages
   std::shared_ptr<Slot> slot_;
 };
 
@@ -517,14 +513,15 @@ struct PyLocalState {
 
 class PyLocalRegistry : public PyRegistry {
  public:
-  explicit PyLocalRegistry(const PyLocalState& state) {
+  explicit PyLocalRegistry(const PyLocalState& state) : PyRegistry("LocalRegistry") {
     set(std::make_shared<kv::LocalRegistry>(state.shared));
   }
 };
 
 class PyFileRegistry : public PyRegistry {
  public:
-  explicit PyFileRegistry(const kv::FileOptions& o) : directory_(o.directory) {
+  explicit PyFileRegistry(const kv::FileOptions& o)
+      : PyRegistry("FileRegistry"), directory_(o.directory) {
     auto made = [&] {
       py::gil_scoped_release nogil;
       return kv::FileRegistry::open(o);
@@ -539,7 +536,7 @@ class PyFileRegistry : public PyRegistry {
 
 class PyEtcdRegistry : public PyRegistry {
  public:
-  explicit PyEtcdRegistry(const kv::EtcdOptions& o) {
+  explicit PyEtcdRegistry(const kv::EtcdOptions& o) : PyRegistry("EtcdRegistry") {
     auto made = [&] {
       py::gil_scoped_release nogil;
       return kv::EtcdRegistry::connect(o);

@@ -108,6 +108,7 @@ struct FailWriteHook {
   bool operator()(uint64_t sequence) const {
     if (interpreter_finalizing()) return false;
     py::gil_scoped_acquire gil;
+    InCallback in;  // on the worker: what waits for it (close()) is refused here
     try {
       py::object r = fn->get()(sequence);
       int truth = PyObject_IsTrue(r.ptr());
@@ -127,6 +128,7 @@ struct LengthDeltaHook {
   int64_t operator()(uint64_t sequence) const {
     if (interpreter_finalizing()) return 0;
     py::gil_scoped_acquire gil;
+    InCallback in;  // on the worker: what waits for it (close()) is refused here
     try {
       py::object r = fn->get()(sequence);
       int overflow = 0;

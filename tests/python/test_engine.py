@@ -468,7 +468,8 @@ def test_close_in_a_callback_is_refused_and_engines_close_on_exit(pair, provider
     e = open_engine_or_skip(provider)
     with unraisable() as seen:
         e.imm_write(b.address, 50, on_done=e.close).wait(TIMEOUT)
-    assert [type(u.exc_value) for u in seen] == [RuntimeError]
+    assert [type(u.exc_value) for u in seen] == [fabric_lib.InvalidArgument]
+    assert "close() cannot be called from a callback" in str(seen[0].exc_value)
     assert not e.closed
     e.close()
     with pytest.raises(fabric_lib.Closed):
@@ -483,6 +484,77 @@ def test_close_in_a_callback_is_refused_and_engines_close_on_exit(pair, provider
         pending2.result(TIMEOUT)
     assert not pending.done()
     b.cancel_expect_imm(51)
+
+
+def test_close_in_each_kind_of_engine_callback_is_an_invalid_argument(pair, provider):
+    """close() (or leaving a `with` block) inside on_done, on_error, an expectation's
+    on_reached, the receive handler or the unexpected-immediate handler raises InvalidArgument
+    (a FabricError and a ValueError) saying why, and leaves the engine open."""
+    a, b = pair
+    e = open_engine_or_skip(provider)
+    caught = []
+
+    def closing(*_):
+        try:
+            e.close()
+        except BaseException as exc:  # noqa: BLE001 - what close() raised is the point
+            caught.append(exc)
+        try:
+            e.__exit__(None, None, None)
+        except BaseException as exc:  # noqa: BLE001
+            caught.append(exc)
+
+    e.imm_write(b.address, 52, on_done=closing).wait(TIMEOUT)
+    src = e.register(np.ones(64, np.uint8))
+    dst = b.register(np.zeros(64, np.uint8))
+    stale = bytes(dst.descriptor)
+    dst.unregister()
+    failed = e.write(src, stale, 16, on_error=closing)
+    assert isinstance(failed.exception(TIMEOUT), fabric_lib.FabricError)
+    e.expect_imm(54, 1, closing)
+    b.imm_write(e.address, 54).wait(TIMEOUT)
+    assert e.wait_imm(54, 1, TIMEOUT)
+    e.set_unexpected_imm_handler(closing)
+    b.imm_write(e.address, 55).wait(TIMEOUT)
+    assert e.wait_imm(55, 1, TIMEOUT)
+    e.set_receive_handler(closing)
+    b.send(e.address, b"close?").wait(TIMEOUT)
+    deadline = time.monotonic() + TIMEOUT
+    while len(caught) < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(caught) == 10, caught  # two from each of the five callbacks
+    for exc in caught:
+        assert type(exc) is fabric_lib.InvalidArgument, repr(exc)
+        assert isinstance(exc, ValueError) and exc.code == fabric_lib.ErrorCode.INVALID_ARGUMENT
+        assert "TransferEngine.close() cannot be called from a callback" in str(exc)
+    assert not e.closed
+    e.close()
+    assert e.closed
+
+
+def test_close_in_a_fault_hook_is_an_invalid_argument(provider):
+    """FaultConfig.fail_write runs on the worker: close() there is refused like in any other
+    callback of the module (InvalidArgument), and the write goes on."""
+    caught, engines = [], []
+
+    def hook(sequence):
+        try:
+            engines[0].close()
+        except BaseException as exc:  # noqa: BLE001 - what close() raised is the point
+            caught.append(exc)
+        return False
+
+    cfg = make_config(provider)
+    cfg.faults.enabled = True
+    cfg.faults.fail_write = hook
+    with fabric_lib.TransferEngine(cfg) as e, open_engine_or_skip(provider) as b:
+        engines.append(e)
+        src = e.register(np.ones(64, np.uint8))
+        dst = b.register(np.zeros(64, np.uint8))
+        e.write(src, dst.descriptor, 64).result(TIMEOUT)
+        assert dst.obj.all() and not e.closed
+    assert caught and all(type(x) is fabric_lib.InvalidArgument for x in caught), caught
+    assert "TransferEngine.close() cannot be called from a callback" in str(caught[0])
 
 
 def test_fault_injection_fails_chosen_writes(provider):

@@ -356,6 +356,77 @@ def test_callback_exception_is_reported(ranks):
     assert decode[0].holds(decs[0].result(TIMEOUT), ref)  # the others are served
 
 
+def closing_in(obj, caught):
+    """A callback that tries obj.close() and obj.__exit__(), recording what each raised."""
+
+    def callback(*_):
+        for call in (obj.close, lambda: obj.__exit__(None, None, None)):
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - what close() raised is the point
+                caught.append((type(obj).__name__, exc))
+
+    return callback
+
+
+def assert_refused_as_invalid_argument(caught, names):
+    assert {name for name, _ in caught} == names, caught
+    for name, exc in caught:
+        assert type(exc) is fabric_lib.InvalidArgument, (name, repr(exc))
+        assert isinstance(exc, ValueError) and exc.code == fabric_lib.ErrorCode.INVALID_ARGUMENT
+        assert f"{name}.close() cannot be called from a callback" in str(exc), str(exc)
+
+
+def test_close_in_a_callback_is_an_invalid_argument(ranks):
+    """close() (or leaving a `with` block) of a KvDecoder, KvDecodeGroup or KvPrefiller inside
+    one of its own callbacks raises InvalidArgument saying why (it was a RuntimeError); the
+    object stays open and serves the next request."""
+    prefill, decode = ranks(), ranks()
+    attach(prefill, decode)
+    pre, dec = prefill[0].kv, decode[0].kv
+    group = fabric_lib.KvDecodeGroup([dec])
+    caught = []
+    address = [prefill[0].engine.address]
+    ref = reference(5, 2)
+    prefill[0].fill(5, [0, 1], ref)
+    pf = pre.start(1, [0, 1], 1, on_finished=closing_in(pre, caught),
+                   on_layer=closing_in(pre, caught))
+    df = dec.submit(1, address, num_pages=2, on_ready=closing_in(dec, caught))
+    for layer in range(LAYERS):
+        pre.layer_done(1, layer)
+    assert decode[0].holds(df.result(TIMEOUT), ref)
+    assert pf.result(TIMEOUT) is None
+    dec.release(1)
+    failed = dec.submit(2, address, num_pages=1, on_error=closing_in(dec, caught))
+    dec.cancel(2)
+    with pytest.raises(fabric_lib.Cancelled):
+        failed.result(TIMEOUT)
+    pre.start(3, [0, 1], 1)
+    gf = group.submit(3, address, num_pages=2, on_ready=closing_in(group, caught))
+    for layer in range(LAYERS):
+        pre.layer_done(3, layer)
+    assert decode[0].holds(gf.result(TIMEOUT)[0], ref)
+    group.release(3)
+    assert_refused_as_invalid_argument(caught, {"KvPrefiller", "KvDecoder", "KvDecodeGroup"})
+    assert not (pre.closed or dec.closed or group.closed)
+    decs, pres, ref = run_request(prefill, decode, 4, 2, 4)
+    for layer in range(LAYERS):
+        pre.layer_done(4, layer)
+    assert decode[0].holds(decs[0].result(TIMEOUT), ref)
+    group.close()
+
+
+def test_closing_a_registry_in_its_watch_callback_is_an_invalid_argument():
+    state = fabric_lib.LocalRegistryState()
+    caught = []
+    with fabric_lib.LocalRegistry(state) as a, fabric_lib.LocalRegistry(state) as b:
+        a.watch(closing_in(a, caught))
+        b.join(fabric_lib.Member("d0", role="decode"))
+        assert_refused_as_invalid_argument(caught, {"LocalRegistry"})
+        assert len(caught) == 2 and not a.closed
+        assert [m.name for m in a.members()] == ["d0"]
+
+
 class Watched:
     def __init__(self):
         self.members = {}
