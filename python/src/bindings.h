@@ -164,6 +164,33 @@ inline std::optional<uint64_t> u64(const std::optional<IntArg>& arg, const char*
 // The value of a signed integer argument in [min, max] (InvalidArgument naming `what` when not).
 int64_t signed_value(const IntArg& arg, const char* what, int64_t min, int64_t max);
 
+// "Class.name", for messages about a field.
+template <typename C>
+std::string qualified(const py::class_<C>& cls, const char* name) {
+  return utf8(cls.attr("__name__")) + "." + name;
+}
+
+// A property reading a field as it is.
+template <typename C, typename T>
+auto getter(T C::*field) {
+  return [field](const C& c) { return c.*field; };
+}
+
+// A setter of an unsigned integer field: InvalidArgument naming `what` for a value out of range.
+template <typename C, typename T>
+auto unsigned_setter(T C::*field, std::string what) {
+  return [field, what = std::move(what)](C& c, const IntArg& v) {
+    c.*field = unsigned_arg<T>(v, what.c_str());
+  };
+}
+
+// An unsigned integer field as a property named `name` (messages name it as "Class.name").
+template <typename C, typename T>
+void unsigned_property(py::class_<C>& cls, const char* name, T C::*field, const char* doc) {
+  static_assert(std::is_unsigned_v<T>);
+  cls.def_property(name, getter(field), unsigned_setter(field, qualified(cls, name)), doc);
+}
+
 // --- errors (errors.cc) ---------------------------------------------------------------------
 
 // Carries a non-ok Status out of a binding; translated into the Python exception of its code.

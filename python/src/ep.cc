@@ -15,13 +15,20 @@ namespace {
 
 using ep::AllToAll;
 
+// A device address or a stream handle, an int from 0 to 2^64 - 1 (InvalidArgument naming `what`
+// otherwise, e.g. "dispatch_send: tokens").
 template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
+T* ptr(const IntArg& address, const char* what) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(u64(address, what)));
 }
 
-void* stream_ptr(uintptr_t stream) {
-  return reinterpret_cast<void*>(stream);
+void* stream_ptr(const IntArg& stream, const char* what) {
+  return ptr<void>(stream, what);
+}
+
+// An int field of the configuration, from `min` to INT_MAX.
+int int_arg(const IntArg& arg, const char* what, int min) {
+  return static_cast<int>(signed_value(arg, what, min, std::numeric_limits<int>::max()));
 }
 
 ep::TokenDtype dtype_of(const std::string& name) {
@@ -59,22 +66,22 @@ void bind_ep(py::module_& m) {
       "an MoE dispatch/combine between GPUs (NVLink within a node, a host proxy and RDMA "
       "writes between nodes). Use fabric_lib.ep.AllToAll, which "
       "takes torch tensors and exchanges the handles over torch.distributed.")
-      .def(py::init([](int rank, int world_size, uint32_t num_experts, uint32_t hidden,
-                       uint32_t top_k, uint32_t max_tokens_per_rank, const std::string& dtype,
-                       int gpus_per_node, py::handle timeout, int cuda_device,
-                       const std::string& provider, const std::vector<std::string>& nics,
-                       const std::string& proxy_memory) {
+      .def(py::init([](const IntArg& rank, const IntArg& world_size, const IntArg& num_experts,
+                       const IntArg& hidden, const IntArg& top_k, const IntArg& max_tokens_per_rank,
+                       const std::string& dtype, const IntArg& gpus_per_node, py::handle timeout,
+                       const IntArg& cuda_device, const std::string& provider,
+                       const std::vector<std::string>& nics, const std::string& proxy_memory) {
              ep::AllToAllConfig c;
-             c.rank = rank;
-             c.world_size = world_size;
-             c.num_experts = num_experts;
-             c.hidden = hidden;
-             c.top_k = top_k;
-             c.max_tokens_per_rank = max_tokens_per_rank;
+             c.rank = int_arg(rank, "_EpAllToAll: rank", 0);
+             c.world_size = int_arg(world_size, "_EpAllToAll: world_size", 0);
+             c.num_experts = u32(num_experts, "_EpAllToAll: num_experts");
+             c.hidden = u32(hidden, "_EpAllToAll: hidden");
+             c.top_k = u32(top_k, "_EpAllToAll: top_k");
+             c.max_tokens_per_rank = u32(max_tokens_per_rank, "_EpAllToAll: max_tokens_per_rank");
              c.dtype = dtype_of(dtype);
-             c.gpus_per_node = gpus_per_node;
+             c.gpus_per_node = int_arg(gpus_per_node, "_EpAllToAll: gpus_per_node", 0);
              c.timeout = to_duration<std::chrono::milliseconds>(timeout, "timeout");
-             c.cuda_device = cuda_device;
+             c.cuda_device = int_arg(cuda_device, "_EpAllToAll: cuda_device", -1);
              c.provider = provider;
              c.nics = nics;
              c.proxy_memory = proxy_memory;
@@ -92,7 +99,8 @@ void bind_ep(py::module_& m) {
            "ranks of one node (0: all of them); ranks of other nodes are reached through a "
            "proxy thread and a TransferEngine of `provider` ('auto', 'tcp', 'shm', 'verbs') on "
            "`nics` (empty: the provider's first), its areas in `proxy_memory` ('auto', 'host', "
-           "'gpu': GPUDirect RDMA only). Raises InvalidArgument naming a bad field, "
+           "'gpu': GPUDirect RDMA only). Raises InvalidArgument naming a bad field (a negative "
+           "integer among them; cuda_device -1 is the one negative value), "
            "Unsupported without CUDA or a GPU, or for an absent provider.")
       .def(
           "handle",
@@ -120,12 +128,15 @@ void bind_ep(py::module_& m) {
           "could not map a peer), AlreadyExists.")
       .def(
           "dispatch_send",
-          [](PyAllToAll& a, uintptr_t tokens, uintptr_t scales, uintptr_t topk_idx,
-             uintptr_t topk_weights, uint32_t num_tokens, uintptr_t stream) {
-            ep::DispatchSendArgs args{ptr<const void>(tokens), ptr<const float>(scales),
-                                      ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
-                                      num_tokens};
-            check(a.get().dispatch_send(args, stream_ptr(stream)));
+          [](PyAllToAll& a, const IntArg& tokens, const IntArg& scales, const IntArg& topk_idx,
+             const IntArg& topk_weights, const IntArg& num_tokens, const IntArg& stream) {
+            ep::DispatchSendArgs args{ptr<const void>(tokens, "dispatch_send: tokens"),
+                                      ptr<const float>(scales, "dispatch_send: scales"),
+                                      ptr<const int64_t>(topk_idx, "dispatch_send: topk_idx"),
+                                      ptr<const float>(topk_weights, "dispatch_send: topk_weights"),
+                                      u32(num_tokens, "dispatch_send: num_tokens")};
+            void* s = stream_ptr(stream, "dispatch_send: stream");
+            check(a.get().dispatch_send(args, s));
           },
           py::arg("tokens"), py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"),
           py::arg("num_tokens"), py::arg("stream"),
@@ -135,13 +146,18 @@ void bind_ep(py::module_& m) {
           "[num_tokens, top_k] fp32 or 0.")
       .def(
           "dispatch_recv",
-          [](PyAllToAll& a, uintptr_t out_tokens, uintptr_t out_scales, uintptr_t out_weights,
-             uintptr_t out_source, uintptr_t expert_counts, uintptr_t expert_offsets,
-             uintptr_t stream) {
-            ep::DispatchRecvArgs args{ptr<void>(out_tokens),       ptr<float>(out_scales),
-                                      ptr<float>(out_weights),     ptr<int32_t>(out_source),
-                                      ptr<int32_t>(expert_counts), ptr<int32_t>(expert_offsets)};
-            check(a.get().dispatch_recv(args, stream_ptr(stream)));
+          [](PyAllToAll& a, const IntArg& out_tokens, const IntArg& out_scales,
+             const IntArg& out_weights, const IntArg& out_source, const IntArg& expert_counts,
+             const IntArg& expert_offsets, const IntArg& stream) {
+            ep::DispatchRecvArgs args{
+                ptr<void>(out_tokens, "dispatch_recv: out_tokens"),
+                ptr<float>(out_scales, "dispatch_recv: out_scales"),
+                ptr<float>(out_weights, "dispatch_recv: out_weights"),
+                ptr<int32_t>(out_source, "dispatch_recv: out_source"),
+                ptr<int32_t>(expert_counts, "dispatch_recv: expert_counts"),
+                ptr<int32_t>(expert_offsets, "dispatch_recv: expert_offsets")};
+            void* s = stream_ptr(stream, "dispatch_recv: stream");
+            check(a.get().dispatch_recv(args, s));
           },
           py::arg("out_tokens"), py::arg("out_scales"), py::arg("out_weights"),
           py::arg("out_source"), py::arg("expert_counts"), py::arg("expert_offsets"),
@@ -151,20 +167,24 @@ void bind_ep(py::module_& m) {
           "expert_counts[e] of them). Addresses are ints, 0 for none.")
       .def(
           "combine_send",
-          [](PyAllToAll& a, uintptr_t expert_out, uintptr_t stream) {
-            check(a.get().combine_send(ep::CombineSendArgs{ptr<const void>(expert_out)},
-                                       stream_ptr(stream)));
+          [](PyAllToAll& a, const IntArg& expert_out, const IntArg& stream) {
+            ep::CombineSendArgs args{ptr<const void>(expert_out, "combine_send: expert_out")};
+            void* s = stream_ptr(stream, "combine_send: stream");
+            check(a.get().combine_send(args, s));
           },
           py::arg("expert_out"), py::arg("stream"),
           "Enqueues the send half of a combine: row i of expert_out ([max_recv_rows, hidden] "
           "bf16) goes back to where dispatch_recv's row i came from.")
       .def(
           "combine_recv",
-          [](PyAllToAll& a, uintptr_t topk_idx, uintptr_t topk_weights, uint32_t num_tokens,
-             uintptr_t out, uintptr_t stream) {
-            ep::CombineRecvArgs args{ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
-                                     num_tokens, ptr<void>(out)};
-            check(a.get().combine_recv(args, stream_ptr(stream)));
+          [](PyAllToAll& a, const IntArg& topk_idx, const IntArg& topk_weights,
+             const IntArg& num_tokens, const IntArg& out, const IntArg& stream) {
+            ep::CombineRecvArgs args{ptr<const int64_t>(topk_idx, "combine_recv: topk_idx"),
+                                     ptr<const float>(topk_weights, "combine_recv: topk_weights"),
+                                     u32(num_tokens, "combine_recv: num_tokens"),
+                                     ptr<void>(out, "combine_recv: out")};
+            void* s = stream_ptr(stream, "combine_recv: stream");
+            check(a.get().combine_recv(args, s));
           },
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_tokens"), py::arg("out"),
           py::arg("stream"),

@@ -254,11 +254,12 @@ class PyKvDecoder : public PyKvBase {
     slot_ = new_slot(std::move(d), py::make_tuple(engine, memory));
   }
 
-  py::object submit(RequestId id, py::iterable prefill_ranks, uint32_t num_pages, py::object pages,
-                    py::object on_ready, py::object on_error) {
+  py::object submit(const IntArg& id_arg, py::iterable prefill_ranks, const IntArg& num_pages,
+                    py::object pages, py::object on_ready, py::object on_error) {
     kv::DecodeRequest rq;
+    const RequestId id = u64(id_arg, "KvDecoder.submit: request_id");
     rq.id = id;
-    rq.num_pages = num_pages;
+    rq.num_pages = u32(num_pages, "KvDecoder.submit: num_pages");
     if (!pages.is_none()) rq.pages = to_page_indices(pages, "pages");
     for (py::handle a : prefill_ranks) rq.prefill_ranks.push_back(address_arg(a, "prefill_ranks"));
     auto c = std::make_shared<Completion>();
@@ -286,10 +287,12 @@ class PyKvDecoder : public PyKvBase {
     return future;
   }
 
-  void cancel(RequestId id) {
+  void cancel(const IntArg& id_arg) {
+    const RequestId id = u64(id_arg, "KvDecoder.cancel: request_id");
     check(with_object<KvDecoder>(slot_, what_, [&](KvDecoder& d) { return d.cancel(id); }));
   }
-  void release(RequestId id) {
+  void release(const IntArg& id_arg) {
+    const RequestId id = u64(id_arg, "KvDecoder.release: request_id");
     check(with_object<KvDecoder>(slot_, what_, [&](KvDecoder& d) { return d.release(id); }));
   }
   void fail_peer(py::handle peer) {
@@ -338,11 +341,12 @@ class PyKvDecodeGroup : public PyKvBase {
     slot_ = new_slot(std::move(holder), py::tuple(decoders));
   }
 
-  py::object submit(RequestId id, py::iterable prefill_ranks, uint32_t num_pages,
+  py::object submit(const IntArg& id_arg, py::iterable prefill_ranks, const IntArg& num_pages,
                     py::object on_ready, py::object on_error) {
     kv::GroupRequest rq;
+    const RequestId id = u64(id_arg, "KvDecodeGroup.submit: request_id");
     rq.id = id;
-    rq.num_pages = num_pages;
+    rq.num_pages = u32(num_pages, "KvDecodeGroup.submit: num_pages");
     for (py::handle a : prefill_ranks) rq.prefill_ranks.push_back(address_arg(a, "prefill_ranks"));
     auto c = std::make_shared<Completion>();
     py::object future = kv_request_class()(id);
@@ -366,11 +370,13 @@ class PyKvDecodeGroup : public PyKvBase {
     }
     return future;
   }
-  void cancel(RequestId id) {
+  void cancel(const IntArg& id_arg) {
+    const RequestId id = u64(id_arg, "KvDecodeGroup.cancel: request_id");
     check(with_object<GroupHolder>(slot_, what_,
                                    [&](GroupHolder& g) { return g.group->cancel(id); }));
   }
-  void release(RequestId id) {
+  void release(const IntArg& id_arg) {
+    const RequestId id = u64(id_arg, "KvDecodeGroup.release: request_id");
     check(with_object<GroupHolder>(slot_, what_,
                                    [&](GroupHolder& g) { return g.group->release(id); }));
   }
@@ -398,8 +404,10 @@ class PyKvPrefiller : public PyKvBase {
     slot_ = new_slot(std::move(p), py::make_tuple(engine, memory));
   }
 
-  py::object start(RequestId id, py::handle pages, uint32_t decode_tp, py::object on_finished,
-                   py::object on_layer) {
+  py::object start(const IntArg& id_arg, py::handle pages, const IntArg& decode_tp_arg,
+                   py::object on_finished, py::object on_layer) {
+    const RequestId id = u64(id_arg, "KvPrefiller.start: request_id");
+    const uint32_t decode_tp = u32(decode_tp_arg, "KvPrefiller.start: decode_tp");
     std::vector<uint32_t> page_list = to_page_indices(pages, "pages");
     auto c = std::make_shared<Completion>();
     py::object future = kv_request_class()(id);
@@ -438,11 +446,14 @@ class PyKvPrefiller : public PyKvBase {
     return future;
   }
 
-  void layer_done(RequestId id, uint32_t layer) {
+  void layer_done(const IntArg& id_arg, const IntArg& layer_arg) {
+    const RequestId id = u64(id_arg, "KvPrefiller.layer_done: request_id");
+    const uint32_t layer = u32(layer_arg, "KvPrefiller.layer_done: layer");
     check(with_object<KvPrefiller>(slot_, what_,
                                    [&](KvPrefiller& p) { return p.layer_done(id, layer); }));
   }
-  void cancel(RequestId id) {
+  void cancel(const IntArg& id_arg) {
+    const RequestId id = u64(id_arg, "KvPrefiller.cancel: request_id");
     check(with_object<KvPrefiller>(slot_, what_, [&](KvPrefiller& p) { return p.cancel(id); }));
   }
   void fail_peer(py::handle peer) {
@@ -570,44 +581,59 @@ void bind_context(py::class_<T>& cls, const char* what) {
 
 void bind_kv(py::module_& m) {
   // --- layout ---
-  py::class_<KvLayout>(
+  py::class_<KvLayout> layout_class(
       m, "KvLayout",
       "The geometry of one tensor-parallel rank's paged KV cache in one registered region: "
       "region + base_offset + layer * layer_step + page * page_step holds one page, laid out "
       "[part (K, V)][local head][token][head_bytes]. Rank r of a TP group of size tp <= "
       "num_kv_heads holds heads [r*H/tp, (r+1)*H/tp); with tp > num_kv_heads each head is "
-      "replicated on tp/H ranks. Plain values: no engine, nothing blocks.")
-      .def(py::init([](uint32_t num_layers, uint32_t num_pages, uint32_t tokens_per_page,
-                       uint32_t num_kv_heads, uint32_t head_bytes, bool split_kv, uint32_t tp_size,
-                       uint32_t tp_rank, uint64_t base_offset, uint64_t layer_stride,
-                       uint64_t page_stride) {
-             return KvLayout{num_layers,  num_pages,    tokens_per_page, num_kv_heads,
-                             head_bytes,  split_kv,     tp_size,         tp_rank,
-                             base_offset, layer_stride, page_stride};
-           }),
-           py::kw_only(), py::arg("num_layers") = 0, py::arg("num_pages") = 0,
-           py::arg("tokens_per_page") = 0, py::arg("num_kv_heads") = 0, py::arg("head_bytes") = 0,
-           py::arg("split_kv") = true, py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
-           py::arg("base_offset") = 0, py::arg("layer_stride") = 0, py::arg("page_stride") = 0,
-           "Every field by keyword. layer_stride / page_stride 0: packed. Not validated here: "
-           "validate(), or KvDecoder / KvPrefiller, raise InvalidArgument naming the field.")
-      .def_readwrite("num_layers", &KvLayout::num_layers, "Layers of the model.")
-      .def_readwrite("num_pages", &KvLayout::num_pages, "Pages per layer in this rank's pool.")
-      .def_readwrite("tokens_per_page", &KvLayout::tokens_per_page, "Tokens in one page.")
-      .def_readwrite("num_kv_heads", &KvLayout::num_kv_heads,
-                     "KV heads of one layer of the whole model (all TP ranks).")
-      .def_readwrite("head_bytes", &KvLayout::head_bytes,
-                     "Bytes of one head of one token (head_dim * dtype size).")
-      .def_readwrite("split_kv", &KvLayout::split_kv,
-                     "K and V as two parts; False: one part (e.g. an MLA latent cache).")
-      .def_readwrite("tp_size", &KvLayout::tp_size, "Tensor-parallel size of the group.")
-      .def_readwrite("tp_rank", &KvLayout::tp_rank, "This rank in the group.")
-      .def_readwrite("base_offset", &KvLayout::base_offset,
-                     "Offset of layer 0, page 0 in the registered region.")
-      .def_readwrite("layer_stride", &KvLayout::layer_stride,
-                     "Bytes between layers; 0: num_pages * page_step (packed).")
-      .def_readwrite("page_stride", &KvLayout::page_stride,
-                     "Bytes between pages; 0: page_bytes (packed).")
+      "replicated on tp/H ranks. Plain values: no engine, nothing blocks.");
+  layout_class.def(
+      py::init([](const IntArg& num_layers, const IntArg& num_pages, const IntArg& tokens_per_page,
+                  const IntArg& num_kv_heads, const IntArg& head_bytes, bool split_kv,
+                  const IntArg& tp_size, const IntArg& tp_rank, const IntArg& base_offset,
+                  const IntArg& layer_stride, const IntArg& page_stride) {
+        return KvLayout{u32(num_layers, "KvLayout: num_layers"),
+                        u32(num_pages, "KvLayout: num_pages"),
+                        u32(tokens_per_page, "KvLayout: tokens_per_page"),
+                        u32(num_kv_heads, "KvLayout: num_kv_heads"),
+                        u32(head_bytes, "KvLayout: head_bytes"),
+                        split_kv,
+                        u32(tp_size, "KvLayout: tp_size"),
+                        u32(tp_rank, "KvLayout: tp_rank"),
+                        u64(base_offset, "KvLayout: base_offset"),
+                        u64(layer_stride, "KvLayout: layer_stride"),
+                        u64(page_stride, "KvLayout: page_stride")};
+      }),
+      py::kw_only(), py::arg("num_layers") = 0, py::arg("num_pages") = 0,
+      py::arg("tokens_per_page") = 0, py::arg("num_kv_heads") = 0, py::arg("head_bytes") = 0,
+      py::arg("split_kv") = true, py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
+      py::arg("base_offset") = 0, py::arg("layer_stride") = 0, py::arg("page_stride") = 0,
+      "Every field by keyword. layer_stride / page_stride 0: packed. Not validated here: "
+      "validate(), or KvDecoder / KvPrefiller, raise InvalidArgument naming the field; "
+      "a negative value, or one too large for its field (32 bits, 64 for base_offset and "
+      "the strides), raises InvalidArgument naming it here.");
+  unsigned_property(layout_class, "num_layers", &KvLayout::num_layers, "Layers of the model.");
+  unsigned_property(layout_class, "num_pages", &KvLayout::num_pages,
+                    "Pages per layer in this rank's pool.");
+  unsigned_property(layout_class, "tokens_per_page", &KvLayout::tokens_per_page,
+                    "Tokens in one page.");
+  unsigned_property(layout_class, "num_kv_heads", &KvLayout::num_kv_heads,
+                    "KV heads of one layer of the whole model (all TP ranks).");
+  unsigned_property(layout_class, "head_bytes", &KvLayout::head_bytes,
+                    "Bytes of one head of one token (head_dim * dtype size).");
+  layout_class.def_readwrite("split_kv", &KvLayout::split_kv,
+                             "K and V as two parts; False: one part (e.g. an MLA latent cache).");
+  unsigned_property(layout_class, "tp_size", &KvLayout::tp_size,
+                    "Tensor-parallel size of the group.");
+  unsigned_property(layout_class, "tp_rank", &KvLayout::tp_rank, "This rank in the group.");
+  unsigned_property(layout_class, "base_offset", &KvLayout::base_offset,
+                    "Offset of layer 0, page 0 in the registered region.");
+  unsigned_property(layout_class, "layer_stride", &KvLayout::layer_stride,
+                    "Bytes between layers; 0: num_pages * page_step (packed).");
+  unsigned_property(layout_class, "page_stride", &KvLayout::page_stride,
+                    "Bytes between pages; 0: page_bytes (packed).");
+  layout_class
       .def(
           "validate", [](const KvLayout& l) { check(l.validate()); },
           "Raises InvalidArgument naming the field at fault (a zero size, a TP size that neither "
@@ -625,12 +651,29 @@ void bind_kv(py::module_& m) {
       .def_property_readonly(
           "region_bytes", &KvLayout::region_bytes,
           "Bytes the registered region must hold: the end of the last page of the last layer.")
-      .def("page_offset", &KvLayout::page_offset, py::arg("layer"), py::arg("page"),
-           "Offset of (layer, page) in the region.")
-      .def("head_offset", &KvLayout::head_offset, py::arg("part"), py::arg("head"),
-           "Offset inside a page of global head `head` (one this rank holds) in `part`.")
-      .def("with_rank", &KvLayout::with_rank, py::arg("tp_size"), py::arg("tp_rank"),
-           "The same model on rank tp_rank of a TP group of tp_size (strides reset to packed).")
+      .def(
+          "page_offset",
+          [](const KvLayout& l, const IntArg& layer, const IntArg& page) {
+            return l.page_offset(u32(layer, "KvLayout.page_offset: layer"),
+                                 u32(page, "KvLayout.page_offset: page"));
+          },
+          py::arg("layer"), py::arg("page"), "Offset of (layer, page) in the region.")
+      .def(
+          "head_offset",
+          [](const KvLayout& l, const IntArg& part, const IntArg& head) {
+            return l.head_offset(u32(part, "KvLayout.head_offset: part"),
+                                 u32(head, "KvLayout.head_offset: head"));
+          },
+          py::arg("part"), py::arg("head"),
+          "Offset inside a page of global head `head` (one this rank holds) in `part`.")
+      .def(
+          "with_rank",
+          [](const KvLayout& l, const IntArg& tp_size, const IntArg& tp_rank) {
+            return l.with_rank(u32(tp_size, "KvLayout.with_rank: tp_size"),
+                               u32(tp_rank, "KvLayout.with_rank: tp_rank"));
+          },
+          py::arg("tp_size"), py::arg("tp_rank"),
+          "The same model on rank tp_rank of a TP group of tp_size (strides reset to packed).")
       .def(
           "__repr__",
           [](const KvLayout& l) {
@@ -681,28 +724,51 @@ void bind_kv(py::module_& m) {
       "Every SliceCopy filling every decode rank of layout `dst`'s TP group from the prefill TP "
       "group of layout `src` (tp_rank fields ignored); equal layouts give one whole-page slice "
       "per rank pair. Raises InvalidArgument when they disagree on the model.");
-  m.def("slices_between", &kv::slices_between, py::arg("plan"), py::arg("src_rank"),
-        py::arg("dst_rank"), "The slices of `plan` from src_rank to dst_rank.");
-  m.def("slices_into", &kv::slices_into, py::arg("plan"), py::arg("dst_rank"),
-        "Paged writes per page per layer that decode rank dst_rank receives.");
-  m.def("sources_of", &kv::sources_of, py::arg("plan"), py::arg("dst_rank"),
-        "The prefill ranks writing into decode rank dst_rank, ascending.");
-  m.def("targets_of", &kv::targets_of, py::arg("plan"), py::arg("src_rank"),
-        "The decode ranks prefill rank src_rank writes into, ascending.");
+  using Plan = std::vector<SliceCopy>;
+  m.def(
+      "slices_between",
+      [](const Plan& plan, const IntArg& src_rank, const IntArg& dst_rank) {
+        return kv::slices_between(plan, u32(src_rank, "slices_between: src_rank"),
+                                  u32(dst_rank, "slices_between: dst_rank"));
+      },
+      py::arg("plan"), py::arg("src_rank"), py::arg("dst_rank"),
+      "The slices of `plan` from src_rank to dst_rank.");
+  m.def(
+      "slices_into",
+      [](const Plan& plan, const IntArg& dst_rank) {
+        return kv::slices_into(plan, u32(dst_rank, "slices_into: dst_rank"));
+      },
+      py::arg("plan"), py::arg("dst_rank"),
+      "Paged writes per page per layer that decode rank dst_rank receives.");
+  m.def(
+      "sources_of",
+      [](const Plan& plan, const IntArg& dst_rank) {
+        return kv::sources_of(plan, u32(dst_rank, "sources_of: dst_rank"));
+      },
+      py::arg("plan"), py::arg("dst_rank"),
+      "The prefill ranks writing into decode rank dst_rank, ascending.");
+  m.def(
+      "targets_of",
+      [](const Plan& plan, const IntArg& src_rank) {
+        return kv::targets_of(plan, u32(src_rank, "targets_of: src_rank"));
+      },
+      py::arg("plan"), py::arg("src_rank"),
+      "The decode ranks prefill rank src_rank writes into, ascending.");
 
   // --- options ---
   using Ms = std::chrono::milliseconds;
-  py::class_<kv::Options>(m, "KvOptions", "Options of a KvDecoder or KvPrefiller.")
+  py::class_<kv::Options> options_class(m, "KvOptions", "Options of a KvDecoder or KvPrefiller.");
+  options_class
       .def(py::init([](py::object heartbeat, py::object quarantine, py::object pull_timeout,
-                       uint32_t imm_first, uint32_t imm_count) {
+                       const IntArg& imm_first, const IntArg& imm_count) {
              kv::Options o;
              if (!heartbeat.is_none()) o.heartbeat = to_duration<Ms>(heartbeat, "heartbeat");
              if (!quarantine.is_none()) o.quarantine = to_duration<Ms>(quarantine, "quarantine");
              if (!pull_timeout.is_none()) {
                o.pull_timeout = to_duration<Ms>(pull_timeout, "pull_timeout");
              }
-             o.imm_first = imm_first;
-             o.imm_count = imm_count;
+             o.imm_first = u32(imm_first, "KvOptions: imm_first");
+             o.imm_count = u32(imm_count, "KvOptions: imm_count");
              return o;
            }),
            py::kw_only(), py::arg("heartbeat") = py::none(), py::arg("quarantine") = py::none(),
@@ -720,11 +786,11 @@ void bind_kv(py::module_& m) {
       .def_property(
           "pull_timeout", [](const kv::Options& o) { return o.pull_timeout; },
           [](kv::Options& o, py::handle v) { o.pull_timeout = to_duration<Ms>(v, "pull_timeout"); },
-          "Prefiller: how long a started request waits for its pulls (and a pull for start()).")
-      .def_readwrite("imm_first", &kv::Options::imm_first,
-                     "Decoder: the first immediate it may use.")
-      .def_readwrite("imm_count", &kv::Options::imm_count,
-                     "Decoder: how many immediates it may use from imm_first.");
+          "Prefiller: how long a started request waits for its pulls (and a pull for start()).");
+  unsigned_property(options_class, "imm_first", &kv::Options::imm_first,
+                    "Decoder: the first immediate it may use.");
+  unsigned_property(options_class, "imm_count", &kv::Options::imm_count,
+                    "Decoder: how many immediates it may use from imm_first.");
 
   // --- the flow ---
   py::class_<PyKvDecoder> decoder(
@@ -848,12 +914,19 @@ void bind_kv(py::module_& m) {
   bind_context(prefiller, "prefiller");
 
   // --- membership ---
-  py::class_<Member>(m, "Member",
-                     "One member of a registry: who serves prefill or decode, and where.")
-      .def(py::init([](std::string name, std::string role, std::string instance, uint32_t tp_size,
-                       uint32_t tp_rank, std::string address, std::string data) {
-             return Member{std::move(name), std::move(role),    std::move(instance), tp_size,
-                           tp_rank,         std::move(address), std::move(data)};
+  py::class_<Member> member_class(
+      m, "Member", "One member of a registry: who serves prefill or decode, and where.");
+  member_class
+      .def(py::init([](std::string name, std::string role, std::string instance,
+                       const IntArg& tp_size, const IntArg& tp_rank, std::string address,
+                       std::string data) {
+             return Member{std::move(name),
+                           std::move(role),
+                           std::move(instance),
+                           u32(tp_size, "Member: tp_size"),
+                           u32(tp_rank, "Member: tp_rank"),
+                           std::move(address),
+                           std::move(data)};
            }),
            py::arg("name"), py::kw_only(), py::arg("role") = "", py::arg("instance") = "",
            py::arg("tp_size") = 1, py::arg("tp_rank") = 0, py::arg("address") = "",
@@ -861,8 +934,6 @@ void bind_kv(py::module_& m) {
       .def_readwrite("name", &Member::name, "Unique in the registry.")
       .def_readwrite("role", &Member::role, "\"prefill\", \"decode\", \"router\", ...")
       .def_readwrite("instance", &Member::instance, "The TP group it belongs to.")
-      .def_readwrite("tp_size", &Member::tp_size, "Its group's TP size.")
-      .def_readwrite("tp_rank", &Member::tp_rank, "Its rank in the group.")
       .def_readwrite("address", &Member::address, "Its engine's Address, hex (Address.hex()).")
       .def_readwrite("data", &Member::data, "Free-form text (no newline).")
       .def("encode", &Member::encode, "The \"key=value\" lines the registries store.")
@@ -884,6 +955,8 @@ void bind_kv(py::module_& m) {
                    ", tp_rank=" + std::to_string(mb.tp_rank) + ")";
           },
           "Member(...).");
+  unsigned_property(member_class, "tp_size", &Member::tp_size, "Its group's TP size.");
+  unsigned_property(member_class, "tp_rank", &Member::tp_rank, "Its rank in the group.");
 
   py::class_<PyRegistry> registry(
       m, "Registry",

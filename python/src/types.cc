@@ -32,33 +32,6 @@ py::bytes to_pybytes(const Bytes& b) {
   return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
 }
 
-// "Class.name", for messages about a field.
-template <typename C>
-std::string qualified(const py::class_<C>& cls, const char* name) {
-  return utf8(cls.attr("__name__")) + "." + name;
-}
-
-// A property reading a field as it is.
-template <typename C, typename T>
-auto getter(T C::*field) {
-  return [field](const C& c) { return c.*field; };
-}
-
-// A setter of an unsigned integer field: InvalidArgument naming `what` for a value out of range.
-template <typename C, typename T>
-auto unsigned_setter(T C::*field, std::string what) {
-  return [field, what = std::move(what)](C& c, const IntArg& v) {
-    c.*field = unsigned_arg<T>(v, what.c_str());
-  };
-}
-
-// An unsigned integer field as a property named `name` (messages name it as "Class.name").
-template <typename C, typename T>
-void unsigned_property(py::class_<C>& cls, const char* name, T C::*field, const char* doc) {
-  static_assert(std::is_unsigned_v<T>);
-  cls.def_property(name, getter(field), unsigned_setter(field, qualified(cls, name)), doc);
-}
-
 // A signed int field (a CPU or GID index with negative specials) as a property.
 template <typename C>
 void int_property(py::class_<C>& cls, const char* name, int C::*field, const char* doc) {

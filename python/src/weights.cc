@@ -17,10 +17,15 @@ namespace {
 
 using namespace fabric::weights;
 
-using ShardTuple = std::tuple<std::string, std::string, Shape,
-                              std::vector<std::pair<uint64_t, uint64_t>>, uint32_t>;
 using ParamTuple = std::tuple<std::string, std::string, Shape, int32_t, uint64_t, uint64_t,
                               std::string, std::vector<std::string>, uint32_t, uint32_t>;
+// The tuples as they come from Python: every integer an IntArg, its range checked where the
+// tuple is read (InvalidArgument naming it, e.g. "shards[2].box[0]"), as for the calls' own
+// integer arguments.
+using ShardIn = std::tuple<std::string, std::string, std::vector<IntArg>,
+                           std::vector<std::pair<IntArg, IntArg>>, IntArg>;
+using ParamIn = std::tuple<std::string, std::string, std::vector<IntArg>, IntArg, IntArg, IntArg,
+                           std::string, std::vector<std::string>, IntArg, IntArg>;
 
 ProjectionKind parse_kind(const std::string& name) {
   for (auto k : {ProjectionKind::kIdentity, ProjectionKind::kConcat, ProjectionKind::kFp8Quantize,
@@ -40,6 +45,16 @@ std::span<const std::byte> view(const std::string& s) {
   return std::as_bytes(std::span(s.data(), s.size()));
 }
 
+// A shape from Python; `what` names it ("_weights_encode_trainer: shards[0].shape").
+Shape shape_of(const std::vector<IntArg>& dims, const std::string& what) {
+  Shape out;
+  out.reserve(dims.size());
+  for (size_t d = 0; d < dims.size(); ++d) {
+    out.push_back(u64(dims[d], (what + "[" + std::to_string(d) + "]").c_str()));
+  }
+  return out;
+}
+
 py::tuple entry_tuple(const Entry& e) {
   return py::make_tuple(e.trainer, e.nic, e.param, e.inference, e.src_offset, e.length, e.runs,
                         e.src_stride, e.dst_offset, e.dst_stride);
@@ -50,11 +65,23 @@ py::tuple entry_tuple(const Entry& e) {
 void bind_weights(py::module_& m) {
   m.def(
       "_weights_encode_trainer",
-      [](uint32_t rank, uint32_t num_nics, const std::vector<ShardTuple>& shards) {
-        TrainerRank t{rank, num_nics, {}};
-        for (const auto& [name, dtype, shape, box, replica] : shards) {
-          Shard s{name, check(parse_dtype(dtype)), shape, {}, replica};
-          for (const auto& [start, length] : box) s.box.push_back({start, length});
+      [](const IntArg& rank, const IntArg& num_nics, const std::vector<ShardIn>& shards) {
+        TrainerRank t{u32(rank, "_weights_encode_trainer: rank"),
+                      u32(num_nics, "_weights_encode_trainer: num_nics"),
+                      {}};
+        for (size_t i = 0; i < shards.size(); ++i) {
+          const auto& [name, dtype, shape, box, replica] = shards[i];
+          const std::string what = "_weights_encode_trainer: shards[" + std::to_string(i) + "].";
+          Shard s{name,
+                  check(parse_dtype(dtype)),
+                  shape_of(shape, what + "shape"),
+                  {},
+                  u32(replica, (what + "replica").c_str())};
+          for (size_t d = 0; d < box.size(); ++d) {
+            const std::string range = what + "box[" + std::to_string(d) + "]";
+            s.box.push_back({u64(box[d].first, (range + " start").c_str()),
+                             u64(box[d].second, (range + " length").c_str())});
+          }
           t.shards.push_back(std::move(s));
         }
         return to_py(encode(t));
@@ -63,13 +90,25 @@ void bind_weights(py::module_& m) {
       "A training rank's shards as bytes: (name, dtype, shape, box, replica) each.");
   m.def(
       "_weights_encode_inference",
-      [](uint32_t rank, const std::vector<ParamTuple>& params) {
-        InferenceRank r{rank, {}};
-        for (const auto& [name, dtype, shape, dim, start, length, kind, sources, cdim, block] :
-             params) {
-          r.params.push_back(InferenceParam{name, check(parse_dtype(dtype)), shape,
-                                            Placement{dim, {start, length}},
-                                            Projection{parse_kind(kind), sources, cdim, block}});
+      [](const IntArg& rank, const std::vector<ParamIn>& params) {
+        InferenceRank r{u32(rank, "_weights_encode_inference: rank"), {}};
+        for (size_t i = 0; i < params.size(); ++i) {
+          const auto& [name, dtype, shape, dim, start, length, kind, sources, cdim, block] =
+              params[i];
+          const std::string what = "_weights_encode_inference: params[" + std::to_string(i) + "].";
+          // dim: a dimension, or -1 (any negative value) for a parameter held whole.
+          const auto placement_dim = static_cast<int32_t>(
+              signed_value(dim, (what + "dim").c_str(), std::numeric_limits<int32_t>::min(),
+                           std::numeric_limits<int32_t>::max()));
+          Shape param_shape = shape_of(shape, what + "shape");
+          const Range range{u64(start, (what + "start").c_str()),
+                            u64(length, (what + "length").c_str())};
+          const uint32_t concat_dim = u32(cdim, (what + "concat_dim").c_str());
+          const uint32_t tile = u32(block, (what + "block").c_str());
+          r.params.push_back(
+              InferenceParam{name, check(parse_dtype(dtype)), std::move(param_shape),
+                             Placement{placement_dim, range},
+                             Projection{parse_kind(kind), sources, concat_dim, tile}});
         }
         return to_py(encode(r));
       },
@@ -97,7 +136,9 @@ void bind_weights(py::module_& m) {
       .def_static(
           "compute",
           [](const std::vector<std::string>& trainers, const std::vector<std::string>& inference,
-             uint64_t chunk_bytes) {
+             const IntArg& chunk_bytes_arg) {
+            const uint64_t chunk_bytes =
+                u64(chunk_bytes_arg, "WeightSchedule.compute: chunk_bytes");
             std::vector<TrainerRank> t;
             std::vector<InferenceRank> r;
             for (const auto& b : trainers) t.push_back(check(decode_trainer(view(b))));
@@ -146,7 +187,9 @@ void bind_weights(py::module_& m) {
           "senders) per parameter, by name; entries refer to them by index.")
       .def(
           "entries",
-          [](const Schedule& s, std::optional<uint32_t> trainer) {
+          [](const Schedule& s, const std::optional<IntArg>& trainer_arg) {
+            std::optional<uint32_t> trainer;
+            if (trainer_arg) trainer = u32(*trainer_arg, "WeightSchedule.entries: trainer");
             py::list out;
             for (const Entry& e : s.entries) {
               if (!trainer || e.trainer == *trainer) out.append(entry_tuple(e));
@@ -156,16 +199,28 @@ void bind_weights(py::module_& m) {
           py::arg("trainer") = py::none(),
           "(trainer, nic, param, inference, src_offset, length, runs, src_stride, dst_offset, "
           "dst_stride) per entry, of one trainer or all.")
-      .def("bytes_from", &Schedule::bytes_from, py::arg("trainer"),
-           "Bytes the trainer writes per push.")
-      .def("writes_into", &Schedule::writes_into, py::arg("inference"),
-           "Writes (immediates) landing in the inference rank per push.")
+      .def(
+          "bytes_from",
+          [](const Schedule& s, const IntArg& trainer) {
+            return s.bytes_from(u32(trainer, "WeightSchedule.bytes_from: trainer"));
+          },
+          py::arg("trainer"), "Bytes the trainer writes per push.")
+      .def(
+          "writes_into",
+          [](const Schedule& s, const IntArg& inference) {
+            return s.writes_into(u32(inference, "WeightSchedule.writes_into: inference"));
+          },
+          py::arg("inference"), "Writes (immediates) landing in the inference rank per push.")
       .def("__len__", [](const Schedule& s) { return s.entries.size(); });
 
   m.def(
       "_weights_quantize_fp8",
-      [](py::handle src, uint64_t rows, uint64_t cols, py::handle out, py::handle scales,
-         uint32_t block, uintptr_t stream) {
+      [](py::handle src, const IntArg& rows_arg, const IntArg& cols_arg, py::handle out,
+         py::handle scales, const IntArg& block_arg, const IntArg& stream_arg) {
+        const uint64_t rows = u64(rows_arg, "quantize_fp8: rows");
+        const uint64_t cols = u64(cols_arg, "quantize_fp8: cols");
+        const uint32_t block = u32(block_arg, "quantize_fp8: block");
+        const uint64_t stream = u64(stream_arg, "quantize_fp8: stream");
         auto in = PinnedMemory::from_object(src);
         auto q = PinnedMemory::from_object(out);
         auto sc = PinnedMemory::from_object(scales);
@@ -200,11 +255,20 @@ void bind_weights(py::module_& m) {
       "reference for host memory, the CUDA kernel (enqueued on `stream`) for device memory.");
   m.def(
       "_weights_quantize_fp8_many",
-      [](const std::vector<std::tuple<uintptr_t, uint64_t, uint64_t, uintptr_t, uintptr_t>>& jobs,
-         uint32_t block, uintptr_t stream) {
+      [](const std::vector<std::tuple<IntArg, IntArg, IntArg, IntArg, IntArg>>& job_args,
+         const IntArg& block_arg, const IntArg& stream_arg) {
+        const uint32_t block = u32(block_arg, "quantize_fp8_many: block");
+        const uint64_t stream = u64(stream_arg, "quantize_fp8_many: stream");
         std::vector<Fp8Matrix> matrices;
-        matrices.reserve(jobs.size());
-        for (const auto& [in, rows, cols, out, scales] : jobs) {
+        matrices.reserve(job_args.size());
+        for (size_t i = 0; i < job_args.size(); ++i) {
+          const std::string what = "quantize_fp8_many: jobs[" + std::to_string(i) + "] ";
+          const auto& [in_arg, rows_arg, cols_arg, out_arg, scales_arg] = job_args[i];
+          const uint64_t in = u64(in_arg, (what + "bf16 pointer").c_str());
+          const uint64_t rows = u64(rows_arg, (what + "rows").c_str());
+          const uint64_t cols = u64(cols_arg, (what + "cols").c_str());
+          const uint64_t out = u64(out_arg, (what + "e4m3 pointer").c_str());
+          const uint64_t scales = u64(scales_arg, (what + "scales pointer").c_str());
           if (in == 0 || out == 0 || scales == 0) {
             throw StatusError{
                 Status(ErrorCode::kInvalidArgument, "quantize_fp8_many: a null pointer")};
