@@ -14,9 +14,10 @@ from ._fabric_lib import _gather_info
 
 
 def _json_backslashreplace(err: UnicodeError) -> Tuple[str, int]:
-    """Bytes of the report that are not UTF-8 (they can only be inside JSON strings: a NIC
-    name, an environment variable quoted in an error) as the JSON escape of a backslash
-    followed by xNN: the string then reads '\\xNN', as the text report writes them."""
+    """Bytes of the report that are not UTF-8 as the JSON escape of a backslash followed by
+    xNN: the string then reads '\\xNN', as the text report writes them. The report's writer
+    (src/common/json.h) already escapes such bytes (a NIC name, an environment variable quoted
+    in an error) that way, so this only guards against a report that is not its."""
     assert isinstance(err, UnicodeDecodeError)
     bad = err.object[err.start:err.end]
     return "".join(f"\\\\x{b:02x}" for b in bad), err.end

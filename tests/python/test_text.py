@@ -191,3 +191,28 @@ def test_info_quotes_a_nic_name_of_foreign_bytes(environ_bytes):
     error = report["engine"]["error"]
     assert isinstance(error, str) and "\xfe" not in error
     assert ("l\\xfeo" in error) == ("l\\xfeo" in str(report)), (error, str(report))
+
+
+def test_fabric_info_json_is_utf8_when_a_name_holds_foreign_bytes(environ_bytes):
+    """`fabric-info --json` with FABRIC_NICS holding a byte that is not UTF-8 (the engine
+    section quotes it): the output is valid UTF-8 and JSON (the byte went out raw before, which
+    no strict reader accepts), the name reads with the byte as a backslash escape, and
+    fabric_lib.info() reads the same."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    bin_dir = Path(os.environ.get("FABRIC_BIN_DIR",
+                                  Path(fabric_lib.__file__).resolve().parents[2] / "bin"))
+    tool = bin_dir / "fabric-info"
+    if not tool.is_file():
+        pytest.skip(f"fabric-info not found in {bin_dir} (set FABRIC_BIN_DIR to the build's bin/)")
+    environ_bytes("FABRIC_NICS", b"l\xfeo")
+    # The engine cannot open on that NIC: the tool says so in the report and exits 1.
+    out = subprocess.run([str(tool), "--json", "--provider", "tcp", "--cpu", "none"],
+                         capture_output=True, timeout=120).stdout
+    report = json.loads(out.decode("utf-8"))  # strict: raises on a byte that is not UTF-8
+    assert b"\xfe" not in out
+    assert report["engine"]["requested_nics"] == ["l\\xfeo"], report["engine"]
+    from_python = fabric_lib.info(provider="tcp", cpu="none")
+    assert from_python["engine"]["requested_nics"] == ["l\\xfeo"]
