@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
+#include <string>
+#include <string_view>
 
 #include "fabric/weights.h"
 #include "fabric/weights_projection.h"
@@ -346,6 +349,175 @@ TEST(WeightsSchedule, RoundTripsThroughBytesAndRefusesDamagedBytes) {
     ASSERT_FALSE(refused) << second;
     EXPECT_NE(refused.status().message().find("param.name (order)"), std::string::npos)
         << refused.status().to_string();
+  }
+}
+
+// --- damaged bytes: names that are not UTF-8, a corrupt num_nics, ranges that wrap ----------
+
+// `v` as `n` little-endian bytes, as the codec writes integers.
+Bytes le(uint64_t v, int n) {
+  Bytes out;
+  for (int i = 0; i < n; ++i) out.push_back(static_cast<std::byte>((v >> (8 * i)) & 0xFF));
+  return out;
+}
+Bytes raw(std::string_view s) {
+  const auto* p = reinterpret_cast<const std::byte*>(s.data());
+  return Bytes(p, p + s.size());
+}
+Bytes cat(Bytes a, const Bytes& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+// A string as the codec writes it: its u32 length, then its bytes.
+Bytes encoded_string(std::string_view s) {
+  return cat(le(s.size(), 4), raw(s));
+}
+// Where `pattern` starts in `b`; it must be there exactly once.
+size_t find_once(const Bytes& b, const Bytes& pattern) {
+  auto it = std::search(b.begin(), b.end(), pattern.begin(), pattern.end());
+  EXPECT_NE(it, b.end()) << "pattern not found";
+  if (it == b.end()) return 0;
+  EXPECT_EQ(std::search(it + 1, b.end(), pattern.begin(), pattern.end()), b.end())
+      << "pattern found twice";
+  return static_cast<size_t>(it - b.begin());
+}
+void overwrite(Bytes& b, size_t at, const Bytes& with) {
+  ASSERT_LE(at + with.size(), b.size());
+  std::copy(with.begin(), with.end(), b.begin() + static_cast<std::ptrdiff_t>(at));
+}
+// `status` is InvalidArgument and its message holds `needle`.
+void expect_invalid_naming(const Status& status, const std::string& needle) {
+  EXPECT_EQ(status.code(), ErrorCode::kInvalidArgument) << status.to_string();
+  EXPECT_NE(status.message().find(needle), std::string::npos)
+      << "'" << status.message() << "' lacks '" << needle << "'";
+}
+
+// Byte sequences that are not UTF-8 (each the same length as what it replaces in a name): a
+// byte UTF-8 never uses, a lone continuation byte, an overlong '/', a surrogate (U+D800), a
+// code point above U+10FFFF, and a sequence cut short by the next character.
+const std::vector<std::string> kNotUtf8 = {
+    "\xff", "\x80", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe2\x82"};
+
+TEST(WeightsCodec, NamesThatAreNotUtf8AreRefusedNamingTheField) {
+  const TrainerRank t{0, 1, {shard("layers.0.q", {8, 16}), shard("layers.0.k", {8, 16})}};
+  const InferenceRank r{0,
+                        {param("layers.0.qkv", {16, 16}, {},
+                               {ProjectionKind::kConcat, {"layers.0.q", "layers.0.k"}, 0, 128})}};
+  auto s = compute_schedule({t}, {r});
+  ASSERT_TRUE(s) << s.status().to_string();
+  struct Case {
+    std::string what;  // which bytes
+    Bytes bytes;
+    std::string name;  // the name damaged (found as the codec writes it)
+    std::function<Status(const Bytes&)> decode;
+    std::string field;  // what the error must name
+  };
+  const auto trainer = [](const Bytes& b) { return decode_trainer(b).status(); };
+  const auto inference = [](const Bytes& b) { return decode_inference(b).status(); };
+  const auto schedule = [](const Bytes& b) { return Schedule::decode(b).status(); };
+  const std::vector<Case> cases = {
+      {"a shard's name", encode(t), "layers.0.k", trainer,
+       "field 'shard.name (shard 1: not UTF-8)'"},
+      {"a parameter's name", encode(r), "layers.0.qkv", inference,
+       "field 'param.name (parameter 0: not UTF-8)'"},
+      {"a parameter's source", encode(r), "layers.0.k", inference,
+       "field 'projection.source (parameter 0, source 1: not UTF-8)'"},
+      {"a scheduled parameter's name", s->encode(), "layers.0.qkv", schedule,
+       "field 'param.name (parameter 0: not UTF-8)'"},
+      {"a scheduled parameter's source", s->encode(), "layers.0.q", schedule,
+       "field 'projection.source (parameter 0, source 0: not UTF-8)'"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    ASSERT_TRUE(c.decode(c.bytes).ok()) << c.decode(c.bytes).to_string();
+    const size_t at = find_once(c.bytes, encoded_string(c.name)) + 4;  // the name's first byte
+    for (const std::string& bad : kNotUtf8) {
+      for (const size_t where : {size_t{0}, c.name.size() - bad.size()}) {  // first, last bytes
+        Bytes damaged = c.bytes;
+        overwrite(damaged, at + where, raw(bad));
+        expect_invalid_naming(c.decode(damaged), c.field);
+      }
+    }
+  }
+  // Names in UTF-8 beyond ASCII are names like any other.
+  const TrainerRank accented{0, 1, {shard("caf\xc3\xa9.w", {8}), shard("\xf0\x9f\x98\x80", {8})}};
+  auto back = decode_trainer(encode(accented));
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(*back, accented);
+}
+
+TEST(WeightsSchedule, NumNicsFromBytesMustBeOneToSixtyFour) {
+  // A training rank's description with its num_nics field (after the tag, the version and the
+  // rank) damaged: it decodes (the field is a plain u32), and compute_schedule refuses it
+  // naming num_nics; 4 billion NICs made it allocate a load per NIC (std::bad_alloc).
+  const TrainerRank t{0, 2, {shard("w", {8, 8})}};
+  const InferenceRank r{0, {param("w", {8, 8})}};
+  const Bytes bytes = encode(t);
+  ASSERT_EQ(Bytes(bytes.begin() + 12, bytes.begin() + 16), le(2, 4));
+  for (const uint32_t nics : {0u, 65u, 1000u, 0xFFFFFFFFu}) {
+    SCOPED_TRACE(nics);
+    Bytes damaged = bytes;
+    overwrite(damaged, 12, le(nics, 4));
+    auto decoded = decode_trainer(damaged);
+    ASSERT_TRUE(decoded) << decoded.status().to_string();
+    ASSERT_EQ(decoded->num_nics, nics);
+    auto refused = compute_schedule({*decoded}, {r});
+    ASSERT_FALSE(refused);
+    expect_invalid_naming(refused.status(),
+                          "training rank 0: num_nics is " + std::to_string(nics) + " (1 to 64)");
+  }
+  for (const uint32_t nics : {1u, 64u}) {
+    Bytes fine = bytes;
+    overwrite(fine, 12, le(nics, 4));
+    auto s = compute_schedule({*decode_trainer(fine)}, {r});
+    ASSERT_TRUE(s) << nics << ": " << s.status().to_string();
+    for (const Entry& e : s->entries) EXPECT_LT(e.nic, nics);
+  }
+}
+
+TEST(WeightsSchedule, RangesFromBytesThatWrapAroundAreRefused) {
+  // Two trainers hold the halves of w's rows; the second's box (start 4, length 4) and an
+  // inference rank's placement (dim 0, start 4, length 4) damaged so that start + length
+  // wraps around 64 bits to a small number: refused naming the range (they passed before, the
+  // sum being inside the dimension).
+  const InferenceRank r{0, {param("w", {8, 8}, {0, {4, 4}})}};
+  const std::vector<TrainerRank> t = {{0, 1, {shard("w", {8, 8}, {{0, 4}, {0, 8}})}},
+                                      {1, 1, {shard("w", {8, 8}, {{4, 4}, {0, 8}})}}};
+  ASSERT_TRUE(compute_schedule(t, {r}));
+  const uint64_t max = ~uint64_t{0};
+  struct Wrap {
+    uint64_t start, length;
+  };
+  for (const Wrap w : {Wrap{max - 1, 4}, Wrap{4, max - 1}, Wrap{max, 1}, Wrap{9, max - 7}}) {
+    SCOPED_TRACE(std::to_string(w.start) + " + " + std::to_string(w.length));
+    {
+      Bytes damaged = encode(t[1]);
+      // The box of dim 0 (start, length), then dim 1's (0, 8).
+      const size_t at = find_once(damaged, cat(cat(le(4, 8), le(4, 8)), cat(le(0, 8), le(8, 8))));
+      overwrite(damaged, at, cat(le(w.start, 8), le(w.length, 8)));
+      auto decoded = decode_trainer(damaged);
+      ASSERT_TRUE(decoded) << decoded.status().to_string();
+      auto refused = compute_schedule({t[0], *decoded}, {r});
+      ASSERT_FALSE(refused);
+      expect_invalid_naming(refused.status(), "training parameter 'w' (rank 1): box range [" +
+                                                  std::to_string(w.start) + ", ");
+      EXPECT_NE(refused.status().message().find("of dim 0 outside its size 8"), std::string::npos)
+          << refused.status().to_string();
+    }
+    {
+      Bytes damaged = encode(r);
+      // The placement: dim 0 (a u32), start, length.
+      const size_t at = find_once(damaged, cat(le(0, 4), cat(le(4, 8), le(4, 8)))) + 4;
+      overwrite(damaged, at, cat(le(w.start, 8), le(w.length, 8)));
+      auto decoded = decode_inference(damaged);
+      ASSERT_TRUE(decoded) << decoded.status().to_string();
+      auto refused = compute_schedule(t, {*decoded});
+      ASSERT_FALSE(refused);
+      expect_invalid_naming(refused.status(),
+                            "'w' (inference rank 0): placement [" + std::to_string(w.start) + ", ");
+      EXPECT_NE(refused.status().message().find("of dim 0 outside shape"), std::string::npos)
+          << refused.status().to_string();
+    }
   }
 }
 
