@@ -275,9 +275,10 @@ TEST_P(Reads, AReadAfterUnregisterFailsAndReadsNothing) {
 
 // Reads stream from a region while its owner unregisters it and then overwrites it: every read
 // that completes holds only bytes from before unregister_memory() returned. Those that fail are
-// refused (RemoteAccess); on Soft-RoCE a read whose region is deregistered while the owner's
-// device answers it gets no answer at all, and the reads behind it on that queue pair wait for
-// peer_timeout (PeerUnreachable): the test runs with 3 s there.
+// refused (RemoteAccess). On verbs the reads behind a refused one on its queue pair are flushed
+// (Fabric), and on Soft-RoCE a read whose region is deregistered while the owner's device
+// answers it can get no answer at all, the reads behind it waiting for peer_timeout
+// (PeerUnreachable): the test runs with 3 s.
 TEST_P(Reads, UnregisterIsABarrierForReads) {
   a_.reset();
   b_.reset();
@@ -314,8 +315,12 @@ TEST_P(Reads, UnregisterIsABarrierForReads) {
   }
   EXPECT_EQ(complete, tally.done()) << tally.summary();
   for (auto [code, n] : tally.codes()) {
+    // verbs: a refused read puts the queue pair in the error state, and the reads behind it are
+    // flushed (Fabric): the verbs backend has no isolation of one bad work request yet
+    // (docs/hardening.md, "What is not done"); or, on Soft-RoCE, they get no answer at all.
+    const bool verbs = GetParam().provider == "verbs";
     EXPECT_TRUE(code == ErrorCode::kRemoteAccess ||
-                (code == ErrorCode::kPeerUnreachable && GetParam().provider == "verbs"))
+                (verbs && (code == ErrorCode::kPeerUnreachable || code == ErrorCode::kFabric)))
         << n << " reads: " << tally.summary();
   }
 }
