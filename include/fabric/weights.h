@@ -1,4 +1,4 @@
-// fabric::weights: the static schedule of an RL weight push (issue 19).
+// fabric::weights: the static schedule of an RL weight push.
 //
 // After each training step, every training rank gathers the parameters it was assigned, projects
 // them into the inference layout (identity, concatenation such as fused QKV, BF16 -> FP8 e4m3

@@ -248,7 +248,7 @@ class PinnedMemory {
 
   void* ptr() const { return ptr_; }
   uint64_t length() const { return length_; }
-  // "cpu" today; "cuda:N" once the GPU build registers device memory (issue 9).
+  // "cpu", or "cuda:N" for device memory (CUDA builds).
   const std::string& device() const { return device_; }
   const py::object& owner() const { return owner_; }
 

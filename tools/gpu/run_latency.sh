@@ -1,6 +1,6 @@
 #!/bin/bash
 # On the GPU machine (a quiet many-core host), from the repository root, after
-# tools/gpu/bundle.sh: the small-transfer rows of issue 16 (single and paged writes, imm-only
+# tools/gpu/bundle.sh: the small-transfer rows (single and paged writes, imm-only
 # round trips and rate, scatter to 16 and to 63 peers: the EP64 shape) over tcp and shm, each
 # against raw libfabric in the same run. Older builds to compare with go in
 # .gpu/versions/NAME/fabric-bench (copied there by hand; NAME says which commit): every version
@@ -15,7 +15,7 @@ versions=()
 for d in .gpu/versions/*/; do [ -x "$d/fabric-bench" ] && versions+=("$(basename "$d")"); done
 versions+=(after)
 bin_of() { if [ "$1" = after ]; then echo fabric-bench; else echo ".gpu/versions/$1/fabric-bench"; fi; }
-# A build older than --mode (before issue 16's progress mode) runs in worker mode only: it is
+# A build older than --mode (before the progress mode) runs in worker mode only: it is
 # given no --mode, and left out of the other modes' rows.
 mode_of() {
   if "$(bin_of "$1")" --help 2>&1 | grep -q -- '--mode'; then

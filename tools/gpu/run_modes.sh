@@ -2,7 +2,7 @@
 # On the GPU machine (a quiet many-core host), from the repository root, after
 # tools/gpu/bundle.sh: fabric-bench's three modes (worker, callbacks, progress: fabric-bench
 # --mode) over tcp and shm, single 4 KiB and 64 KiB writes and imm-only round trips and rate,
-# each against raw libfabric in the same run (issue 16's goals). The host's CPUs are shared
+# each against raw libfabric in the same run. The host's CPUs are shared
 # with nothing else, so the tracefs mount for sys/op is attempted (root). JSON and markdown
 # land in $OUT (default /tmp/modes-out); every run is under `timeout`. BENCH_PROVIDERS and
 # BENCH_MODES narrow the loops; FABRIC_* tuning variables (FABRIC_WAIT_SPIN_US, ...) pass

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The RL weight push (fabric_lib.weights, issue 19) on a machine with two GPUs (kind
+# The RL weight push (fabric_lib.weights) on a machine with two GPUs (kind
 # nvidia-h200-x2), from the repository root, with the bundle that tools/gpu/bundle.sh made in
 # BUNDLE (default .gpu): the FP8 kernel's bit-exact test (fabric_gpu_tests), the Python module
 # built against that machine's python3 as run_ep.sh does, tests/python/test_weights.py (its CUDA
