@@ -259,4 +259,18 @@ Status check_range(std::string_view what, uint64_t offset, uint64_t length, uint
   return Status::ok();
 }
 
+Status page_offset(std::string_view op, std::string_view side, size_t i, uint32_t index,
+                   uint64_t stride, uint64_t base, uint64_t region, uint64_t page_bytes,
+                   uint64_t& out) {
+  uint64_t scaled = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(index), stride, &scaled) ||
+      __builtin_add_overflow(scaled, base, &out)) {
+    return Status(ErrorCode::kOutOfRange,
+                  fmt::format("{}: {}_pages[{}] = {} overflows the offset", op, side, i, index));
+  }
+  if (in_range(out, page_bytes, region)) return Status::ok();  // no formatting
+  return check_range(fmt::format("{}: {}_pages[{}] = {}", op, side, i, index), out, page_bytes,
+                     region);
+}
+
 }  // namespace fabric::engine

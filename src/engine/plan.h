@@ -105,4 +105,11 @@ inline bool in_range(uint64_t offset, uint64_t length, uint64_t region) {
 // kOutOfRange when [offset, offset + length) does not fit in `region` bytes (overflow-safe).
 Status check_range(std::string_view what, uint64_t offset, uint64_t length, uint64_t region);
 
+// The offset of page `index` of a paged transfer, base + index * stride, into `out` when a page
+// of `page_bytes` there fits in `region` bytes (overflow-safe); else kOutOfRange naming it as
+// "<op>: <side>_pages[<i>] = <index>" (`op`: "paged write", "paged read").
+Status page_offset(std::string_view op, std::string_view side, size_t i, uint32_t index,
+                   uint64_t stride, uint64_t base, uint64_t region, uint64_t page_bytes,
+                   uint64_t& out);
+
 }  // namespace fabric::engine

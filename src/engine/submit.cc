@@ -142,20 +142,6 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks&& cb) {
                               "request ({} bytes)",
                               w.page_bytes, params.max_wr_bytes));
   }
-  // Every page must lie inside both regions; offsets computed without overflow.
-  auto page_offset = [&](const char* side, size_t i, uint32_t index, uint64_t stride, uint64_t base,
-                         uint64_t region, uint64_t& out) -> Status {
-    uint64_t scaled = 0;
-    if (__builtin_mul_overflow(static_cast<uint64_t>(index), stride, &scaled) ||
-        __builtin_add_overflow(scaled, base, &out)) {
-      return Status(
-          ErrorCode::kOutOfRange,
-          fmt::format("paged write: {}_pages[{}] = {} overflows the offset", side, i, index));
-    }
-    if (out <= region && w.page_bytes <= region - out) return Status::ok();  // no formatting
-    return engine::check_range(fmt::format("paged write: {}_pages[{}] = {}", side, i, index), out,
-                               w.page_bytes, region);
-  };
   auto t = new_transfer(group, std::move(cb));
   t->src = std::move(src);
   t->dsts.push_back(w.dst);
@@ -163,13 +149,15 @@ Result<TransferId> EngineImpl::submit(const PagedWrite& w, Callbacks&& cb) {
   const engine::IpcRoute route = ipc_route(*t->src, dst, group);
   if (route.kind == engine::IpcRoute::Kind::kRejected) return ipc_rejected("paged write", route);
   // Page i's offsets in the source and in the destination, checked.
+  // Every page must lie inside both regions; offsets computed without overflow.
   auto page_offsets = [&](size_t i, uint64_t& so, uint64_t& d_off) -> Status {
-    if (Status s =
-            page_offset("src", i, w.src_pages[i], w.src_stride, w.src_offset, t->src->length, so);
+    if (Status s = engine::page_offset("paged write", "src", i, w.src_pages[i], w.src_stride,
+                                       w.src_offset, t->src->length, w.page_bytes, so);
         !s) {
       return s;
     }
-    return page_offset("dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset, dst.length(), d_off);
+    return engine::page_offset("paged write", "dst", i, w.dst_pages[i], w.dst_stride, w.dst_offset,
+                               dst.length(), w.page_bytes, d_off);
   };
   if (route.kind == engine::IpcRoute::Kind::kIpc) {
     if (w.imm && w.src_pages.size() > engine::Commit::kMaxImmTimes) {

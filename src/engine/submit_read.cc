@@ -98,20 +98,6 @@ Result<TransferId> EngineImpl::submit(const PagedRead& r, Callbacks&& cb) {
                               "request ({} bytes)",
                               r.page_bytes, params.max_wr_bytes));
   }
-  // Page i's offset in a region of `length` bytes, checked without overflow.
-  auto page_offset = [&](const char* side, size_t i, uint32_t index, uint64_t stride, uint64_t base,
-                         uint64_t length, uint64_t& out) -> Status {
-    uint64_t scaled = 0;
-    if (__builtin_mul_overflow(static_cast<uint64_t>(index), stride, &scaled) ||
-        __builtin_add_overflow(scaled, base, &out)) {
-      return Status(
-          ErrorCode::kOutOfRange,
-          fmt::format("paged read: {}_pages[{}] = {} overflows the offset", side, i, index));
-    }
-    if (out <= length && r.page_bytes <= length - out) return Status::ok();
-    return engine::check_range(fmt::format("paged read: {}_pages[{}] = {}", side, i, index), out,
-                               r.page_bytes, length);
-  };
   auto t = new_transfer(group, std::move(cb));
   t->src = std::move(local);
   t->dsts.push_back(r.src);
@@ -127,13 +113,13 @@ Result<TransferId> EngineImpl::submit(const PagedRead& r, Callbacks&& cb) {
     const engine::RailTarget rail = engine::rail_target(remote, run.domain);
     for (size_t i = run.begin; i < run.end; ++i) {
       uint64_t remote_off = 0, local_off = 0;
-      if (Status s = page_offset("src", i, r.src_pages[i], r.src_stride, r.src_offset,
-                                 remote.length(), remote_off);
+      if (Status s = engine::page_offset("paged read", "src", i, r.src_pages[i], r.src_stride,
+                                         r.src_offset, remote.length(), r.page_bytes, remote_off);
           !s) {
         return s;
       }
-      if (Status s = page_offset("dst", i, r.dst_pages[i], r.dst_stride, r.dst_offset,
-                                 t->src->length, local_off);
+      if (Status s = engine::page_offset("paged read", "dst", i, r.dst_pages[i], r.dst_stride,
+                                         r.dst_offset, t->src->length, r.page_bytes, local_off);
           !s) {
         return s;
       }

@@ -113,57 +113,46 @@ void VerbsDomain::flush() {
   chained_.clear();
 }
 
-PostResult VerbsDomain::post_write(const WriteRequest& req) {
-  Peer* p = peer_of(req.peer);
+PostResult VerbsDomain::post_rdma(ibv_wr_opcode opcode, uint64_t wr_id, const void* local,
+                                  uint64_t length, void* local_desc, PeerHandle peer,
+                                  uint64_t remote_addr, uint64_t remote_key, uint32_t imm) {
+  Peer* p = peer_of(peer);
   if (p == nullptr) {
     return PostResult::failed(Status(
-        ErrorCode::kNotFound, fmt::format("'{}': unknown peer handle {}", info_.name, req.peer)));
+        ErrorCode::kNotFound, fmt::format("'{}': unknown peer handle {}", info_.name, peer)));
   }
-  if (req.length > info_.max_write_bytes || req.length > UINT32_MAX) {
-    return PostResult::failed(Status(
-        ErrorCode::kInvalidArgument,
-        fmt::format("'{}': a write of {} bytes is larger than one work request can carry ({})",
-                    info_.name, req.length,
-                    std::min<uint64_t>(info_.max_write_bytes, UINT32_MAX))));
+  const bool read = opcode == IBV_WR_RDMA_READ;
+  if (length > info_.max_write_bytes || length > UINT32_MAX) {
+    return PostResult::failed(
+        Status(ErrorCode::kInvalidArgument,
+               fmt::format("'{}': a {} of {} bytes is larger than one work request can carry ({})",
+                           info_.name, read ? "read" : "write", length,
+                           std::min<uint64_t>(info_.max_write_bytes, UINT32_MAX))));
   }
   if (p->state != Peer::State::kConnected) return not_connected(*p);
-  ibv_sge sge{reinterpret_cast<uint64_t>(req.local), static_cast<uint32_t>(req.length),
-              lkey_of(req.local_desc)};
+  ibv_sge sge{reinterpret_cast<uint64_t>(local), static_cast<uint32_t>(length),
+              lkey_of(local_desc)};
   ibv_send_wr wr{};
-  wr.wr_id = req.wr_id;
-  wr.num_sge = req.length > 0 ? 1 : 0;
-  wr.opcode = req.has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-  wr.imm_data = htonl(req.imm);
-  wr.wr.rdma.remote_addr = req.remote_addr;
-  wr.wr.rdma.rkey = static_cast<uint32_t>(req.remote_key);
-  // Small payloads go inside the work request: the NIC need not read them from memory.
-  if (req.length > 0 && req.length <= p->wr->max_inline) wr.send_flags = IBV_SEND_INLINE;
-  return post_on(*p->wr, wr, req.length > 0 ? &sge : nullptr);
+  wr.wr_id = wr_id;
+  wr.num_sge = length > 0 ? 1 : 0;
+  wr.opcode = opcode;
+  wr.imm_data = htonl(imm);
+  wr.wr.rdma.remote_addr = remote_addr;
+  wr.wr.rdma.rkey = static_cast<uint32_t>(remote_key);
+  // Small payloads of a write go inside the work request: the NIC need not read them from memory.
+  if (!read && length > 0 && length <= p->wr->max_inline) wr.send_flags = IBV_SEND_INLINE;
+  return post_on(*p->wr, wr, length > 0 ? &sge : nullptr);
+}
+
+PostResult VerbsDomain::post_write(const WriteRequest& req) {
+  return post_rdma(req.has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE, req.wr_id,
+                   req.local, req.length, req.local_desc, req.peer, req.remote_addr, req.remote_key,
+                   req.imm);
 }
 
 PostResult VerbsDomain::post_read(const ReadRequest& req) {
-  Peer* p = peer_of(req.peer);
-  if (p == nullptr) {
-    return PostResult::failed(Status(
-        ErrorCode::kNotFound, fmt::format("'{}': unknown peer handle {}", info_.name, req.peer)));
-  }
-  if (req.length > info_.max_write_bytes || req.length > UINT32_MAX) {
-    return PostResult::failed(Status(
-        ErrorCode::kInvalidArgument,
-        fmt::format("'{}': a read of {} bytes is larger than one work request can carry ({})",
-                    info_.name, req.length,
-                    std::min<uint64_t>(info_.max_write_bytes, UINT32_MAX))));
-  }
-  if (p->state != Peer::State::kConnected) return not_connected(*p);
-  ibv_sge sge{reinterpret_cast<uint64_t>(req.local), static_cast<uint32_t>(req.length),
-              lkey_of(req.local_desc)};
-  ibv_send_wr wr{};
-  wr.wr_id = req.wr_id;
-  wr.num_sge = req.length > 0 ? 1 : 0;
-  wr.opcode = IBV_WR_RDMA_READ;
-  wr.wr.rdma.remote_addr = req.remote_addr;
-  wr.wr.rdma.rkey = static_cast<uint32_t>(req.remote_key);
-  return post_on(*p->wr, wr, req.length > 0 ? &sge : nullptr);
+  return post_rdma(IBV_WR_RDMA_READ, req.wr_id, req.local, req.length, req.local_desc, req.peer,
+                   req.remote_addr, req.remote_key, 0);
 }
 
 PostResult VerbsDomain::post_send(const SendRequest& req) {

@@ -115,6 +115,10 @@ class VerbsDomain final : public Domain {
   // A post towards a peer that is not connected: starts or continues connecting. kAgain while
   // connecting; kFailed when the peer never answered.
   PostResult not_connected(verbs_detail::Peer& p);
+  // A write (with or without an immediate) or a read on the peer's write queue pair.
+  PostResult post_rdma(ibv_wr_opcode opcode, uint64_t wr_id, const void* local, uint64_t length,
+                       void* local_desc, PeerHandle peer, uint64_t remote_addr, uint64_t remote_key,
+                       uint32_t imm);
   void send_hello(verbs_detail::Peer& p, uint8_t type, uint32_t echo_gen);
   void transmit_hello(const verbs_detail::Hello& h, verbs_detail::Peer& p);
   void on_hello(const verbs_detail::Hello& h);
