@@ -178,8 +178,9 @@ void Worker::fail_over(uint32_t nic, transport::PeerHandle peer, bool posted_too
     if (idempotent && t.probe_nic < 0 && to != nic) {
       // Data only: the same bytes to the same place, so posting it again is harmless whether or
       // not the first one landed; a read reads the same bytes again. A message: the receiver
-      // drops a second copy. The copy completes in the original's place. The connection was
-      // dropped, so nothing of the original lands later: its buffer is free again.
+      // drops a second copy. The copy completes in the original's place, and the original is
+      // abandoned to the provider (a read's answer may still land if the link comes back:
+      // docs/failover.md). A message's send buffer is free again.
       messages_->release_send_slot(*op);
       repost_copy(*op, to);
       continue;
