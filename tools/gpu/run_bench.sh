@@ -1,8 +1,10 @@
 #!/bin/bash
 # On the GPU machine (a quiet many-core host), from the repository root, after
 # tools/gpu/bundle.sh: fabric-bench with its baselines over tcp and shm, the results written to
-# $OUT (or bench/results/gpu-host). FABRIC_BENCH_CPUS (e.g. 0,1) pins every process to those
-# CPUs, to compare with a machine of that many cores. Extra arguments go to fabric-bench.
+# $OUT (or bench/results/gpu-host, a scratch folder: a run worth keeping goes into
+# bench/results/<date>_<commit>_<hardware>/, bench/results/README.md). FABRIC_BENCH_CPUS (e.g.
+# 0,1) pins every process to those CPUs, to compare with a machine of that many cores. Extra
+# arguments go to fabric-bench.
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:$LD_LIBRARY_PATH
 export PATH=$PWD/.gpu/bin:$PATH
 export UCX_MODULE_DIR=$PWD/.gpu/lib/ucx
