@@ -139,7 +139,7 @@ step_nixlbench() {
   nixl_env
   if [ ! -f "$work/nixlbench-build/build.ninja" ]; then
     meson setup "$work/nixlbench-build" "$work/nixl-src/benchmark/nixlbench" \
-      -Dbuildtype=release -Dnixl_path="$prefix" -Dwrap_mode=nodownload
+      -Dbuildtype=release -Dnixl_path="$prefix" -Dlibdir=lib -Dwrap_mode=nodownload
   fi
   log "nixlbench: build"
   nice -n 10 ninja -C "$work/nixlbench-build" -j "$jobs"
@@ -157,15 +157,16 @@ step_plugin() {
   else
     nice -n 10 cmake --build "$work/fabric-build" -j "$jobs" --target plugin_FABRIC fabric-bench
   fi
-  local libdir
+  local libdir pydir
   libdir=$(nixl_libdir)
+  # nixl_cu<N> is the installed module; the "nixl" meta package (not built: it needs uv) only
+  # re-exports it, so its sources are used as they are.
+  pydir=$(dirname "$(dirname "$(find "$prefix" -name _api.py -path '*nixl_cu*' -print -quit)")")
   cat >"$work/env.sh" <<ENV
 # Source before running NIXL against the FABRIC plugin built by tools/nixl/build_nixl.sh.
 export LD_LIBRARY_PATH=$libdir:$prefix/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
 export NIXL_PLUGIN_DIR=$work/fabric-build/plugins/nixl
-# nixl_cu<N> is the installed module; the "nixl" meta package (not built: it needs uv) only
-# re-exports it, so its sources are used as they are.
-export PYTHONPATH=$(dirname "$(find "$prefix" -name _api.py -path '*nixl_cu*' -print -quit)")/..:$work/nixl-src/src/bindings/python/nixl-meta\${PYTHONPATH:+:\$PYTHONPATH}
+export PYTHONPATH=$pydir:$work/nixl-src/src/bindings/python/nixl-meta\${PYTHONPATH:+:\$PYTHONPATH}
 ENV
   log "plugin: $work/fabric-build/plugins/nixl/libplugin_FABRIC.so; source $work/env.sh"
 }
