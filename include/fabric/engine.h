@@ -68,9 +68,9 @@ struct RegisterOptions {
   bool gpu_copies = false;
   // Peers may read the memory (SingleRead, PagedRead), besides writing into it. Off by default:
   // a read of memory registered without it fails at the reader (kRemoteAccess), and the owner's
-  // fabric refuses one from a forged descriptor. Reads reach host memory and GPU memory the
-  // group's NICs reach directly; GPU memory staged through a host mirror, or reached only over
-  // CUDA IPC, cannot be registered readable yet (kUnsupported).
+  // fabric (or, for GPU memory on the staged and CUDA IPC paths, the owner's worker) refuses one
+  // from a forged descriptor. GPU memory is read on the path a write into it takes
+  // (docs/reads.md, "GPU memory").
   bool remote_read = false;
 };
 
@@ -165,10 +165,10 @@ class TransferEngine {
   // --- one-sided reads ----------------------------------------------------------------------
   // Each returns at once with the transfer's id, or an error and no callback: kRemoteAccess
   // when the descriptor is not readable, kOutOfRange outside either region, kInvalidArgument
-  // for malformed pages, kUnsupported where reads cannot go yet (GPU memory staged through a
-  // host mirror on either side, memory reached only over CUDA IPC). The owner's fabric refuses
-  // a read of memory it did not register readable, or no longer holds (kRemoteAccess in
-  // on_error); unregister_memory() is a barrier: no byte is read from a region once it returns.
+  // for malformed pages, kUnsupported where a side registered without a host mirror needs the
+  // CUDA IPC path and cannot take it. The owner refuses a read of memory it did not register
+  // readable, or no longer holds (kRemoteAccess in on_error); unregister_memory() is a barrier:
+  // no byte is read from a region once it returns. GPU memory: docs/reads.md.
   Result<TransferId> submit(const SingleRead& read, Callbacks callbacks);
   Result<TransferId> submit(const PagedRead& read, Callbacks callbacks);
 

@@ -288,12 +288,6 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length,
                   "register_memory: host_mirror is false, but Config::cuda_ipc is off: the "
                   "memory would be unreachable (this group stages GPU memory through a mirror)");
   }
-  if (options.remote_read && wants_mirror) {
-    return Status(ErrorCode::kUnsupported,
-                  "register_memory: remote_read of GPU memory this group's NICs do not reach "
-                  "directly (it would be staged through a host mirror, or reached over CUDA IPC "
-                  "only) is not supported yet");
-  }
   if (options.gpu_copies && memory->kind != cuda::MemoryKind::kHost) {
     return invalid(
         "register_memory: gpu_copies is for host memory; GPU memory takes the CUDA IPC path "
@@ -375,6 +369,7 @@ Result<Registration> EngineImpl::register_memory(void* ptr, uint64_t length,
   region->ipc = std::move(ipc);
   region->ipc_why = std::move(ipc_why);
   region->ipc_only = ipc_only;
+  region->remote_read = options.remote_read;
   region->copy_engines = copy_engines;
   std::optional<RemoteMemory::CudaIpc> ipc_section;
   if (region->ipc) ipc_section = RemoteMemory::CudaIpc{region->ipc->device, region->id};

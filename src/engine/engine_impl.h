@@ -182,10 +182,8 @@ class EngineImpl {
   Status check_group(uint32_t group) const;
   Status check_peer(const Address& peer, uint32_t group, std::string_view what) const;
   Status check_remote(const RemoteMemory& dst, uint32_t group, std::string_view what) const;
-  // A read of `remote` into `local`: the remote checks, readable, and neither side on a path
-  // reads do not take yet (submit_read.cc).
-  Status check_read(const LocalRegion& local, const RemoteMemory& remote, uint32_t group,
-                    std::string_view what) const;
+  // A read of `remote` into `local`: the remote checks and readable (submit_read.cc).
+  Status check_read(const RemoteMemory& remote, uint32_t group, std::string_view what) const;
   // What check_remote holds, without a Status or a call to memcmp: the common case, so that a
   // submission calls check_remote only to say what is wrong.
   bool remote_ok(const RemoteMemory& dst, uint32_t group) const {
@@ -266,8 +264,9 @@ class EngineImpl {
   Op zero_byte_imm(Transfer& t, uint32_t group, uint32_t domain, const Address& peer, uint32_t imm);
   TransferId hand_over(uint32_t group, engine::TransferPtr t);
   // The CUDA IPC path or the fabric for a write from `src` into `dst` (docs/cuda-ipc.md).
-  engine::IpcRoute ipc_route(const LocalRegion& src, const RemoteMemory& dst,
-                             uint32_t group) const {
+  // For a read (`read`), `src` is the local region the bytes go to and `dst` the peer's.
+  engine::IpcRoute ipc_route(const LocalRegion& src, const RemoteMemory& dst, uint32_t group,
+                             bool read = false) const {
     // Host memory to a host destination, what choose_route answers first: the fabric, without
     // building the reachability test (a std::function) it takes.
     if (src.memory.kind == cuda::MemoryKind::kHost && dst.staged_region() == 0 && !dst.cuda_ipc()) {
@@ -276,7 +275,8 @@ class EngineImpl {
     return engine::choose_route(
         config_.cuda_ipc, addresses_[group].origin(), src.memory, src.ipc ? &*src.ipc : nullptr,
         src.ipc_why, src.ipc_only, dst,
-        [&src](const cuda::DeviceUuid& peer) { return cuda::ipc_reachable(src.memory, peer); });
+        [&src](const cuda::DeviceUuid& peer) { return cuda::ipc_reachable(src.memory, peer); },
+        read);
   }
   static Status ipc_rejected(std::string_view what, const engine::IpcRoute& route) {
     return Status(ErrorCode::kUnsupported, fmt::format("{}: {}", what, route.why));

@@ -9,6 +9,10 @@
 // streams, and once the copies' event has completed the job goes back to the worker, which has
 // the StagedPath count the immediate and acknowledge (StagedPath::commit_done, shared with the
 // staged path).
+//
+// Reader: a read of a peer's GPU memory on this host sends the owner read Commits carrying the
+// reader's export of its destination; the owner maps it the same way and copies from its region
+// into it, and acknowledges once the copies completed.
 #include "engine/ipc_copies.h"
 
 #include <fmt/format.h>
@@ -45,6 +49,13 @@ void IpcCopies::start(CommitJob& job, Clock::time_point now) {
     return;
   }
   const LocalRegion& region = *job.region;
+  if (c.read && !region.remote_read) {
+    refuse(job, Status(ErrorCode::kRemoteAccess,
+                       fmt::format("region {:#x} was not registered readable "
+                                   "(RegisterOptions::remote_read); nothing was read",
+                                   c.region)));
+    return;
+  }
   for (size_t i = 0; i < c.ranges.size(); ++i) {
     const Range& r = c.ranges[i];
     const uint64_t so = src.offsets[i];
@@ -96,10 +107,14 @@ void IpcCopies::start(CommitJob& job, Clock::time_point now) {
     batches_.emplace(batch, std::move(owned));
     open_.push_back(batch);
   }
-  const std::byte* from = (*lease)->base + src.exported.offset;
+  // A write's ranges come from the writer's mapped source into the region; a read's go from
+  // the region into the reader's mapped destination.
+  std::byte* peer = (*lease)->base + src.exported.offset;
   for (size_t i = 0; i < c.ranges.size(); ++i) {
-    batch->copies.push_back(
-        {region.ptr + c.ranges[i].offset, from + src.offsets[i], c.ranges[i].length});
+    std::byte* mine = region.ptr + c.ranges[i].offset;
+    std::byte* theirs = peer + src.offsets[i];
+    batch->copies.push_back(c.read ? cuda::Copier::DeviceCopy{theirs, mine, c.ranges[i].length}
+                                   : cuda::Copier::DeviceCopy{mine, theirs, c.ranges[i].length});
   }
   batch->jobs.push_back(&job);
 }

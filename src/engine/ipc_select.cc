@@ -6,21 +6,28 @@ namespace fabric::engine {
 IpcRoute choose_route(Config::CudaIpc mode, const Origin& self, const cuda::PointerInfo& src_memory,
                       const cuda::IpcExport* src_export, const std::string& src_why,
                       bool src_ipc_only, const RemoteMemory& dst,
-                      const std::function<bool(const cuda::DeviceUuid&)>& reachable) {
+                      const std::function<bool(const cuda::DeviceUuid&)>& reachable, bool read) {
+  // The words for the two sides: a write's source and destination, or a read's local region
+  // (where the bytes go) and the peer's region (where they come from).
+  const std::string mine = read ? "the local region" : "the source";
+  const std::string theirs = read ? "the peer's region" : "the destination";
   // What makes the path the only way, if anything: a side registered without a host mirror
   // (only CUDA IPC reaches it), or the mode forced on.
-  const char* required =
-      dst.ipc_only()                 ? "the destination was registered without a host mirror "
-                                       "(RegisterOptions::host_mirror), so only the CUDA IPC path reaches it"
-      : src_ipc_only                 ? "the source was registered without a host mirror "
-                                       "(RegisterOptions::host_mirror), so only the CUDA IPC "
-                                       "path reads it"
+  const std::string required =
+      dst.ipc_only() ? theirs +
+                           " was registered without a host mirror "
+                           "(RegisterOptions::host_mirror), so only the CUDA IPC path " +
+                           (read ? "reads it" : "reaches it")
+      : src_ipc_only ? mine +
+                           " was registered without a host mirror "
+                           "(RegisterOptions::host_mirror), so only the CUDA IPC path " +
+                           (read ? "reaches it" : "reads it")
       : mode == Config::CudaIpc::kOn ? "Config::cuda_ipc is on"
-                                     : nullptr;
+                                     : "";
   auto no = [&](std::string why) {
-    if (required == nullptr) return IpcRoute{IpcRoute::Kind::kFabric, std::move(why)};
+    if (required.empty()) return IpcRoute{IpcRoute::Kind::kFabric, std::move(why)};
     return IpcRoute{IpcRoute::Kind::kRejected,
-                    std::string(required) + ", but the CUDA IPC path is impossible: " + why};
+                    required + ", but the CUDA IPC path is impossible: " + why};
   };
   if (mode == Config::CudaIpc::kOff) return no("CUDA IPC is off");
   const bool src_device = src_memory.kind != cuda::MemoryKind::kHost;
@@ -31,20 +38,20 @@ IpcRoute choose_route(Config::CudaIpc mode, const Origin& self, const cuda::Poin
   // Host to host: the fabric, whatever the mode (the path moves GPU memory only). The common
   // case of every submission: no reason spelled out (no allocation).
   if (!src_device && !dst_device) return {IpcRoute::Kind::kFabric, {}};
-  if (!src_device) return no("the source is host memory");
-  if (src_export == nullptr) return no("the source has no CUDA IPC export: " + src_why);
+  if (!src_device) return no(mine + " is host memory");
+  if (src_export == nullptr) return no(mine + " has no CUDA IPC export: " + src_why);
   if (!dst.cuda_ipc()) {
-    return no(
-        "the destination's descriptor has no CUDA IPC section (host memory, memory CUDA could not "
-        "export, or an owner with CUDA IPC off)");
+    return no(theirs +
+              "'s descriptor has no CUDA IPC section (host memory, memory CUDA could not "
+              "export, or an owner with CUDA IPC off)");
   }
   const Origin& owner = dst.owner().origin();
-  if (!self.same_host(owner)) return no("the destination's owner runs on another host");
+  if (!self.same_host(owner)) return no(theirs + "'s owner runs on another host");
   if (src_export->kind == cuda::IpcExport::Kind::kCuda && self.same_process(owner)) {
-    return no("the destination's owner is this process (CUDA IPC maps another process's memory)");
+    return no(theirs + "'s owner is this process (CUDA IPC maps another process's memory)");
   }
   if (!reachable(dst.cuda_ipc()->device)) {
-    return no("the source's GPU cannot reach the destination's GPU (no peer access)");
+    return no(mine + "'s GPU cannot reach " + theirs + "'s GPU (no peer access)");
   }
   return {IpcRoute::Kind::kIpc, {}};
 }

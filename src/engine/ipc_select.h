@@ -29,11 +29,13 @@ struct IpcRoute {
 // `src_memory`: the source registration's memory; `src_export`: its CUDA IPC export, or null
 // with `src_why` saying why there is none; `src_ipc_only`: the source has no host mirror (only
 // the path reads it); `self`: this engine's origin; `reachable`: whether the source's GPU can
-// copy to and from the GPU with the given UUID (cuda::ipc_reachable).
+// copy to and from the GPU with the given UUID (cuda::ipc_reachable). `read`: a read, whose
+// local region is this side (`src_*`) and the peer's region `dst`; only the words change.
 IpcRoute choose_route(Config::CudaIpc mode, const Origin& self, const cuda::PointerInfo& src_memory,
                       const cuda::IpcExport* src_export, const std::string& src_why,
                       bool src_ipc_only, const RemoteMemory& dst,
-                      const std::function<bool(const cuda::DeviceUuid&)>& reachable);
+                      const std::function<bool(const cuda::DeviceUuid&)>& reachable,
+                      bool read = false);
 
 // Planning a transfer over the path: a range of `length` bytes from `src_offset` of the source
 // to `dst_offset` of destination `dst_index` (merged with the range before it when both ends

@@ -11,6 +11,12 @@
 // into the owner's pinned host mirror, then sends a Commit naming the ranges it wrote; the
 // owner copies them into the GPU, counts the Commit's immediate `imm_times` times (after the
 // copies), and answers with an Ack. The writer's transfer completes on the last Ack.
+//
+// A read Commit (kReadCommit, same body, no immediate) turns the direction: a reader asks the
+// owner of a region to copy the named ranges out of its GPU memory, into the owner's mirror (the
+// staged path: the reader then reads the mirror over the fabric) or, with a CUDA IPC section,
+// straight into the reader's exported GPU memory; the owner answers with an Ack once they are
+// there, and only for a region it registered readable.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +45,7 @@ enum class MessageKind : uint8_t {
   kFence = 6,
   kFenceAck = 7,
   kGoodbye = 8,
+  kReadCommit = 9,
 };
 // kind (1), sender (8), sequence (8), body length (4). The body length lets the receiver tell a
 // message from one a provider handed over with bytes after it or cut short (seen once on
@@ -138,6 +145,9 @@ struct Commit {
   uint64_t imm_times = 0;  // arrivals of imm to count once the ranges are in device memory
   std::vector<Range> ranges;
   std::optional<IpcSource> ipc;  // the CUDA IPC path: copy from here, not from the mirror
+  // A read Commit (sent as kReadCommit; decode() leaves it false, the receiver sets it from the
+  // header): the ranges are the owner's to copy out; `ipc` is then the reader's destination.
+  bool read = false;
 
   // Fixed bytes of the message before the ranges, plus the reply address.
   static constexpr uint64_t kFixedBytes = kMessageHeaderBytes + 8 + 4 + 8 + 1 + 4 + 8 + 4;
@@ -153,7 +163,7 @@ struct Commit {
 
   Bytes encode() const {
     detail::ByteWriter w;
-    put_header(w, MessageKind::kCommit);
+    put_header(w, read ? MessageKind::kReadCommit : MessageKind::kCommit);
     w.u64(transfer);
     w.u32(static_cast<uint32_t>(reply_to.size()));
     w.bytes(reply_to);

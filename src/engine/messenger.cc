@@ -41,7 +41,9 @@ Received read_message(std::span<const std::byte> arrived, SeenWindows& seen, boo
   if (!seen[header.sender].insert(header.seq)) {
     // A copy failover sent again, and the first one arrived too: delivered once. A Commit's
     // writer still waits for an Ack, which may be what got lost.
-    if (header.kind == MessageKind::kCommit) r.kind = Received::Kind::kDuplicateCommit;
+    if (header.kind == MessageKind::kCommit || header.kind == MessageKind::kReadCommit) {
+      r.kind = Received::Kind::kDuplicateCommit;
+    }
     return r;
   }
   switch (header.kind) {
@@ -56,6 +58,7 @@ Received read_message(std::span<const std::byte> arrived, SeenWindows& seen, boo
       }
       break;
     case MessageKind::kCommit:
+    case MessageKind::kReadCommit:
       r.kind = Received::Kind::kCommit;
       break;
     case MessageKind::kAck:

@@ -1,7 +1,9 @@
 // StagedPath (staged_path.h): the owner's side of Commits. A Commit names ranges the writer put
 // in this engine's pinned host mirror of a staged region; they are copied into the region's
 // device memory, then the Commit's immediate is counted and the Commit acknowledged. A Commit
-// of a reliable immediate for host memory (region 0) is counted at once.
+// of a reliable immediate for host memory (region 0) is counted at once. A read Commit names
+// ranges of a readable staged region to copy out of the device into the mirror before the
+// reader reads them there.
 
 #include <fmt/format.h>
 
@@ -30,6 +32,7 @@ void StagedPath::on_commit(const MessageHeader& header, std::span<const std::byt
   job.sender = header.sender;
   job.seq = header.seq;
   job.reply_domain = domain;
+  job.commit.read = header.kind == MessageKind::kReadCommit;
   CommitJob* key = owned.get();
   jobs_.emplace(key, std::move(owned));
   const CommitKey record{header.sender, header.seq};
@@ -39,13 +42,22 @@ void StagedPath::on_commit(const MessageHeader& header, std::span<const std::byt
     records_.erase(order_.front());
     order_.pop_front();
   }
+  // Ends the job with `status` (its Ack carries it).
+  auto refuse = [&](Status status) {
+    job.status = std::move(status);
+    commit_done(job);
+  };
+  if (job.commit.read && job.commit.has_imm) {
+    job.commit.has_imm = false;
+    return refuse(Status(ErrorCode::kInvalidArgument, "a read commit carries no immediate"));
+  }
   if (job.commit.ipc) {  // the CUDA IPC path (ipc_copies.h)
     Event& e = events_.emplace_back();
     e.kind = Event::Kind::kStartIpc;
     e.job = &job;
     return;
   }
-  if (job.commit.region == 0) {
+  if (job.commit.region == 0 && !job.commit.read) {
     // A reliable immediate (Config::reliable_imm) for host memory: the writes it follows have
     // completed, so the data is in place; nothing to copy, count it now.
     if (!job.commit.ranges.empty()) {
@@ -56,22 +68,24 @@ void StagedPath::on_commit(const MessageHeader& header, std::span<const std::byt
   }
   job.region = regions_ ? regions_->find(job.commit.region) : nullptr;
   if (!job.region || job.region->worker != self_ || !job.region->staged()) {
-    job.status = Status(ErrorCode::kRemoteAccess,
-                        fmt::format("staged region {:#x} is not registered on this group (was "
-                                    "it unregistered?)",
-                                    job.commit.region));
-    commit_done(job);
-    return;
+    return refuse(Status(ErrorCode::kRemoteAccess,
+                         fmt::format("staged region {:#x} is not registered on this group (was "
+                                     "it unregistered?)",
+                                     job.commit.region)));
   }
   const LocalRegion& region = *job.region;
+  if (job.commit.read && !region.remote_read) {
+    return refuse(Status(ErrorCode::kRemoteAccess,
+                         fmt::format("staged region {:#x} was not registered readable "
+                                     "(RegisterOptions::remote_read); nothing was read",
+                                     job.commit.region)));
+  }
   for (const Range& r : job.commit.ranges) {
     if (r.offset > region.length || r.length > region.length - r.offset) {
-      job.status = Status(ErrorCode::kRemoteAccess,
-                          fmt::format("staged commit of {} bytes at offset {} exceeds the region "
-                                      "({} bytes)",
-                                      r.length, r.offset, region.length));
-      commit_done(job);
-      return;
+      return refuse(Status(ErrorCode::kRemoteAccess,
+                           fmt::format("staged commit of {} bytes at offset {} exceeds the region "
+                                       "({} bytes)",
+                                       r.length, r.offset, region.length)));
     }
   }
   if (job.commit.ranges.empty()) {
@@ -80,10 +94,13 @@ void StagedPath::on_commit(const MessageHeader& header, std::span<const std::byt
   }
   auto copier = copiers_.get(region.memory);
   Status s = copier ? Status::ok() : copier.status();
+  // A write's ranges go from the mirror into the GPU; a read's come out of the GPU into the
+  // mirror, where the reader's fabric reads find them once the Ack has told it so.
+  const auto direction =
+      job.commit.read ? cuda::Copier::Direction::kToHost : cuda::Copier::Direction::kToDevice;
   for (const Range& r : job.commit.ranges) {
     if (!s.is_ok()) break;
-    s = (*copier)->copy(region.ptr + r.offset, region.host + r.offset, r.length,
-                        cuda::Copier::Direction::kToDevice);
+    s = (*copier)->copy(region.ptr + r.offset, region.host + r.offset, r.length, direction);
   }
   if (s.is_ok()) s = (*copier)->fence(reinterpret_cast<uint64_t>(&job));
   if (!s.is_ok()) {

@@ -44,11 +44,39 @@ void Worker::release_gates() {
   released.clear();
 }
 
+void Worker::release_held(Transfer& t) {
+  if (!t.held) return;
+  t.held = false;
+  Status failed = t.error;
+  if (failed.is_ok() && stopping_) failed = cancelled("engine closed before the read was posted");
+  for (Op& op : t.ops) {
+    if (failed.is_ok()) {
+      enqueue(op);
+    } else {
+      complete_op(op, failed);
+    }
+  }
+}
+
+void Worker::settle_landed() {
+  std::vector<StagedWriter::Landed>& landed = writer_->landed();
+  for (const StagedWriter::Landed& l : landed) {
+    Transfer& t = *l.op->transfer;
+    if (!l.status.is_ok() && t.error.is_ok()) {
+      t.error = Status(l.status.code(), fmt::format("copying {} bytes read into device memory: {}",
+                                                    l.op->length, l.status.message()));
+    }
+    settle(t);
+  }
+  landed.clear();
+}
+
 bool Worker::poll_copies() {
   bool any = false;
   if (writer_->has_copiers() && writer_->poll()) {  // gates whose copies to the host completed
     any = true;
     release_gates();
+    settle_landed();
   }
   if (ipc_->has_copiers() && ipc_->poll()) {  // CUDA IPC Commits copied
     any = true;
@@ -110,7 +138,12 @@ void Worker::handle_ack(std::span<const std::byte> body) {
     return;
   }
   Transfer* t = writer_->on_ack(*ack);
-  if (t != nullptr && t->pending == 0) make_ready(*t);
+  if (t == nullptr) return;
+  if (t->held) {
+    release_held(*t);  // a read's owner has copied the ranges into its mirror
+  } else if (t->pending == 0) {
+    make_ready(*t);
+  }
 }
 
 void Worker::watch_acks() {
@@ -121,7 +154,11 @@ void Worker::watch_acks() {
       health_->active() ? config_.nic_timeout : std::chrono::milliseconds(config_.peer_timeout / 4);
   StagedWriter::Overdue& overdue = writer_->watch(now_, resend_after);
   for (Transfer* t : overdue.failed) {
-    if (t->pending == 0) make_ready(*t);
+    if (t->held) {
+      release_held(*t);  // fails the read's ops with the transfer's error
+    } else if (t->pending == 0) {
+      make_ready(*t);
+    }
   }
   if (!overdue.resend.empty()) {
     const size_t resent = overdue.resend.size();

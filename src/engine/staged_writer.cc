@@ -62,11 +62,52 @@ void StagedWriter::stage(Transfer& t) {
   }
 }
 
+// A fence's token is a Gate's address, or a landing read's Op's with the low bit set (both are
+// aligned to 8 bytes).
+constexpr uint64_t kLandingBit = 1;
+
 bool StagedWriter::poll() {
   done_.clear();
   if (copiers_.poll(done_) == 0) return false;
-  for (cuda::Copier::Done& d : done_) release(*reinterpret_cast<Gate*>(d.token), d.status);
+  for (cuda::Copier::Done& d : done_) {
+    if ((d.token & kLandingBit) != 0) {
+      landed_.push_back({reinterpret_cast<Op*>(d.token & ~kLandingBit), d.status});
+    } else {
+      release(*reinterpret_cast<Gate*>(d.token), d.status);
+    }
+  }
   return true;
+}
+
+Status StagedWriter::land(Op& op) {
+  const LocalRegion& dst = *op.transfer->src;
+  auto copier = copiers_.get(dst.memory);
+  if (!copier) return copier.status();
+  auto* host = static_cast<std::byte*>(const_cast<void*>(op.local));
+  Status s = (*copier)->copy(dst.ptr + (host - dst.host), host, op.length,
+                             cuda::Copier::Direction::kToDevice);
+  if (s.is_ok()) s = (*copier)->fence(reinterpret_cast<uint64_t>(&op) | kLandingBit);
+  return s;
+}
+
+void StagedWriter::commit_read_prep(Transfer& t, const Bytes& reply_to) {
+  const RemoteMemory& src = t.dsts[0];
+  const uint64_t room = options_.message_room;
+  const uint64_t fixed = Commit::kFixedBytes + reply_to.size();
+  const uint64_t per_message = room > fixed ? (room - fixed) / Commit::kRangeBytes : 0;
+  if (per_message == 0) {
+    if (t.error.is_ok()) {
+      t.error = Status(ErrorCode::kInvalidArgument,
+                       "max_message_bytes is too small for the staged path's commit messages");
+    }
+    return;
+  }
+  for (size_t pos = 0; pos < t.read_prep.size(); pos += per_message) {
+    const size_t n = std::min<size_t>(per_message, t.read_prep.size() - pos);
+    add_commit(t, src, src.staged_region(), std::span(t.read_prep).subspan(pos, n), reply_to).read =
+        true;
+  }
+  t.read_prep.clear();
 }
 
 Commit& StagedWriter::add_commit(Transfer& t, const RemoteMemory& dst, uint64_t region,
@@ -166,6 +207,7 @@ void StagedWriter::commit_ipc(Transfer& t, bool final, const Bytes& reply_to) {
       const size_t n = std::min<size_t>(per_message, d.ranges.size() - pos);
       Commit& c =
           add_commit(t, dst, dst.cuda_ipc()->region, std::span(d.ranges).subspan(pos, n), reply_to);
+      c.read = t.reading;
       IpcSource& is = c.ipc.emplace();
       is.exported = *src.ipc;
       is.region = src.id;

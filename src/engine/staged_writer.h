@@ -73,6 +73,16 @@ class StagedWriter {
   bool poll();
   // What stage() and poll() released since the last take, in order: the worker clears it.
   std::vector<Release>& released() { return released_; }
+  // A read into a staged region completed into its mirror: its bytes are copied on into the
+  // device, and the op is done once they are there (landed()). Fails when the copy could not
+  // be enqueued (the op is then not landing).
+  Status land(Op& op);
+  struct Landed {
+    Op* op = nullptr;
+    Status status;
+  };
+  // Reads whose host-to-device copies completed since the last take (poll()), in order.
+  std::vector<Landed>& landed() { return landed_; }
   bool has_copiers() const { return !copiers_.empty(); }
   bool copying() const { return copiers_.copying(); }
   // The engine stops: waits for every copy in flight and forgets their fences.
@@ -91,6 +101,9 @@ class StagedWriter {
   // export; the immediate alone once every range Commit is acknowledged (`final`) when the
   // ranges need several messages.
   void commit_ipc(Transfer& t, bool final, const Bytes& reply_to);
+  // A read from a staged region: the read Commits that have its owner copy t.read_prep out of
+  // the device into its mirror, before the reads go.
+  void commit_read_prep(Transfer& t, const Bytes& reply_to);
   static bool staged_left(const Transfer& t);  // ranges or an immediate not yet committed
   static bool ipc_left(const Transfer& t);
   std::vector<Outgoing>& outgoing() { return outgoing_; }
@@ -126,6 +139,7 @@ class StagedWriter {
   CopierSet copiers_;
   std::vector<cuda::Copier::Done> done_;
   std::vector<Release> released_;
+  std::vector<Landed> landed_;
   std::vector<Outgoing> outgoing_;
   std::vector<Transfer*> awaiting_;  // transfers with Commits not yet acknowledged
   std::unordered_map<uint64_t, CommitSend*> unacked_;  // by sequence number

@@ -59,6 +59,9 @@ struct LocalRegion {
   // Registered with RegisterOptions::host_mirror false on a group that stages GPU memory: no
   // mirror, no provider registrations (regs empty, host null); only CUDA IPC moves it.
   bool ipc_only = false;
+  // Registered with RegisterOptions::remote_read: peers may read it (owners check read Commits
+  // against it; the fabric's keys carry it where the provider enforces access).
+  bool remote_read = false;
   // Host memory registered with RegisterOptions::gpu_copies: the GPU whose copy engines fill it
   // from same-host writers' GPU memory (the CUDA IPC path); page-locked until the region goes.
   std::optional<cuda::PointerInfo> copy_engines;
@@ -196,6 +199,12 @@ struct Transfer {
   // The CUDA IPC path: destinations filled by their owners' copies (no ops); their Commits are
   // sent when the transfer starts.
   std::vector<IpcDst> ipc;
+  // A read (docs/reads.md): its CUDA IPC Commits ask the owner to copy out of its region
+  // (`reading`); from a staged region, the ranges its owner first copies out of the device into
+  // its mirror (read Commits) while the ops are `held`, queued once every Ack has come.
+  bool reading = false;
+  std::vector<Range> read_prep;
+  bool held = false;
   // Failover: copies of ops given up on a NIC marked down, re-posted on a surviving NIC.
   std::list<Op> retries;
   // An engine-internal probe of a NIC marked down (its index), else -1.

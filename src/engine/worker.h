@@ -211,6 +211,10 @@ class Worker {
   // The staged path (staged_path.cc): doing what writer_, staged_ and ipc_ return.
   void stage_sources(Transfer& t);
   void release_gates();  // queues (or fails) the ops writer_ released
+  // A read from a staged region: its ops, held while the owner copied the ranges into its
+  // mirror, are queued (or failed with the transfer's error) once the last Ack came.
+  void release_held(Transfer& t);
+  void settle_landed();  // reads whose bytes writer_ copied on into device memory are done
   bool poll_copies();
   void record_staged(Op& op);
   void flush_commits(Transfer& t, uint32_t dst_index, bool final);

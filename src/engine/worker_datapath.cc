@@ -25,7 +25,14 @@ void Worker::start_transfer(TransferPtr owned) {
   }
   if (!t.message.empty()) messages_->stamp(t.message);
   t.pending = t.ops.size();
-  if (t.src && t.src->staged()) {
+  if (!t.read_prep.empty()) {
+    // A read from a staged region: the owner copies the ranges into its mirror first; the ops
+    // wait for its Acks (release_held).
+    t.held = true;
+    writer_->commit_read_prep(t, self_);
+    send_commits();
+    if (t.acks == 0) release_held(t);  // nothing went out: the ops fail with the error
+  } else if (t.src && t.src->staged() && !t.reading) {
     stage_sources(t);  // ops are queued as their device-to-host copies complete
   } else {
     for (Op& op : t.ops) enqueue(op);
@@ -144,9 +151,18 @@ bool Worker::poll(uint32_t index) {
   return true;
 }
 
-void Worker::complete_op(Op& op, const Status& status) {
+void Worker::complete_op(Op& op, const Status& completion) {
   messages_->release_send_slot(op);
   Transfer& t = *op.transfer;
+  Status status = completion;
+  if (op.kind == Op::Kind::kRead && status.is_ok() && t.src->staged() && t.error.is_ok()) {
+    // Into a staged region's mirror: the op is done once its bytes are in device memory too
+    // (settle_landed); its transfer stays pending until then.
+    status = writer_->land(op);
+    if (status.is_ok()) return;
+    status = Status(status.code(), fmt::format("copying {} bytes read into device memory: {}",
+                                               op.length, status.message()));
+  }
   if (op.commit != nullptr) {
     CommitSend& cs = *op.commit;
     --cs.live;
@@ -172,6 +188,7 @@ void Worker::complete_op(Op& op, const Status& status) {
     }
   }
   if (!status.is_ok() && t.error.is_ok()) t.error = status;
+  if (op.commit != nullptr && t.held && t.acks == 0) release_held(t);  // a read's last Commit
   if (status.is_ok() && op.dst_index != Op::kNoDst) record_staged(op);
   settle(t);
 }

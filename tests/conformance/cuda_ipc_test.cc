@@ -12,26 +12,6 @@
 namespace fabric::testing {
 namespace {
 
-struct DeviceBuffer {
-  std::unique_ptr<FakeDeviceBuffer> memory;
-  Registration reg;
-  std::span<std::byte> bytes() const { return memory->contents(); }
-};
-
-std::unique_ptr<DeviceBuffer> make_device_buffer(TransferEngine& e, uint64_t n,
-                                                 bool host_mirror = true) {
-  auto b = std::make_unique<DeviceBuffer>();
-  auto m = FakeDeviceBuffer::create(n);
-  EXPECT_TRUE(m) << m.status().to_string();
-  if (!m) return b;
-  b->memory = std::move(*m);
-  auto r =
-      e.register_memory(b->memory->device_ptr(), n, RegisterOptions{.host_mirror = host_mirror});
-  EXPECT_TRUE(r) << r.status().to_string();
-  if (r) b->reg = *r;
-  return b;
-}
-
 class CudaIpcPath : public ::testing::TestWithParam<Backend> {
  protected:
   void SetUp() override {
@@ -412,14 +392,14 @@ TEST_P(CudaIpcPath, WithoutAHostMirrorOnlyThePathReachesTheMemory) {
   auto mirror_bytes = [](TransferEngine& e) { return e.stats().groups[0].host_mirror_bytes; };
   auto mirrored = make_device_buffer(*b_, n);
   EXPECT_EQ(mirror_bytes(*b_), n);
-  auto dst = make_device_buffer(*b_, n, /*host_mirror=*/false);
+  auto dst = make_device_buffer(*b_, n, RegisterOptions{.host_mirror = false});
   EXPECT_EQ(mirror_bytes(*b_), n) << "a mirror was allocated all the same";
   EXPECT_TRUE(dst->reg.descriptor.ipc_only());
   EXPECT_TRUE(dst->reg.descriptor.rails().empty());
   auto decoded = RemoteMemory::decode(dst->reg.descriptor.encode());
   ASSERT_TRUE(decoded) << decoded.status().to_string();
   EXPECT_EQ(*decoded, dst->reg.descriptor);
-  auto src = make_device_buffer(*a_, n, /*host_mirror=*/false);
+  auto src = make_device_buffer(*a_, n, RegisterOptions{.host_mirror = false});
   EXPECT_EQ(mirror_bytes(*a_), 0u);
   fill_pattern(src->bytes().data(), n, 21);
 

@@ -24,16 +24,7 @@ class Reads : public ::testing::TestWithParam<Backend> {
     Config ca = make_config(GetParam(), nics_a);
     Config cb = make_config(GetParam(), nics_b);
     if (peer_timeout) ca.peer_timeout = cb.peer_timeout = *peer_timeout;
-    auto ea = TransferEngine::create(ca);
-    if (!ea && ea.status().code() == ErrorCode::kUnsupported) {
-      skip_reason_ = ea.status().to_string();
-      return;
-    }
-    ASSERT_TRUE(ea) << ea.status().to_string();
-    auto eb = TransferEngine::create(cb);
-    ASSERT_TRUE(eb) << eb.status().to_string();
-    a_ = std::move(*ea);
-    b_ = std::move(*eb);
+    skip_reason_ = open_pair(ca, cb, a_, b_);
   }
   void SetUp() override {
     open();
@@ -349,34 +340,6 @@ TEST_P(Reads, CloseWithReadsInFlightEndsEachOnce) {
   EXPECT_EQ(tally.done() + tally.failed(), 16) << tally.summary();
   EXPECT_EQ(tally.twice(), 0);
   EXPECT_EQ(tally.after_seal(), 0);
-}
-
-// GPU memory the group's NICs do not reach is staged through a host mirror, which reads do not
-// take yet: registering it readable, and reading into it, are refused, nothing registered or
-// posted. (FakeDeviceBuffer: the staged path's test double, whose device address faults on any
-// direct access.)
-TEST_P(Reads, StagedGpuMemoryIsRefusedForReadsUntilTheyTakeThatPath) {
-  auto device = FakeDeviceBuffer::create(4096);
-  ASSERT_TRUE(device) << device.status().to_string();
-  RegisterOptions options;
-  options.remote_read = true;
-  auto refused = b_->register_memory((*device)->device_ptr(), 4096, options);
-  ASSERT_FALSE(refused);
-  EXPECT_EQ(refused.status().code(), ErrorCode::kUnsupported) << refused.status().to_string();
-  EXPECT_NE(refused.status().message().find("remote_read"), std::string::npos);
-  // Into staged local memory: refused at submit.
-  auto local = a_->register_memory((*device)->device_ptr(), 4096);
-  ASSERT_TRUE(local) << local.status().to_string();
-  auto src = readable(4096, 3);
-  Probe never;
-  auto id =
-      a_->submit(SingleRead{local->handle, 0, src->reg.descriptor, 0, 4096, {}}, never.callbacks());
-  ASSERT_FALSE(id);
-  EXPECT_EQ(id.status().code(), ErrorCode::kUnsupported) << id.status().to_string();
-  EXPECT_NE(id.status().message().find("local region"), std::string::npos);
-  ASSERT_TRUE(a_->unregister_memory(local->handle));
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(never.calls(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, Reads, ::testing::ValuesIn(all_backends()), backend_name);

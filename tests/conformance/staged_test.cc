@@ -12,24 +12,6 @@
 namespace fabric::testing {
 namespace {
 
-struct DeviceBuffer {
-  std::unique_ptr<FakeDeviceBuffer> memory;
-  Registration reg;
-  std::span<std::byte> bytes() const { return memory->contents(); }
-};
-
-std::unique_ptr<DeviceBuffer> make_device_buffer(TransferEngine& e, uint64_t n) {
-  auto b = std::make_unique<DeviceBuffer>();
-  auto m = FakeDeviceBuffer::create(n);
-  EXPECT_TRUE(m) << m.status().to_string();
-  if (!m) return b;
-  b->memory = std::move(*m);
-  auto r = e.register_memory(b->memory->device_ptr(), n);
-  EXPECT_TRUE(r) << r.status().to_string();
-  if (r) b->reg = *r;
-  return b;
-}
-
 // The staged path itself: CUDA IPC off, or same-host device-to-device writes would take that
 // path instead (tests/conformance/cuda_ipc_test.cc runs them with it on).
 Config staged_config(const Backend& b, int nics = 1) {

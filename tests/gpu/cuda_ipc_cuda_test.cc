@@ -150,6 +150,65 @@ TEST_P(CudaIpcCuda, SingleAndPagedWritesLandInThePeersGpu) {
   EXPECT_EQ(peer_.read_value("checksum"), std::to_string(device_fnv(*src, 1, kOddPages * kOdd)));
 }
 
+// Reads of the peer's GPU memory, every byte checked on this process's device: over the CUDA
+// IPC path (the peer copies its memory into this process's exported destination), and with the
+// path off here over the staged path (the peer copies the ranges into its mirror first; the
+// reads land in this engine's mirror and are copied into its GPU), and into host memory.
+TEST_P(CudaIpcCuda, ReadsOfThePeersGpuMemory) {
+  ASSERT_TRUE(peer_memory_.readable()) << "the peer registers its memory readable";
+  peer_.send("fill 77");
+  ASSERT_EQ(peer_.read_line(), "filled");
+  std::vector<std::byte> want(kPeerBytes);
+  fill_pattern(want.data(), kPeerBytes, 77);
+  for (bool ipc : {true, false}) {
+    SCOPED_TRACE(ipc ? "CUDA IPC" : "staged");
+    Config c = make_config(GetParam());
+    if (!ipc) c.cuda_ipc = Config::CudaIpc::kOff;
+    auto e = TransferEngine::create(c);
+    ASSERT_TRUE(e) << e.status().to_string();
+    TransferEngine& reader = **e;
+    auto dst = make_gpu(reader, kPeerBytes, 0);
+    for (uint64_t n : {uint64_t{1}, uint64_t{4097}, (uint64_t{1} << 20) + 5, uint64_t{40} << 20}) {
+      SCOPED_TRACE(::testing::Message() << n << " bytes");
+      const uint64_t src_off = n % 13, dst_off = n % 7;
+      Probe done;
+      ASSERT_TRUE(
+          reader.submit(SingleRead{dst->reg.handle, dst_off, peer_memory_, src_off, n, Routing{}},
+                        done.callbacks()));
+      ASSERT_TRUE(done.wait(std::chrono::seconds(60))) << done.wait().to_string();
+      const std::vector<std::byte> got = dst->read(dst_off, n);
+      ASSERT_EQ(0, std::memcmp(got.data(), want.data() + src_off, n));
+    }
+    EXPECT_EQ(reader.stats().groups[0].cuda_ipc_transfers, ipc ? 4u : 0u);
+    // 512 pages of 16 KiB, shuffled at both ends.
+    constexpr uint64_t kPage = 16384;
+    std::vector<uint32_t> src_pages(512), dst_pages(512);
+    std::iota(src_pages.begin(), src_pages.end(), 0);
+    std::iota(dst_pages.begin(), dst_pages.end(), 0);
+    std::shuffle(src_pages.begin(), src_pages.end(), std::mt19937(8));
+    std::shuffle(dst_pages.begin(), dst_pages.end(), std::mt19937(9));
+    Probe paged;
+    ASSERT_TRUE(reader.submit(
+        PagedRead{dst->reg.handle, peer_memory_, kPage, src_pages, kPage, 0, dst_pages, kPage, 0},
+        paged.callbacks()));
+    ASSERT_TRUE(paged.wait(std::chrono::seconds(60))) << paged.wait().to_string();
+    const std::vector<std::byte> got = dst->read(0, 512 * kPage);
+    for (size_t i = 0; i < src_pages.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(got.data() + dst_pages[i] * kPage,
+                               want.data() + src_pages[i] * kPage, kPage))
+          << "page " << i;
+    }
+    // Into host memory: the staged path at the peer's end whatever the mode.
+    auto host = make_buffer(reader, 3 << 20);
+    Probe into_host;
+    ASSERT_TRUE(reader.submit(SingleRead{host->reg.handle, 0, peer_memory_, 11, 3 << 20, {}},
+                              into_host.callbacks()));
+    ASSERT_TRUE(into_host.wait(std::chrono::seconds(60))) << into_host.wait().to_string();
+    EXPECT_EQ(0, std::memcmp(host->bytes.data(), want.data() + 11, 3 << 20));
+    reader.close();
+  }
+}
+
 TEST_P(CudaIpcCuda, ScatterImmOnlyAndBarrier) {
   auto src = make_gpu(*engine_, 1 << 20, 5);
   auto group = engine_->add_peer_group({peer_memory_.owner()});

@@ -39,14 +39,15 @@ struct Gpu {
   }
 };
 
-std::unique_ptr<Gpu> make_gpu(TransferEngine& e, uint64_t n, uint64_t seed) {
+std::unique_ptr<Gpu> make_gpu(TransferEngine& e, uint64_t n, uint64_t seed,
+                              RegisterOptions options = {}) {
   auto g = std::make_unique<Gpu>();
   g->size = n;
   EXPECT_EQ(cudaMalloc(&g->ptr, n), cudaSuccess);
   std::vector<std::byte> init(n, std::byte{0});
   if (seed != 0) fill_pattern(init.data(), n, seed);
   EXPECT_EQ(cudaMemcpy(g->ptr, init.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
-  auto r = e.register_memory(g->ptr, n);
+  auto r = e.register_memory(g->ptr, n, options);
   EXPECT_TRUE(r) << r.status().to_string();
   if (r) g->reg = *r;
   return g;
@@ -249,6 +250,67 @@ TEST_P(StagedCuda, VmmAllocationsMoveLikeCudaMalloc) {
   unmap(va, n);
   release(h);
   afree(va, n);
+}
+
+// Reads of CUDA memory between two engines of one process (the CUDA IPC path maps only another
+// process's memory, so these take the staged path, or the direct one where the NICs reach GPU
+// memory): device to device, device into host, host into device, single and paged; every byte
+// checked on the device.
+TEST_P(StagedCuda, ReadsOfDeviceMemory) {
+  constexpr uint64_t kBytes = (64 << 20) + 4096;
+  RegisterOptions readable;
+  readable.remote_read = true;
+  auto src = make_gpu(*b_, kBytes, 31, readable);
+  ASSERT_TRUE(src->reg.descriptor.readable());
+  auto dst = make_gpu(*a_, kBytes, 0);
+  std::vector<std::byte> want(kBytes);
+  fill_pattern(want.data(), kBytes, 31);
+  for (uint64_t n : {uint64_t{1}, uint64_t{4097}, (uint64_t{1} << 20) + 13, uint64_t{64} << 20}) {
+    SCOPED_TRACE(::testing::Message() << n << " bytes");
+    const uint64_t src_off = n % 13, dst_off = n % 7;
+    Probe done;
+    ASSERT_TRUE(
+        a_->submit(SingleRead{dst->reg.handle, dst_off, src->reg.descriptor, src_off, n, Routing{}},
+                   done.callbacks()));
+    ASSERT_TRUE(done.wait(std::chrono::seconds(60))) << done.wait().to_string();
+    const std::vector<std::byte> got = dst->read();
+    ASSERT_EQ(0, std::memcmp(got.data() + dst_off, want.data() + src_off, n));
+  }
+  // Device into host memory, and host memory into the device.
+  auto host = make_buffer(*a_, 1 << 20);
+  Probe into_host;
+  ASSERT_TRUE(a_->submit(SingleRead{host->reg.handle, 0, src->reg.descriptor, 5, 1 << 20, {}},
+                         into_host.callbacks()));
+  ASSERT_TRUE(into_host.wait()) << into_host.wait().to_string();
+  EXPECT_EQ(0, std::memcmp(host->bytes.data(), want.data() + 5, 1 << 20));
+  std::vector<std::byte> host_src(1 << 20);
+  fill_pattern(host_src.data(), host_src.size(), 32);
+  auto host_reg = b_->register_memory(host_src.data(), host_src.size(), readable);
+  ASSERT_TRUE(host_reg) << host_reg.status().to_string();
+  Probe into_device;
+  ASSERT_TRUE(a_->submit(SingleRead{dst->reg.handle, 3, host_reg->descriptor, 0, 1 << 20, {}},
+                         into_device.callbacks()));
+  ASSERT_TRUE(into_device.wait()) << into_device.wait().to_string();
+  EXPECT_EQ(0, std::memcmp(dst->read().data() + 3, host_src.data(), 1 << 20));
+  // 256 pages of 64 KiB, shuffled at both ends.
+  constexpr uint64_t kPage = 64 << 10;
+  std::vector<uint32_t> src_pages(256), dst_pages(256);
+  std::iota(src_pages.begin(), src_pages.end(), 0);
+  std::iota(dst_pages.begin(), dst_pages.end(), 0);
+  std::shuffle(src_pages.begin(), src_pages.end(), std::mt19937(1));
+  std::shuffle(dst_pages.begin(), dst_pages.end(), std::mt19937(2));
+  Probe paged;
+  ASSERT_TRUE(a_->submit(PagedRead{dst->reg.handle, src->reg.descriptor, kPage, src_pages, kPage, 0,
+                                   dst_pages, kPage, 0},
+                         paged.callbacks()));
+  ASSERT_TRUE(paged.wait(std::chrono::seconds(60))) << paged.wait().to_string();
+  const std::vector<std::byte> got = dst->read();
+  for (size_t i = 0; i < src_pages.size(); ++i) {
+    ASSERT_EQ(0, std::memcmp(got.data() + dst_pages[i] * kPage, want.data() + src_pages[i] * kPage,
+                             kPage))
+        << "page " << i;
+  }
+  ASSERT_TRUE(b_->unregister_memory(host_reg->handle));
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, StagedCuda,

@@ -47,13 +47,14 @@ class PeerServer:
         self.buffers[name] = (array, reg)
         return bytes(reg.descriptor)
 
-    def alloc_cuda(self, name, size, seed=None, host_mirror=True):
-        """A CUDA tensor of `size` bytes (the pattern of `seed`, or zeros), registered."""
+    def alloc_cuda(self, name, size, seed=None, host_mirror=True, remote_read=False):
+        """A CUDA tensor of `size` bytes (the pattern of `seed`, or zeros), registered (readable
+        by peers with remote_read)."""
         import torch
 
         host = pattern(size, seed) if seed is not None else np.zeros(size, dtype=np.uint8)
         tensor = torch.from_numpy(host).to("cuda")
-        reg = self.engine.register(tensor, host_mirror=host_mirror)
+        reg = self.engine.register(tensor, host_mirror=host_mirror, remote_read=remote_read)
         self.buffers[name] = (tensor, reg)
         return bytes(reg.descriptor)
 

@@ -143,6 +143,26 @@ def test_single_write_gpu_to_gpu(engine, peer, size):
     assert peer.call("imm_count", imm) == 1
 
 
+@pytest.mark.parametrize("size", [1, 4097, (1 << 20) + 13, 32 << 20])
+def test_read_a_peers_cuda_tensor_into_a_cuda_tensor_and_into_host_memory(engine, peer, size):
+    """The peer's CUDA tensor, registered readable, read into a CUDA tensor here (over CUDA IPC,
+    or staged at both ends with cuda_ipc off) and into host memory (staged at the peer's end)."""
+    src = peer.call("alloc_cuda", "readable", size + 3, size, True, True)
+    want = pattern(size + 3, size)[3:].tobytes()
+    before = engine.stats().groups[0].cuda_ipc_transfers
+    dst = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    with engine.register(dst) as reg:
+        assert engine.read(reg, src, size, src_offset=3).result(TIMEOUT) is None
+        assert dst.cpu().numpy().tobytes() == want
+    expected = 0 if engine.group_info().cuda_ipc == "off" else 1
+    assert engine.stats().groups[0].cuda_ipc_transfers - before == expected
+    host = np.zeros(size, np.uint8)
+    with engine.register(host) as reg:
+        assert engine.read(reg, src, size, src_offset=3).result(TIMEOUT) is None
+        assert host.tobytes() == want
+    peer.call("unregister", "readable")
+
+
 def test_paged_write_gpu_to_gpu_with_index_tensors(engine, peer):
     page, stride, pages = 65536, 65536 + 128, 64
     src = cuda_pattern(pages * stride, seed=5)

@@ -75,10 +75,10 @@ int main(int argc, char** argv) {
   auto to_device = [] {};
   auto from_device = [] {};
 #endif
-  // Host memory is readable too: the read tests (conformance, the multi-NIC lab) read what
-  // `fill` wrote. (GPU memory on the staged or CUDA IPC path cannot be registered readable yet.)
+  // Readable: the read tests (conformance, the multi-NIC lab, the GPU tests of reads over the
+  // staged and CUDA IPC paths) read what `fill` wrote.
   RegisterOptions options;
-  options.remote_read = !gpu;
+  options.remote_read = true;
   auto reg = engine.register_memory(mem, size, options);
   if (!reg) {
     std::cout << "error " << reg.status().to_string() << std::endl;

@@ -11,10 +11,12 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "fabric/fabric.h"
+#include "fabric/testing.h"
 #include "slowdown.h"
 
 namespace fabric::testing {
@@ -247,6 +249,21 @@ inline uint64_t fnv1a(const std::byte* p, uint64_t n) {
   return h;
 }
 
+// Opens engines `a` with `ca` and `b` with `cb`. Returns why not when the provider is missing
+// here (kUnsupported: the test skips with it), else "" (other failures fail the test).
+inline std::string open_pair(const Config& ca, const Config& cb, std::unique_ptr<TransferEngine>& a,
+                             std::unique_ptr<TransferEngine>& b) {
+  auto ea = TransferEngine::create(ca);
+  if (!ea && ea.status().code() == ErrorCode::kUnsupported) return ea.status().to_string();
+  EXPECT_TRUE(ea) << ea.status().to_string();
+  auto eb = TransferEngine::create(cb);
+  EXPECT_TRUE(eb) << eb.status().to_string();
+  if (!ea || !eb) return {};
+  a = std::move(*ea);
+  b = std::move(*eb);
+  return {};
+}
+
 // A registered buffer, freed after the engine lets go of it.
 struct Buffer {
   std::vector<std::byte> bytes;
@@ -257,6 +274,27 @@ inline std::unique_ptr<Buffer> make_buffer(TransferEngine& e, uint64_t n, uint32
   auto b = std::make_unique<Buffer>();
   b->bytes.assign(n == 0 ? 1 : n, std::byte{0});
   auto r = e.register_memory(b->bytes.data(), b->bytes.size(), group);
+  EXPECT_TRUE(r) << r.status().to_string();
+  if (r) b->reg = *r;
+  return b;
+}
+
+// GPU memory on the test double (FakeDeviceBuffer: its device address faults on any direct
+// access), registered with `options`; tests fill and check it through bytes().
+struct DeviceBuffer {
+  std::unique_ptr<FakeDeviceBuffer> memory;
+  Registration reg;
+  std::span<std::byte> bytes() const { return memory->contents(); }
+};
+
+inline std::unique_ptr<DeviceBuffer> make_device_buffer(TransferEngine& e, uint64_t n,
+                                                        RegisterOptions options = {}) {
+  auto b = std::make_unique<DeviceBuffer>();
+  auto m = FakeDeviceBuffer::create(n);
+  EXPECT_TRUE(m) << m.status().to_string();
+  if (!m) return b;
+  b->memory = std::move(*m);
+  auto r = e.register_memory(b->memory->device_ptr(), n, options);
   EXPECT_TRUE(r) << r.status().to_string();
   if (r) b->reg = *r;
   return b;
