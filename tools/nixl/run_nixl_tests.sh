@@ -56,12 +56,31 @@ run_pytest() {
   report "pytest test_nixl_api.py ($p)" $rc "$log" "$(tail -1 "$log")"
 }
 
+# NIXL's examples call torch.set_default_device("cpu") (torch >= 2.0); Debian 12's torch is 1.13.
+# A sitecustomize for the example's processes adds it, for "cpu" only, where it is missing.
+torch_shim() {
+  mkdir -p "$work/torch-shim"
+  cat >"$work/torch-shim/sitecustomize.py" <<'PY'
+import torch
+
+if not hasattr(torch, "set_default_device"):
+    def set_default_device(device):
+        if str(device) != "cpu":
+            raise RuntimeError(f"torch {torch.__version__} cannot set default device {device}")
+
+    torch.set_default_device = set_default_device
+PY
+  echo "$work/torch-shim"
+}
+
 run_example() {
   local p=$1 log=$logs/example-$1.log
   local port=$((20000 + RANDOM % 20000))
+  local shim
+  shim=$(torch_shim)
   (
     cd "$work/nixl-src/examples/python" || exit 2
-    export FABRIC_PROVIDER=$p
+    export FABRIC_PROVIDER=$p PYTHONPATH=$shim:$PYTHONPATH
     timeout 300 "$python" expanded_two_peers.py --mode target --ip 127.0.0.1 --port "$port" \
       --backend FABRIC &
     target=$!
