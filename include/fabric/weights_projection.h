@@ -60,6 +60,15 @@ Status quantize_fp8_blocks_cuda_many(std::span<const Fp8Matrix> matrices, uint32
 // True in builds with the CUDA kernel.
 bool has_cuda_projections();
 
+// The copies of identity and concatenation projections on the GPU: `height` rows of `width`
+// bytes from `src` (rows `src_pitch` apart) to `dst` (rows `dst_pitch` apart), either side host
+// or device memory, enqueued on `stream` (a cudaStream_t); returns once enqueued (a pageable
+// host side makes it synchronous). kUnsupported without CUDA; kInternal with CUDA's message.
+Status copy_2d_cuda(void* dst, uint64_t dst_pitch, const void* src, uint64_t src_pitch,
+                    uint64_t width, uint64_t height, void* stream);
+// Waits until everything enqueued on `stream` has run. Blocks. kUnsupported without CUDA.
+Status synchronize_cuda(void* stream);
+
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float f;

@@ -1,7 +1,9 @@
-// fabric::weights for Python: rank descriptions as bytes, the schedule, and the FP8 quantiser
-// (CPU reference or CUDA kernel). fabric_lib/weights.py builds the push on these.
+// fabric::weights for Python: rank descriptions as bytes, the schedule (its parameters and
+// entries as WeightParam / WeightEntry), the push's sender and receiver (WeightSender,
+// WeightReceiver: fabric/weights/flow.h), and the FP8 quantiser (CPU reference or CUDA kernel).
+// fabric_lib/weights.py builds the push on these, keeping what is torch's (tensors, gathers).
 //
-// Descriptions cross as plain tuples so that the Python side stays in torch terms:
+// Descriptions go in as plain tuples so that the Python side stays in torch terms:
 //   shard:  (name, dtype, shape, box, replica)  box: [(start, length), ...] or [] (whole)
 //   param:  (name, dtype, shape, dim, start, length, kind, sources, concat_dim, block)
 //           dim -1: held whole; kind: "identity", "concat", "fp8_quantize", "fp8_scale"
@@ -10,6 +12,7 @@
 
 #include "bindings.h"
 #include "fabric/weights.h"
+#include "fabric/weights/flow.h"
 #include "fabric/weights_projection.h"
 
 namespace fabric::python {
@@ -59,6 +62,271 @@ py::tuple entry_tuple(const Entry& e) {
   return py::make_tuple(e.trainer, e.nic, e.param, e.inference, e.src_offset, e.length, e.runs,
                         e.src_stride, e.dst_offset, e.dst_stride);
 }
+
+std::vector<std::string> dtype_names(const std::vector<DType>& dtypes) {
+  std::vector<std::string> out;
+  for (DType d : dtypes) out.emplace_back(to_string(d));
+  return out;
+}
+
+py::tuple param_tuple(const ScheduledParam& p) {
+  return py::make_tuple(p.name, std::string(to_string(p.dtype)), p.shape,
+                        std::string(to_string(p.projection.kind)), p.projection.sources,
+                        p.projection.dim, p.projection.block, p.source_shapes,
+                        dtype_names(p.source_dtypes), p.senders);
+}
+
+// Item `i` of a tuple (negative from the end), IndexError past it: the classes below also read
+// by position, in the order of the tuples they replace.
+py::object item(const py::tuple& t, py::ssize_t i) {
+  const auto n = static_cast<py::ssize_t>(t.size());
+  if (i < 0) i += n;
+  if (i < 0 || i >= n) throw py::index_error("index out of range");
+  return t[static_cast<size_t>(i)];
+}
+
+std::vector<Endpoint> endpoints_of(const std::vector<std::string>& data) {
+  std::vector<Endpoint> out;
+  for (size_t i = 0; i < data.size(); ++i) {
+    auto e = decode_endpoint(view(data[i]));
+    if (!e) {
+      throw StatusError{Status(e.status().code(), "inference endpoint " + std::to_string(i) + ": " +
+                                                      e.status().message())};
+    }
+    out.push_back(std::move(*e));
+  }
+  return out;
+}
+
+py::dict stats_dict(const PushStats& s) {
+  py::dict d;
+  d["wait_ready"] = s.wait_ready;
+  d["project"] = s.project;
+  d["post"] = s.post;
+  d["wait_ring"] = s.wait_ring;
+  d["drain"] = s.drain;
+  d["bytes"] = s.bytes;
+  d["writes"] = s.writes;
+  d["temp_high_water"] = s.temp_high_water;
+  return d;
+}
+
+// Sources as (data pointer, bytes, on_gpu) tuples, read without a conversion per field.
+std::vector<Source> sources_of(const py::sequence& seq, const char* what) {
+  std::vector<Source> out;
+  out.reserve(seq.size());
+  for (py::handle h : seq) {
+    auto t = py::reinterpret_borrow<py::tuple>(h);
+    if (!PyTuple_Check(h.ptr()) || t.size() != 3) {
+      throw py::type_error(std::string(what) + ": expected (data_ptr, bytes, on_gpu) tuples");
+    }
+    out.push_back(Source{reinterpret_cast<const void*>(py::cast<uintptr_t>(t[0])),
+                         py::cast<uint64_t>(t[1]), py::cast<bool>(t[2])});
+  }
+  return out;
+}
+
+std::chrono::milliseconds millis(double seconds, const char* what) {
+  if (!(seconds >= 0) || seconds > 1e9) {
+    throw StatusError{Status(ErrorCode::kInvalidArgument,
+                             std::string(what) + ": must be a finite, non-negative duration")};
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// WeightSender for Python: holds its engine (the C++ engine lives as long as it).
+class PySender {
+ public:
+  PySender(py::object engine, const IntArg& rank, const IntArg& num_nics, double timeout)
+      : engine_(std::move(engine)) {
+    SenderOptions o;
+    o.rank = u32(rank, "WeightSender: rank");
+    o.num_nics = u32(num_nics, "WeightSender: num_nics");
+    o.timeout = millis(timeout, "WeightSender: timeout");
+    TransferEngine& e = engine_of(engine_);
+    auto made = [&] {
+      py::gil_scoped_release nogil;
+      return WeightSender::create(e, o);
+    }();
+    sender_ = check(std::move(made));
+  }
+  ~PySender() {
+    py::gil_scoped_release nogil;
+    sender_.reset();
+  }
+
+  void connect(const Schedule& schedule, const std::vector<std::string>& endpoints,
+               const py::sequence& addresses, py::handle ring, const IntArg& ring_ptr,
+               const IntArg& ring_bytes, bool on_gpu) {
+    std::vector<Address> addrs;
+    for (py::handle a : addresses) addrs.push_back(to_address(a, "WeightSender.connect: address"));
+    StagingRing r{registration_of(ring, engine_),
+                  reinterpret_cast<void*>(u64(ring_ptr, "WeightSender.connect: ring_ptr")),
+                  u64(ring_bytes, "WeightSender.connect: ring_bytes"), on_gpu};
+    std::vector<Endpoint> eps = endpoints_of(endpoints);
+    engine_of(engine_);  // Closed when it is
+    py::gil_scoped_release nogil;
+    check(sender_->connect(schedule, std::move(eps), std::move(addrs), r));
+  }
+
+  std::vector<uint32_t> order() const { return sender_->order(); }
+  bool sends(const IntArg& param) const { return sender_->sends(u32(param, "sends: param")); }
+
+  void begin(const IntArg& version, const IntArg& stream) {
+    const uint64_t v = u64(version, "WeightSender.begin: version");
+    void* st = reinterpret_cast<void*>(u64(stream, "WeightSender.begin: stream"));
+    engine_of(engine_);
+    py::gil_scoped_release nogil;
+    check(sender_->begin(v, st));
+  }
+
+  void stage(const IntArg& param, const py::sequence& sources, bool persistent) {
+    const uint32_t p = u32(param, "WeightSender.stage: param");
+    std::vector<Source> in = sources_of(sources, "WeightSender.stage: sources");
+    Status st;
+    {
+      py::gil_scoped_release nogil;
+      st = sender_->stage(p, in, persistent);
+    }
+    rethrow_on_param();
+    check(st);
+  }
+
+  py::dict finish() {
+    Result<PushStats> r = Status(ErrorCode::kInternal, "unset");
+    {
+      py::gil_scoped_release nogil;
+      r = sender_->finish();
+    }
+    rethrow_on_param();
+    return stats_dict(check(std::move(r)));
+  }
+
+  py::dict push(const IntArg& version, const std::vector<std::string>& names,
+                const py::sequence& sources, const IntArg& stream) {
+    const uint64_t v = u64(version, "WeightSender.push: version");
+    void* st = reinterpret_cast<void*>(u64(stream, "WeightSender.push: stream"));
+    std::vector<Source> in = sources_of(sources, "WeightSender.push: sources");
+    engine_of(engine_);
+    Result<PushStats> r = Status(ErrorCode::kInternal, "unset");
+    {
+      py::gil_scoped_release nogil;
+      r = sender_->push(v, names, in, st);
+    }
+    rethrow_on_param();
+    return stats_dict(check(std::move(r)));
+  }
+
+  // on_param(name) after each parameter's writes are posted, on the pushing thread; what it
+  // raises is raised by the call that posted (the push goes on meanwhile).
+  void set_on_param(py::object fn) {
+    on_param_ = std::move(fn);
+    if (on_param_.is_none()) {
+      sender_->set_on_posted(nullptr);
+      return;
+    }
+    sender_->set_on_posted([this](uint32_t param) {
+      py::gil_scoped_acquire gil;
+      if (error_) return;
+      try {
+        on_param_(text(sender_->schedule().params[param].name));
+      } catch (py::error_already_set& e) {
+        error_ = std::make_unique<py::error_already_set>(std::move(e));
+      }
+    });
+  }
+
+ private:
+  void rethrow_on_param() {
+    if (!error_) return;
+    auto e = std::move(error_);
+    e->restore();
+    throw py::error_already_set();
+  }
+
+  py::object engine_;
+  std::unique_ptr<WeightSender> sender_;
+  py::object on_param_ = py::none();
+  std::unique_ptr<py::error_already_set> error_;
+};
+
+// WeightReceiver for Python: callbacks take the GIL for their Python part.
+class PyReceiver {
+ public:
+  PyReceiver(py::object engine, const IntArg& rank, bool flip, const IntArg& imm_base,
+             double timeout)
+      : engine_(std::move(engine)) {
+    ReceiverOptions o;
+    o.rank = u32(rank, "WeightReceiver: rank");
+    o.flip = flip;
+    o.imm_base = u32(imm_base, "WeightReceiver: imm_base");
+    o.timeout = millis(timeout, "WeightReceiver: timeout");
+    receiver_ = check(WeightReceiver::create(engine_of(engine_), o));
+  }
+  ~PyReceiver() { close(); }
+
+  py::tuple prepare(const IntArg& version, const IntArg& expected, const py::sequence& trainers,
+                    py::object on_complete, py::object on_fail) {
+    const uint64_t v = u64(version, "WeightReceiver.prepare: version");
+    const uint64_t n = u64(expected, "WeightReceiver.prepare: expected");
+    std::vector<TrainerPeer> peers;
+    for (py::handle t : trainers) {
+      auto tup = py::cast<py::tuple>(t);
+      if (tup.size() != 3) {
+        throw py::type_error("WeightReceiver.prepare: trainers are (rank, name, address)");
+      }
+      peers.push_back(TrainerPeer{u32(py::cast<IntArg>(tup[0]), "trainers: rank"),
+                                  py::cast<std::string>(tup[1]),
+                                  to_address(tup[2], "WeightReceiver.prepare: trainer address")});
+    }
+    engine_of(engine_);
+    auto ok = std::make_shared<PyRef>(std::move(on_complete));
+    auto bad = std::make_shared<PyRef>(std::move(on_fail));
+    auto done = [ok, bad](uint64_t version) {
+      if (interpreter_finalizing()) return;
+      py::gil_scoped_acquire gil;
+      call_user(*ok, py::make_tuple(version));
+      ok->reset();
+      bad->reset();
+    };
+    auto failed = [ok, bad](uint64_t version, const Status& error) {
+      if (interpreter_finalizing()) return;
+      py::gil_scoped_acquire gil;
+      call_user(*bad, py::make_tuple(version, make_exception(error)));
+      ok->reset();
+      bad->reset();
+    };
+    Result<Ready> r = Status(ErrorCode::kInternal, "unset");
+    {
+      py::gil_scoped_release nogil;
+      r = receiver_->prepare(v, n, std::move(peers), done, failed);
+    }
+    const Ready ready = check(std::move(r));
+    return py::make_tuple(ready.imm, ready.copy);
+  }
+
+  void fail_trainer(const std::string& name) {
+    py::gil_scoped_release nogil;
+    receiver_->fail_trainer(name);
+  }
+  void close() {
+    if (!receiver_) return;
+    py::gil_scoped_release nogil;
+    receiver_->close();
+  }
+  uint8_t active_copy() const { return receiver_->active_copy(); }
+  std::optional<uint64_t> version() const { return receiver_->version(); }
+  bool half_written() const { return receiver_->half_written(); }
+  py::object progress() const {
+    auto p = receiver_->progress();
+    if (!p) return py::none();
+    return py::make_tuple(p->version, p->landed, p->expected);
+  }
+
+ private:
+  py::object engine_;
+  std::unique_ptr<WeightReceiver> receiver_;
+};
 
 }  // namespace
 
@@ -131,6 +399,76 @@ void bind_weights(py::module_& m) {
       },
       py::arg("data"), "_weights_encode_inference's bytes back as its parameter tuples.");
 
+  py::class_<Entry>(m, "WeightEntry",
+                    "One entry of a WeightSchedule: `runs` runs of `length` bytes, the i-th from "
+                    "projected-tensor byte src_offset + i * src_stride into the inference rank's "
+                    "tensor at dst_offset + i * dst_stride. Also read by position, in the order "
+                    "of its fields.")
+      .def_readonly("trainer", &Entry::trainer, "The training rank that writes it.")
+      .def_readonly("nic", &Entry::nic, "Its NIC on that rank.")
+      .def_readonly("param", &Entry::param, "Index into WeightSchedule.params.")
+      .def_readonly("inference", &Entry::inference, "The inference rank written into.")
+      .def_readonly("src_offset", &Entry::src_offset,
+                    "Byte offset of the first run in the projected tensor.")
+      .def_readonly("length", &Entry::length, "Bytes per run.")
+      .def_readonly("runs", &Entry::runs, "Runs (writes, one immediate each).")
+      .def_readonly("src_stride", &Entry::src_stride, "Bytes between runs in the projected tensor.")
+      .def_readonly("dst_offset", &Entry::dst_offset,
+                    "Byte offset of the first run in the inference rank's tensor.")
+      .def_readonly("dst_stride", &Entry::dst_stride,
+                    "Bytes between runs in the inference rank's tensor.")
+      .def_property_readonly("bytes", &Entry::bytes, "length * runs.")
+      .def(
+          "__getitem__", [](const Entry& x, py::ssize_t i) { return item(entry_tuple(x), i); },
+          py::arg("index"))
+      .def("__len__", [](const Entry&) { return 10; })
+      .def(
+          "__eq__", [](const Entry& a, const Entry& b) { return a == b; }, py::arg("other"),
+          py::is_operator())
+      .def("__hash__", [](const Entry& x) { return py::hash(entry_tuple(x)); })
+      .def("__repr__", [](const Entry& e) {
+        return "WeightEntry" + py::repr(entry_tuple(e)).cast<std::string>();
+      });
+  py::class_<ScheduledParam>(
+      m, "WeightParam",
+      "A projected parameter of a WeightSchedule. Also read by position: (name, dtype, shape, "
+      "kind, sources, concat_dim, block, source_shapes, source_dtypes, senders).")
+      .def_readonly("name", &ScheduledParam::name, "The inference name.")
+      .def_property_readonly(
+          "dtype", [](const ScheduledParam& p) { return std::string(to_string(p.dtype)); },
+          "Its dtype's fabric name (bf16, fp8_e4m3, ...).")
+      .def_readonly("shape", &ScheduledParam::shape, "Projected, global.")
+      .def_property_readonly(
+          "kind", [](const ScheduledParam& p) { return std::string(to_string(p.projection.kind)); },
+          "identity, concat, fp8_quantize or fp8_scale.")
+      .def_property_readonly(
+          "sources", [](const ScheduledParam& p) { return p.projection.sources; },
+          "Training parameter names.")
+      .def_property_readonly(
+          "concat_dim", [](const ScheduledParam& p) { return p.projection.dim; },
+          "With several sources, the dimension they are joined on.")
+      .def_property_readonly(
+          "block", [](const ScheduledParam& p) { return p.projection.block; },
+          "FP8 kinds: the tile's rows and columns.")
+      .def_readonly("source_shapes", &ScheduledParam::source_shapes, "Per source.")
+      .def_property_readonly(
+          "source_dtypes", [](const ScheduledParam& p) { return dtype_names(p.source_dtypes); },
+          "Per source, fabric names.")
+      .def_readonly("senders", &ScheduledParam::senders,
+                    "Training ranks that may send it (they hold all its sources).")
+      .def(
+          "__getitem__",
+          [](const ScheduledParam& x, py::ssize_t i) { return item(param_tuple(x), i); },
+          py::arg("index"))
+      .def("__len__", [](const ScheduledParam&) { return 10; })
+      .def(
+          "__eq__", [](const ScheduledParam& a, const ScheduledParam& b) { return a == b; },
+          py::arg("other"))
+      .def("__hash__", [](const ScheduledParam& x) { return py::hash(py::repr(param_tuple(x))); })
+      .def("__repr__", [](const ScheduledParam& p) {
+        return "WeightParam" + py::repr(param_tuple(p)).cast<std::string>();
+      });
+
   py::class_<Schedule>(m, "WeightSchedule",
                        "The static schedule of a weight push (fabric/weights.h).")
       .def_static(
@@ -170,35 +508,25 @@ void bind_weights(py::module_& m) {
       .def_readonly("num_inference", &Schedule::num_inference,
                     "Inference ranks it was computed for.")
       .def_property_readonly(
-          "params",
-          [](const Schedule& s) {
-            py::list out;
-            for (const ScheduledParam& p : s.params) {
-              std::vector<std::string> dtypes;
-              for (DType d : p.source_dtypes) dtypes.emplace_back(to_string(d));
-              out.append(py::make_tuple(p.name, std::string(to_string(p.dtype)), p.shape,
-                                        std::string(to_string(p.projection.kind)),
-                                        p.projection.sources, p.projection.dim, p.projection.block,
-                                        p.source_shapes, dtypes, p.senders));
-            }
-            return out;
-          },
-          "(name, dtype, shape, kind, sources, concat_dim, block, source_shapes, source_dtypes, "
-          "senders) per parameter, by name; entries refer to them by index.")
+          "params", [](const Schedule& s) { return s.params; },
+          "WeightParam per parameter, by name; entries refer to them by index.")
       .def(
           "entries",
           [](const Schedule& s, const std::optional<IntArg>& trainer_arg) {
             std::optional<uint32_t> trainer;
             if (trainer_arg) trainer = u32(*trainer_arg, "WeightSchedule.entries: trainer");
-            py::list out;
+            std::vector<Entry> out;
             for (const Entry& e : s.entries) {
-              if (!trainer || e.trainer == *trainer) out.append(entry_tuple(e));
+              if (!trainer || e.trainer == *trainer) out.push_back(e);
             }
             return out;
           },
-          py::arg("trainer") = py::none(),
-          "(trainer, nic, param, inference, src_offset, length, runs, src_stride, dst_offset, "
-          "dst_stride) per entry, of one trainer or all.")
+          py::arg("trainer") = py::none(), "WeightEntry per entry, of one trainer or all.")
+      .def_property_readonly(
+          "push_order", [](const Schedule& s) { return push_order(s); },
+          "Parameter indices in the order every training rank walks them: by sources, then by "
+          "name (an FP8 weight and its scales, a fused gate/up and the up it holds, follow one "
+          "another).")
       .def(
           "bytes_from",
           [](const Schedule& s, const IntArg& trainer) {
@@ -212,6 +540,88 @@ void bind_weights(py::module_& m) {
           },
           py::arg("inference"), "Writes (immediates) landing in the inference rank per push.")
       .def("__len__", [](const Schedule& s) { return s.entries.size(); });
+
+  m.def(
+      "_weights_encode_endpoint",
+      [](const py::bytes& layout, const py::sequence& regions,
+         const std::vector<std::vector<std::pair<IntArg, IntArg>>>& places) {
+        Endpoint e;
+        e.layout = check(decode_inference(view(layout)));
+        for (py::handle r : regions) e.regions.push_back(to_remote(r, "endpoint: region"));
+        for (size_t i = 0; i < places.size(); ++i) {
+          auto& out = e.places.emplace_back();
+          for (const auto& [region, offset] : places[i]) {
+            out.push_back(Place{u32(region, "endpoint: place region"),
+                                u64(offset, "endpoint: place offset")});
+          }
+        }
+        const Bytes b = encode(e);
+        check(decode_endpoint(b).status());  // what a reader would refuse, refused here
+        return to_py(b);
+      },
+      py::arg("layout"), py::arg("regions"), py::arg("places"),
+      "An inference rank's endpoint as bytes: its encoded layout, its regions' descriptors and "
+      "per parameter, per copy, (region index, byte offset).");
+  m.def(
+      "_weights_endpoint_layout",
+      [](const py::bytes& data) {
+        return to_py(encode(check(decode_endpoint(view(data))).layout));
+      },
+      py::arg("data"), "The encoded layout inside an endpoint's bytes.");
+
+  py::class_<PySender>(m, "WeightSender",
+                       "The training side of the push (fabric/weights/flow.h): takes the "
+                       "engine's receive handler for Ready messages; projects into the staging "
+                       "ring and posts the schedule's writes in batches.")
+      .def(py::init<py::object, const IntArg&, const IntArg&, double>(), py::arg("engine"),
+           py::arg("rank"), py::arg("num_nics") = 1, py::arg("timeout") = 30.0,
+           "Training rank `rank` of `engine`, whose receive handler it takes (AlreadyExists "
+           "when taken); `timeout` seconds bound every wait of a push.")
+      .def("connect", &PySender::connect, py::arg("schedule"), py::arg("endpoints"),
+           py::arg("addresses"), py::arg("ring"), py::arg("ring_ptr"), py::arg("ring_bytes"),
+           py::arg("on_gpu"),
+           "The schedule, the inference endpoints (bytes) and addresses by rank, the ring's "
+           "Registration, address, size and side. Blocks briefly (a peer group).")
+      .def_property_readonly("order", &PySender::order, "WeightSchedule.push_order.")
+      .def("sends", &PySender::sends, py::arg("param"),
+           "Whether this rank writes parameter `param`.")
+      .def("begin", &PySender::begin, py::arg("version"), py::arg("stream") = 0,
+           "Waits for the Ready of every inference rank written (Timeout naming the missing).")
+      .def("stage", &PySender::stage, py::arg("param"), py::arg("sources"),
+           py::arg("persistent") = false,
+           "Projects parameter `param` from (data_ptr, bytes, on_gpu) sources into the ring; "
+           "posts a batch when enough is staged. Blocks while the ring is full.")
+      .def("finish", &PySender::finish,
+           "Posts the rest and waits for every write; returns the stage times and counts.")
+      .def("push", &PySender::push, py::arg("version"), py::arg("names"), py::arg("sources"),
+           py::arg("stream") = 0,
+           "begin, stage of every parameter this rank sends (sources by training name, "
+           "valid until it returns), finish. Returns the stage times and counts.")
+      .def("set_on_param", &PySender::set_on_param, py::arg("fn"),
+           "fn(name) after each parameter's writes are posted (None: none).");
+
+  py::class_<PyReceiver>(m, "WeightReceiver",
+                         "The inference side's version protocol (fabric/weights/flow.h).")
+      .def(py::init<py::object, const IntArg&, bool, const IntArg&, double>(), py::arg("engine"),
+           py::arg("rank"), py::arg("flip") = true, py::arg("imm_base") = 0xA0000000u,
+           py::arg("timeout") = 30.0,
+           "Inference rank `rank`: immediates imm_base + n (n counts prepares, 2^24 of them); "
+           "flip: two copies; a version not complete within `timeout` seconds fails.")
+      .def("prepare", &PyReceiver::prepare, py::arg("version"), py::arg("expected"),
+           py::arg("trainers"), py::arg("on_complete"), py::arg("on_fail"),
+           "Arms the next immediate for `expected` writes and sends Ready to each (rank, name, "
+           "address) trainer; on_complete(version) or on_fail(version, exception) runs once. "
+           "Returns (imm, copy).")
+      .def("fail_trainer", &PyReceiver::fail_trainer, py::arg("name"),
+           "A training rank's member left: fails the pending version it was part of.")
+      .def("close", &PyReceiver::close, "Fails a pending version with Closed.")
+      .def_property_readonly("active_copy", &PyReceiver::active_copy,
+                             "The copy of the last complete version.")
+      .def_property_readonly("version", &PyReceiver::version, "The last complete version.")
+      .def_property_readonly("half_written", &PyReceiver::half_written,
+                             "In place: a version failed and none completed since.")
+      .def_property_readonly("progress", &PyReceiver::progress,
+                             "(version, writes landed, writes expected) of the pending version.");
 
   m.def(
       "_weights_quantize_fp8",

@@ -1,4 +1,5 @@
-// quantize_fp8_blocks_cuda (weights_projection.h) in CUDA builds: checks, then the launcher.
+// quantize_fp8_blocks_cuda (weights_projection.h) in CUDA builds: checks, then the launcher;
+// the copies and the stream synchronisation of the push's projections.
 #include <fmt/format.h>
 
 #include <vector>
@@ -66,6 +67,28 @@ Status quantize_fp8_blocks_cuda_many(std::span<const Fp8Matrix> matrices, uint32
 
 bool has_cuda_projections() {
   return true;
+}
+
+namespace {
+Status internal(std::string_view what, cudaError_t err) {
+  Status s = cuda::cuda_error(what, err);
+  return Status(s.code() == ErrorCode::kUnsupported ? s.code() : ErrorCode::kInternal, s.message());
+}
+}  // namespace
+
+Status copy_2d_cuda(void* dst, uint64_t dst_pitch, const void* src, uint64_t src_pitch,
+                    uint64_t width, uint64_t height, void* stream) {
+  if (width == 0 || height == 0) return Status::ok();
+  const auto s = static_cast<cudaStream_t>(stream);
+  const cudaError_t err = height == 1 ? cudaMemcpyAsync(dst, src, width, cudaMemcpyDefault, s)
+                                      : cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width,
+                                                          height, cudaMemcpyDefault, s);
+  return err == cudaSuccess ? Status::ok() : internal("weights copy", err);
+}
+
+Status synchronize_cuda(void* stream) {
+  const cudaError_t err = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+  return err == cudaSuccess ? Status::ok() : internal("weights stream synchronize", err);
 }
 
 }  // namespace fabric::weights

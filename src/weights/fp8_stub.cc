@@ -17,4 +17,12 @@ bool has_cuda_projections() {
   return false;
 }
 
+Status copy_2d_cuda(void*, uint64_t, const void*, uint64_t, uint64_t, uint64_t, void*) {
+  return Status(ErrorCode::kUnsupported, "copy_2d_cuda: this build of fabric-lib has no CUDA");
+}
+
+Status synchronize_cuda(void*) {
+  return Status(ErrorCode::kUnsupported, "synchronize_cuda: this build of fabric-lib has no CUDA");
+}
+
 }  // namespace fabric::weights

@@ -392,79 +392,9 @@ def test_schedule_through_the_bindings_round_trips():
         fw.WeightSchedule.decode(s.encode()[:-3])
 
 
-def test_staging_ring_overlap_check_agrees_with_a_scan_of_every_live_range():
-    """The staging ring checks a new range against two live ranges, not all of them: over
-    random takes and releases (sizes from a byte to the whole ring), it must find an overlap
-    exactly when a scan of every live range does, and never hand out overlapping ranges."""
-    import random
-
-    rng = random.Random(11)
-    for size in (4096, 65536, 1 << 20):
-        ring = fw._Ring.__new__(fw._Ring)  # no engine: only the bookkeeping is under test
-        ring.size, ring.head, ring.live, ring.held, ring.high_water = size, 0, \
-            __import__("collections").deque(), 0, 0
-        ring.before_wait, ring.wait_s = None, 0.0
-        for _ in range(3000):
-            if ring.live and rng.random() < 0.3:
-                ring.release_oldest(0)
-                continue
-            n = rng.choice([1, 255, 256, 4096, rng.randrange(1, size + 1), size])
-            while True:
-                start = fw._align(ring.head)
-                start = start if start + n <= size else 0
-                scan = any(start < e and s < start + n for s, e, _ in ring.live)
-                assert ring._overlaps(start, n) == scan, (size, start, n, list(ring.live))
-                if not scan:
-                    break
-                ring.release_oldest(0)
-            assert ring.take(n, "p", 0) == start
-            ring.hold(start, n, [])
-            assert ring.held == sum(e - s for s, e, _ in ring.live) <= size
-
-
-def test_staging_ring_flushes_only_when_its_oldest_range_is_not_posted():
-    """Once the ring is full every take waits for the oldest range. It must post what is
-    staged first only when that range's writes are not posted yet (an empty transfer list);
-    flushing before every wait posted one parameter at a time."""
-    import collections
-
-    class Done:
-        def result(self, timeout):
-            return None
-
-    ring = fw._Ring.__new__(fw._Ring)
-    ring.size, ring.head, ring.live, ring.held, ring.high_water = 4096, 0, collections.deque(), 0, 0
-    ring.wait_s = 0.0  # room for 16 ranges of 256 bytes (ranges start 256-aligned)
-    flushes = []
-    pending = []  # the ranges staged since the last flush: their transfer lists
-
-    def flush():  # as push()'s: nothing to do without staged ranges
-        if not pending:
-            return
-        flushes.append(len(pending))
-        for transfers in pending:
-            transfers.append(Done())
-        pending.clear()
-
-    ring.before_wait = flush
-    for i in range(64):  # 256-byte parameters, posted in batches of 4 as push() does
-        start = ring.take(256, f"p{i}", 0)
-        transfers = []
-        ring.hold(start, 256, transfers)
-        pending.append(transfers)
-        if len(pending) == 4:
-            flush()
-    # Every wait found its oldest range posted: no flush beyond the batches' own 16.
-    assert flushes == [4] * 16
-    # With nothing posted, the first take that must wait posts the staged ranges first.
-    ring.drain(0)
-    flushes.clear()
-    for i in range(17):
-        start = ring.take(256, f"q{i}", 0)
-        transfers = []
-        ring.hold(start, 256, transfers)
-        pending.append(transfers)
-    assert flushes == [16]
+# The staging ring's bookkeeping and its batching are the sender's, in C++:
+# WeightsRing.OverlapCheckAgreesWithAScanOfEveryLiveRange and
+# WeightsFlow.AFullRingPostsEarlyOnlyWhenItsOldestRangeIsNotPosted (tests/weights/flow_test.cc).
 
 
 def test_a_schedule_read_back_is_held_against_the_inference_layouts():

@@ -1,12 +1,12 @@
-"""fabric_lib.weights: the schedule travels through the registry in chunks (a header member
-naming their count, the bytes' length and sha256, then <group>.schedule.<i> members of at most
-512 KiB of hex each). A 4000-parameter schedule (2.85 MB of hex, six chunks) round-trips
-through a LocalRegistry, a FileRegistry and a real etcd (Debian's etcd-server, started here;
-a visible skip without it), where one member holding it all is refused; a push whose schedule
-is in several chunks lands bit-exact and closing rank 0 withdraws every chunk; an altered,
-truncated, missing or foreign chunk, or a malformed header, gives the error naming it."""
+"""fabric_lib.weights: every rank computes the schedule from the members it reads and checks it
+by digest against training rank 0's, which publishes only a header (the ranks' counts, the
+chunk size, the schedule's length and sha256), never the schedule itself. A 4000-parameter
+schedule (1.4 MB encoded, beyond etcd's request limit as one member) is agreed through a
+LocalRegistry, a FileRegistry and a real etcd (Debian's etcd-server, started here; a visible
+skip without it); a push over each registry lands bit-exact and closing rank 0 withdraws the
+header; a rank that reads other descriptions, a missing header or rank, and a malformed header
+give the error naming them."""
 
-import math
 import shutil
 import socket
 import subprocess
@@ -25,19 +25,47 @@ from peer import make_config
 
 ETCD_REQUEST_LIMIT = 1536 << 10  # etcd's default --max-request-bytes (1.5 MiB)
 ETCD_BINARIES = ("/usr/bin/etcd", "/usr/local/bin/etcd")  # as tests/kv/etcd_server.h
+ENC = fabric_lib._fabric_lib
 
 
-def big_schedule(params=4000, ranks=4):
+def big_descriptions(params=4000, ranks=4, block=128):
     """`params` parameters [2 * ranks, 8] held whole by one training rank, each cut in dim-0
-    slices over `ranks` inference ranks: params * ranks entries (4000 x 4: 1.43 MB encoded)."""
-    enc = fabric_lib._fabric_lib
+    slices over `ranks` inference ranks (params * ranks entries; 4000 x 4: 1.43 MB encoded):
+    (trainer description, inference layouts)."""
     shape = [2 * ranks, 8]
-    trainer = enc._weights_encode_trainer(
+    trainer = ENC._weights_encode_trainer(
         0, 1, [(f"layers.{k}.w", "bf16", shape, [], 0) for k in range(params)])
-    inference = [enc._weights_encode_inference(
-        r, [(f"layers.{k}.w", "bf16", shape, 0, 2 * r, 2, "identity", [], 0, 128)
+    inference = [ENC._weights_encode_inference(
+        r, [(f"layers.{k}.w", "bf16", shape, 0, 2 * r, 2, "identity", [], 0, block)
             for k in range(params)]) for r in range(ranks)]
-    return fw.WeightSchedule.compute([trainer], inference)
+    return trainer, inference
+
+
+class Members:
+    """Publishes descriptions as the ranks' members (inference endpoints with the descriptor of
+    a small registered buffer: nothing is pushed)."""
+
+    def __init__(self, registry):
+        self.registry = registry
+        self.engine = fabric_lib.TransferEngine(make_config("tcp"))
+        self.buffer = bytearray(64)
+        self.reg = self.engine.register(self.buffer)
+
+    def publish(self, trainer, inference):
+        address = bytes(self.engine.address).hex()
+        self.registry.join(fabric_lib.Member("weights.t0", role="weights-trainer",
+                                             instance="weights", tp_size=1, tp_rank=0,
+                                             address=address, data=trainer.hex()))
+        for r, layout in enumerate(inference):
+            params = len(ENC._weights_decode_inference(layout))
+            endpoint = ENC._weights_encode_endpoint(layout, [self.reg.descriptor],
+                                                    [[(0, 0), (0, 0)]] * params)
+            self.registry.join(fabric_lib.Member(f"weights.i{r}", role="weights-inference",
+                                                 instance="weights", tp_rank=r, address=address,
+                                                 data=endpoint.hex()))
+
+    def close(self):
+        self.engine.close()
 
 
 def free_port():
@@ -113,42 +141,38 @@ def registries(request, tmp_path):
 
 def schedule_members(registry, group="weights"):
     return sorted(m.name for m in registry.members()
-                  if m.instance == group and m.role.startswith("weights-schedule"))
+                  if m.instance == group and m.role == "weights-schedule")
 
 
-def test_a_large_schedule_round_trips_in_chunks(registries):
-    schedule = big_schedule()
-    data = schedule.encode()
-    assert 2 * len(data) > ETCD_REQUEST_LIMIT, "the schedule must be beyond etcd's limit"
+def test_a_large_schedule_is_agreed_by_digest(registries):
+    trainer, inference = big_descriptions()
     writer, reader = registries(), registries()
-    if registries.kind == "etcd":  # the single member of old is refused: the limit is real
-        with pytest.raises(fabric_lib.FabricError, match="too large|larger than max"):
-            writer.join(fabric_lib.Member("whole", data=data.hex()))
-    names = fw._publish_schedule(writer, "weights", schedule)
-    chunks = math.ceil(2 * len(data) / fw._SCHEDULE_CHUNK_CHARS)
-    assert chunks == 6 and names[0] == "weights.schedule"
-    assert schedule_members(reader) == sorted(names) and len(names) == 1 + chunks
-    for m in reader.members():
-        assert len(m.encode()) < ETCD_REQUEST_LIMIT // 2, f"member {m.name} is too large"
-    back = fw._read_schedule(reader, "weights", TIMEOUT)
-    assert back.encode() == data
-    assert back.entries() == schedule.entries()
+    members = Members(writer)
+    try:
+        members.publish(trainer, inference)
+        schedule = fw._compute(writer.members(), "weights", 1, 4, 64 << 20)
+        data = schedule.encode()
+        assert len(data) > ETCD_REQUEST_LIMIT // 2, "the schedule must be beyond etcd's limit"
+        if registries.kind == "etcd":  # one member holding the schedule is refused there
+            with pytest.raises(fabric_lib.FabricError, match="too large|larger than max"):
+                writer.join(fabric_lib.Member("whole", data=data.hex()))
+        fw._publish_header(writer, "weights", schedule, 64 << 20)
+        assert schedule_members(reader) == ["weights.schedule"]
+        header = next(m for m in reader.members() if m.name == "weights.schedule")
+        assert len(header.encode()) < 1024, "the header carries more than the digest"
+        for m in reader.members():
+            assert len(m.encode()) < ETCD_REQUEST_LIMIT // 2, f"member {m.name} is too large"
+        back = fw._agreed_schedule(reader, "weights", TIMEOUT)
+        assert back.encode() == data
+        assert back.entries() == schedule.entries()
+    finally:
+        members.close()
 
 
-def test_a_small_schedule_is_one_chunk():
-    registry = fabric_lib.LocalRegistry(fabric_lib.LocalRegistryState())
-    schedule = big_schedule(params=3)
-    names = fw._publish_schedule(registry, "weights", schedule)
-    assert names == ["weights.schedule", "weights.schedule.0"]
-    header = next(m for m in registry.members() if m.name == "weights.schedule")
-    assert header.data.split()[:2] == ["chunks=1", f"bytes={len(schedule.encode())}"]
-    assert fw._read_schedule(registry, "weights", 1.0).encode() == schedule.encode()
-
-
-def test_a_push_whose_schedule_is_in_chunks(registries, monkeypatch):
-    """This process as the inference rank and the training rank (two tcp engines), the
-    schedule in at least three chunks: bit-exact, and closing rank 0 withdraws every chunk."""
-    monkeypatch.setattr(fw, "_SCHEDULE_CHUNK_CHARS", 1000)
+def test_a_push_agreed_over_each_registry(registries):
+    """This process as the inference rank and the training rank (two tcp engines), each with
+    its own registry client: bit-exact, one schedule member (the header), which closing rank 0
+    withdraws."""
     engines = [fabric_lib.TransferEngine(make_config("tcp")) for _ in range(2)]
     inf_registry, trainer_registry = registries(), registries()
     inf = fw.InferenceWeights(engines[0], 0, inf_registry, timeout=20.0)
@@ -162,18 +186,17 @@ def test_a_push_whose_schedule_is_in_chunks(registries, monkeypatch):
             trainer.add(name, model.training_tensor(name, 1))
         trainer.publish()
         schedule = trainer.connect(1)
-        chunks = math.ceil(2 * len(schedule.encode()) / 1000)
-        assert chunks >= 3, "the schedule fits one chunk: the test proves nothing"
-        assert len(schedule_members(inf_registry)) == 1 + chunks
-        future = inf.prepare(1)
+        assert schedule_members(inf_registry) == ["weights.schedule"]
+        future = inf.prepare(1)  # computes the schedule itself, checks the digest
         trainer.push(1)
         assert future.result(TIMEOUT) == 1
+        assert inf._schedule.encode() == schedule.encode()
         want = model.reference(1, fw.fp8_reference)
         for name, tensor in inf.tensors().items():
             assert torch.equal(tensor.view(torch.uint8),
                                want[name].contiguous().view(torch.uint8)), name
         trainer.close()
-        assert schedule_members(inf_registry) == [], "a chunk outlived rank 0's close"
+        assert schedule_members(inf_registry) == [], "the header outlived rank 0's close"
     finally:
         trainer.close()
         inf.close()
@@ -182,84 +205,49 @@ def test_a_push_whose_schedule_is_in_chunks(registries, monkeypatch):
 
 
 @pytest.fixture
-def published(monkeypatch):
-    """A 50-parameter schedule published in LocalRegistry chunks of 1000 characters: (registry,
-    schedule, chunk count)."""
-    monkeypatch.setattr(fw, "_SCHEDULE_CHUNK_CHARS", 1000)
+def published():
+    """A 50-parameter schedule's descriptions and header in a LocalRegistry: (registry,
+    members, schedule)."""
     registry = fabric_lib.LocalRegistry(fabric_lib.LocalRegistryState())
-    schedule = big_schedule(params=50)
-    names = fw._publish_schedule(registry, "weights", schedule)
-    assert len(names) > 4
-    return registry, schedule, len(names) - 1
+    members = Members(registry)
+    members.publish(*big_descriptions(params=50))
+    schedule = fw._compute(registry.members(), "weights", 1, 4, 64 << 20)
+    fw._publish_header(registry, "weights", schedule, 64 << 20)
+    yield registry, members, schedule
+    members.close()
 
 
-def rejoin_chunk(registry, index, change):
-    m = next(m for m in registry.members() if m.name == f"weights.schedule.{index}")
-    m.data = change(m.data)
-    registry.join(m)
-
-
-def test_an_altered_chunk_fails_the_checksum(published):
-    registry, _, count = published
-    flip = {"0": "1", "1": "0"}
-    rejoin_chunk(registry, 2, lambda d: d[:-1] + flip.get(d[-1], "0"))
+def test_a_rank_reading_other_descriptions_names_both_digests(published):
+    registry, members, schedule = published
+    assert fw._agreed_schedule(registry, "weights", 1.0).encode() == schedule.encode()
+    # The inference ranks published again with another FP8 block (nothing to do with these
+    # BF16 copies, but part of the schedule): a rank computing now disagrees with rank 0.
+    members.publish(*big_descriptions(params=50, block=64))
+    length, digest = fw._digest(schedule)
     with pytest.raises(fabric_lib.InvalidArgument,
-                       match=rf"schedule's {count} chunks do not match its sha256"):
-        fw._read_schedule(registry, "weights", 1.0)
+                       match=rf"differs from training rank 0's \({length} bytes, sha256 "
+                             rf"{digest[:16]}\.\.\.\): the ranks read different descriptions"):
+        fw._agreed_schedule(registry, "weights", 1.0)
 
 
-def test_a_truncated_chunk_fails_the_length(published):
-    registry, schedule, count = published
-    rejoin_chunk(registry, 1, lambda d: d[:-2])
-    with pytest.raises(fabric_lib.InvalidArgument, match=rf"{count} chunks hold "
-                       rf"{len(schedule.encode()) - 1} bytes, its header says"):
-        fw._read_schedule(registry, "weights", 1.0)
-    rejoin_chunk(registry, 1, lambda d: d + "zz")
-    with pytest.raises(fabric_lib.InvalidArgument, match=rf"chunk 1 of {count} is not hex"):
-        fw._read_schedule(registry, "weights", 1.0)
-
-
-def test_a_missing_chunk_times_out_naming_it(published):
-    registry, _, count = published
-    registry.leave("weights.schedule.3")
+def test_a_missing_header_or_rank_times_out_naming_it(published):
+    registry, _, _ = published
+    registry.leave("weights.i2")
     started = time.monotonic()
-    with pytest.raises(fabric_lib.Timeout, match=rf"chunks \[3\] of {count} of the schedule "
-                       r"sha256 [0-9a-f]{16}\.\.\. not in the registry after 0.5 s"):
-        fw._read_schedule(registry, "weights", 0.5)
+    with pytest.raises(fabric_lib.Timeout, match=r"1 training and 4 inference ranks \(found 1 "
+                       r"and 3\) not in the registry after 0.5 s"):
+        fw._agreed_schedule(registry, "weights", 0.5)
     assert time.monotonic() - started >= 0.5, "gave up before the timeout"
     registry.leave("weights.schedule")
     with pytest.raises(fabric_lib.Timeout, match=r"the schedule header \(weights.schedule\)"):
-        fw._read_schedule(registry, "weights", 0.1)
-
-
-def test_chunks_of_two_schedules_are_not_mixed(published):
-    """A chunk of another schedule (rank 0 publishing again while a reader looks) is not taken:
-    the reader waits for the header's own chunk, then names both schedules."""
-    registry, schedule, count = published
-    other = big_schedule(params=20)  # fewer chunks: the last ones become stale
-    digest = next(m for m in registry.members()
-                  if m.name == "weights.schedule").data.split("sha256=")[1]
-    writer = fabric_lib.LocalRegistry(fabric_lib.LocalRegistryState())
-    fw._publish_schedule(writer, "weights", other)
-    foreign = next(m for m in writer.members() if m.name == "weights.schedule.0")
-    assert not foreign.data.startswith(digest)
-    registry.join(foreign)
-    with pytest.raises(fabric_lib.Timeout, match=rf"chunks \[0\] of {count} of the schedule "
-                       rf"sha256 {digest[:16]}\.\.\. \(chunks \[0\] there are of another "
-                       rf"schedule: sha256 {foreign.data[:16]}\.\.\.\)"):
-        fw._read_schedule(registry, "weights", 0.3)
-    # Publishing the second schedule in full replaces the header: the reader takes it whole.
-    names = fw._publish_schedule(registry, "weights", other,
-                                 previous=[f"weights.schedule.{i}" for i in range(count)])
-    assert schedule_members(registry) == sorted(names), "stale chunks were not withdrawn"
-    assert fw._read_schedule(registry, "weights", 1.0).encode() == other.encode()
+        fw._agreed_schedule(registry, "weights", 0.1)
 
 
 def test_a_malformed_header_is_refused(published):
     registry, _, _ = published
     header = next(m for m in registry.members() if m.name == "weights.schedule")
-    header.data = header.data.replace("bytes=", "length=")
+    header.data = header.data.replace(" bytes=", " length=")
     registry.join(header)
     with pytest.raises(fabric_lib.InvalidArgument, match=r"schedule header weights.schedule is "
-                       r"malformed: 'chunks=\d+ length="):
-        fw._read_schedule(registry, "weights", 1.0)
+                       r"malformed: 'trainers=1 inference=4 chunk_bytes=\d+ length="):
+        fw._agreed_schedule(registry, "weights", 1.0)

@@ -141,10 +141,11 @@ def serve_trainer(conn, provider, directory, max_temp_bytes, rank=0, world=1, in
                 return
             if method == "connect":
                 entries = trainer.connect(*args).entries(rank)
-                assert {e[1] for e in entries} == set(range(num_nics)), "a NIC has no entries"
+                assert {e.nic for e in entries} == set(range(num_nics)), "a NIC has no entries"
                 conn.send(("ok", len(entries)))
             elif method == "sends":  # the projected parameters this rank writes
-                names = {trainer.schedule.params[e[2]][0] for e in trainer.schedule.entries(rank)}
+                names = {trainer.schedule.params[e.param].name
+                         for e in trainer.schedule.entries(rank)}
                 conn.send(("ok", sorted(names)))
             elif method == "push":  # a training step (new values in place), then the push
                 version, pause = args
