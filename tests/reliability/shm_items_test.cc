@@ -1,7 +1,7 @@
 // The same-host transport against the failures an acceptance run found in libfabric 1.17's shm
-// provider (issue 15, items 4-7). Each test runs over Config::provider "shm"; set
-// FABRIC_SHM_TEST_PROVIDER to run the same tests over another provider name (e.g. "ofi_shm",
-// libfabric's shm provider, which fails items 4-7: docs/shm.md lists how).
+// provider (items 4-7 below, numbered as that run reported them). Each test runs over
+// Config::provider "shm"; set FABRIC_SHM_TEST_PROVIDER to run the same tests over another provider
+// name (e.g. "ofi_shm", libfabric's shm provider, which fails items 4-7: docs/shm.md lists how).
 //   4: a write to an engine closed in this process fails with kPeerUnreachable, no crash;
 //   5: SIGKILL one of two peer processes mid-stream, many times at random moments: transfers
 //      to the survivor complete with exact data and immediate counts, those to the dead one
