@@ -1,5 +1,6 @@
 // TransferEngine and EngineImpl: creation and close, registration, peer groups, immediates and
-// the facade. The submissions' validation and planning are in submit.cc.
+// the facade. The submissions' validation and planning are in engine_submit.cc (writes) and
+// engine_read.cc (reads).
 #include <array>
 #include <atomic>
 #include <memory>
@@ -403,7 +404,7 @@ Status EngineImpl::unregister_memory(MemoryHandle handle) {
   region->unregistered.store(true, std::memory_order_release);
   // A barrier: the provider registrations are closed on the worker once no accepted transfer
   // holds the region any more (each completes or fails within its own bounds), then the
-  // writers are fenced where the provider needs it (write_fence.cc), and only then does this
+  // writers are fenced where the provider needs it (worker_fence.cc), and only then does this
   // return. From then on a peer's write to the region's keys is refused by the provider
   // (kRemoteAccess at the writer) and cannot land in the memory.
   std::promise<Status> released;

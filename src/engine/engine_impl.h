@@ -1,6 +1,7 @@
 // EngineImpl, the engine behind TransferEngine: its members and methods. engine.cc holds
 // creation and close, registration, peer groups, immediates and the TransferEngine facade;
-// submit.cc the validation and planning of submissions on the caller's thread.
+// engine_submit.cc and engine_read.cc the validation and planning of submissions on the caller's
+// thread.
 #pragma once
 
 #include "fabric/engine.h"
@@ -182,7 +183,7 @@ class EngineImpl {
   Status check_group(uint32_t group) const;
   Status check_peer(const Address& peer, uint32_t group, std::string_view what) const;
   Status check_remote(const RemoteMemory& dst, uint32_t group, std::string_view what) const;
-  // A read of `remote` into `local`: the remote checks and readable (submit_read.cc).
+  // A read of `remote` into `local`: the remote checks and readable (engine_read.cc).
   Status check_read(const RemoteMemory& remote, uint32_t group, std::string_view what) const;
   // What check_remote holds, without a Status or a call to memcmp: the common case, so that a
   // submission calls check_remote only to say what is wrong.

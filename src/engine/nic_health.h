@@ -8,7 +8,7 @@
 // NIC that is down is probed, which NIC takes the work of another, whether a post refused as
 // unreachable shows the NIC at fault. It calls nothing above it and touches no queue: the worker
 // describes its queues (QueueLook), and moves the Ops and posts the probes that the answers ask
-// for (failover.cc).
+// for (worker_failover.cc).
 #pragma once
 
 #include <atomic>

@@ -1,6 +1,6 @@
 // PostingQueues: queueing, round-robin posting under a budget, completions of posted ops, and
 // what the watchdog and failover ask of the queues (posting_queues.h). Isolation is in
-// isolation.cc.
+// posting_queues_isolation.cc.
 
 #include "engine/posting_queues.h"
 
@@ -95,7 +95,8 @@ bool PostingQueues::post_some(uint32_t nic, Clock::time_point now) {
     const transport::PeerHandle peer = n.ready.front();
     n.ready.pop_front();
     PeerQueue& q = n.queues[peer];
-    if (q.isolating()) {  // isolation.cc: one work request at a time until it is over
+    if (q.isolating()) {  // posting_queues_isolation.cc: one work request at a time until it is
+                          // over
       post_isolated(nic, q, now);
       if (q.isolating() || !q.ops.empty()) {
         n.ready.push_back(peer);

@@ -18,7 +18,8 @@
 // acts on them. It never completes an op or touches a transfer but for the op's own fields.
 //
 // Isolation (docs/hardening.md, "One bad write") is its own state machine over a queue
-// (isolation.cc): failed suspects posted again one at a time, checks, backoff, resets.
+// (posting_queues_isolation.cc): failed suspects posted again one at a time, checks, backoff,
+// resets.
 #pragma once
 
 #include <chrono>
@@ -173,7 +174,7 @@ class PostingQueues {
     ++abandoned_;
   }
 
-  // --- isolation (isolation.cc)
+  // --- isolation (posting_queues_isolation.cc)
   // Whether queue (nic, peer) still waits for the check a kCheck event asked for (it may have
   // been taken out since); then set_check gives it the check the worker built.
   bool wants_check(uint32_t nic, transport::PeerHandle peer) const;
@@ -250,7 +251,7 @@ class PostingQueues {
   // Posts the urgent op (a write-fence note) at the front of q, if any.
   void post_urgent(uint32_t nic, PeerQueue& q);
   void make_ready(Nic& n, PeerQueue& q);  // listed in n.ready, for post_some
-  // Isolation (isolation.cc).
+  // Isolation (posting_queues_isolation.cc).
   bool isolate(uint32_t nic, PeerQueue& q, Op& op, const Status& error, Clock::time_point now);
   void post_isolated(uint32_t nic, PeerQueue& q, Clock::time_point now);
   void lone_done(uint32_t nic, PeerQueue& q, Op& op, const Status& status, Clock::time_point now);

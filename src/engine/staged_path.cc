@@ -1,221 +1,179 @@
-// Worker: its side of the staged path, the Commits it shares with reliable immediates, and the
-// CUDA IPC path's owner copies. The components decide and keep the state: StagedWriter
-// (staged_writer.h: gates, Commits awaiting Acks), StagedPath (staged_path.h: the owner's side
-// of Commits), IpcCopies (ipc_copies.h: the owner's CUDA IPC copies). This does what they return:
-// queues released ops, sends Commits and Acks, counts immediates, settles transfers.
+// StagedPath (staged_path.h): the owner's side of Commits. A Commit names ranges the writer put
+// in this engine's pinned host mirror of a staged region; they are copied into the region's
+// device memory, then the Commit's immediate is counted and the Commit acknowledged. A Commit
+// of a reliable immediate for host memory (region 0) is counted at once. A read Commit names
+// ranges of a readable staged region to copy out of the device into the mirror before the
+// reader reads them there.
 
 #include <fmt/format.h>
 
 #include <utility>
 
 #include "common/log.h"
-#include "engine/op_builder.h"
-#include "engine/worker.h"
+#include "engine/staged_path.h"
 
 namespace fabric::engine {
 
-void Worker::stage_sources(Transfer& t) {
-  writer_->stage(t);  // ops are queued as their device-to-host copies complete
-  release_gates();
-}
-
-void Worker::release_gates() {
-  // Nothing below comes back here or adds to the list: enqueue only queues (an op whose peer
-  // does not resolve is completed with that error, which only settles its transfer), and
-  // complete_op with an error only settles. Indexed all the same.
-  std::vector<StagedWriter::Release>& released = writer_->released();
-  for (size_t r = 0; r < released.size(); ++r) {
-    Transfer& t = *released[r].transfer;
-    const size_t first = released[r].first;
-    const size_t count = released[r].count;
-    const Status status = released[r].status;
-    for (size_t k = 0; k < count; ++k) {
-      Op& op = t.ops[first + k];
-      if (!status.is_ok()) {
-        complete_op(op, Status(status.code(), fmt::format("staging {} bytes from device memory: {}",
-                                                          op.length, status.message())));
-      } else if (stopping_) {
-        complete_op(op, cancelled("engine closed before it was posted"));
-      } else {
-        enqueue(op);
-      }
-    }
-  }
-  released.clear();
-}
-
-void Worker::release_held(Transfer& t) {
-  if (!t.held) return;
-  t.held = false;
-  Status failed = t.error;
-  if (failed.is_ok() && stopping_) failed = cancelled("engine closed before the read was posted");
-  for (Op& op : t.ops) {
-    if (failed.is_ok()) {
-      enqueue(op);
-    } else {
-      complete_op(op, failed);
-    }
-  }
-}
-
-void Worker::settle_landed() {
-  std::vector<StagedWriter::Landed>& landed = writer_->landed();
-  for (const StagedWriter::Landed& l : landed) {
-    Transfer& t = *l.op->transfer;
-    if (!l.status.is_ok() && t.error.is_ok()) {
-      t.error = Status(l.status.code(), fmt::format("copying {} bytes read into device memory: {}",
-                                                    l.op->length, l.status.message()));
-    }
-    settle(t);
-  }
-  landed.clear();
-}
-
-bool Worker::poll_copies() {
-  bool any = false;
-  if (writer_->has_copiers() && writer_->poll()) {  // gates whose copies to the host completed
-    any = true;
-    release_gates();
-    settle_landed();
-  }
-  if (ipc_->has_copiers() && ipc_->poll()) {  // CUDA IPC Commits copied
-    any = true;
-    hand_ipc_done();
-    run_staged_events();
-  }
-  if (staged_->has_copiers() && staged_->poll()) {  // Commits copied into device memory
-    any = true;
-    run_staged_events();
-  }
-  return any;
-}
-
-void Worker::record_staged(Op& op) {
-  if (writer_->record(op) && !stopping_) flush_commits(*op.transfer, op.dst_index, false);
-}
-
-void Worker::flush_commits(Transfer& t, uint32_t dst_index, bool final) {
-  writer_->commit_staged(t, dst_index, final, self_);
-  send_commits();
-}
-
-void Worker::send_ipc_commits(Transfer& t, bool final) {
-  writer_->commit_ipc(t, final, self_);
-  send_commits();
-}
-
-void Worker::send_commits() {
-  // Nothing below comes back here or adds Commits: resend_commit only queues, and a Commit's
-  // send that fails at once is sent again over another NIC (resend_commit) or given up on.
-  std::vector<StagedWriter::Outgoing>& out = writer_->outgoing();
-  for (size_t i = 0; i < out.size(); ++i) {
-    Transfer& t = *out[i].transfer;
-    const Address& owner = *out[i].owner;
-    Bytes& msg = t.control_msgs.emplace_back(out[i].commit.encode());
-    const uint64_t seq = messages_->stamp(msg);
-    resend_commit(writer_->track(t, msg, seq, owner, now_), health_->message_nic());
-  }
-  out.clear();
-}
-
-void Worker::resend_commit(CommitSend& cs, uint32_t to) {
-  Transfer& t = *cs.transfer;
-  Op& op = t.control.emplace_back(send_op(t, to, *cs.owner, *cs.message));
-  op.commit = &cs;
-  ++t.pending;
-  StagedWriter::queued(cs, to, now_);
-  enqueue(op);
-}
-
-void Worker::forget_commits(Transfer& t) {
-  writer_->forget(t);
-}
-
-void Worker::handle_ack(std::span<const std::byte> body) {
-  auto ack = Ack::decode(body);
-  if (!ack) {
-    detail::log().warn("group {}: dropped a malformed staged-path acknowledgment", group_);
+void StagedPath::on_commit(const MessageHeader& header, std::span<const std::byte> body,
+                           uint32_t domain) {
+  auto commit = Commit::decode(body);
+  // (A Result never holds an ok Status: the reply address is decoded only from a Commit.)
+  const bool malformed = !commit || [&] {
+    auto reply = Address::decode(commit->reply_to);
+    return !reply || reply->empty();
+  }();
+  if (malformed) {
+    detail::log().warn("group {}: dropped a malformed commit message", group_);
     return;
   }
-  Transfer* t = writer_->on_ack(*ack);
-  if (t == nullptr) return;
-  if (t->held) {
-    release_held(*t);  // a read's owner has copied the ranges into its mirror
-  } else if (t->pending == 0) {
-    make_ready(*t);
+  auto owned = std::make_unique<CommitJob>();
+  CommitJob& job = *owned;
+  job.commit = std::move(*commit);
+  job.sender = header.sender;
+  job.seq = header.seq;
+  job.reply_domain = domain;
+  job.commit.read = header.kind == MessageKind::kReadCommit;
+  CommitJob* key = owned.get();
+  jobs_.emplace(key, std::move(owned));
+  const CommitKey record{header.sender, header.seq};
+  records_[record] = CommitRecord{key, ErrorCode::kOk, {}, 0, {}};
+  order_.push_back(record);
+  while (order_.size() > kMaxCommitRecords) {
+    records_.erase(order_.front());
+    order_.pop_front();
+  }
+  // Ends the job with `status` (its Ack carries it).
+  auto refuse = [&](Status status) {
+    job.status = std::move(status);
+    commit_done(job);
+  };
+  if (job.commit.read && job.commit.has_imm) {
+    job.commit.has_imm = false;
+    return refuse(Status(ErrorCode::kInvalidArgument, "a read commit carries no immediate"));
+  }
+  if (job.commit.ipc) {  // the CUDA IPC path (ipc_copies.h)
+    Event& e = events_.emplace_back();
+    e.kind = Event::Kind::kStartIpc;
+    e.job = &job;
+    return;
+  }
+  if (job.commit.region == 0 && !job.commit.read) {
+    // A reliable immediate (Config::reliable_imm) for host memory: the writes it follows have
+    // completed, so the data is in place; nothing to copy, count it now.
+    if (!job.commit.ranges.empty()) {
+      job.status = Status(ErrorCode::kRemoteAccess, "commit of ranges without a staged region");
+    }
+    commit_done(job);
+    return;
+  }
+  job.region = regions_ ? regions_->find(job.commit.region) : nullptr;
+  if (!job.region || job.region->worker != self_ || !job.region->staged()) {
+    return refuse(Status(ErrorCode::kRemoteAccess,
+                         fmt::format("staged region {:#x} is not registered on this group (was "
+                                     "it unregistered?)",
+                                     job.commit.region)));
+  }
+  const LocalRegion& region = *job.region;
+  if (job.commit.read && !region.remote_read) {
+    return refuse(Status(ErrorCode::kRemoteAccess,
+                         fmt::format("staged region {:#x} was not registered readable "
+                                     "(RegisterOptions::remote_read); nothing was read",
+                                     job.commit.region)));
+  }
+  for (const Range& r : job.commit.ranges) {
+    if (r.offset > region.length || r.length > region.length - r.offset) {
+      return refuse(Status(ErrorCode::kRemoteAccess,
+                           fmt::format("staged commit of {} bytes at offset {} exceeds the region "
+                                       "({} bytes)",
+                                       r.length, r.offset, region.length)));
+    }
+  }
+  if (job.commit.ranges.empty()) {
+    commit_done(job);
+    return;
+  }
+  auto copier = copiers_.get(region.memory);
+  Status s = copier ? Status::ok() : copier.status();
+  // A write's ranges go from the mirror into the GPU; a read's come out of the GPU into the
+  // mirror, where the reader's fabric reads find them once the Ack has told it so.
+  const auto direction =
+      job.commit.read ? cuda::Copier::Direction::kToHost : cuda::Copier::Direction::kToDevice;
+  for (const Range& r : job.commit.ranges) {
+    if (!s.is_ok()) break;
+    s = (*copier)->copy(region.ptr + r.offset, region.host + r.offset, r.length, direction);
+  }
+  if (s.is_ok()) s = (*copier)->fence(reinterpret_cast<uint64_t>(&job));
+  if (!s.is_ok()) {
+    job.status = s;
+    commit_done(job);
   }
 }
 
-void Worker::watch_acks() {
-  if (!writer_->awaiting()) return;
-  // A Commit without an Ack for a while goes again over the next NIC that is up (the same one
-  // when it is the only one); the owner counts it once.
-  const auto resend_after =
-      health_->active() ? config_.nic_timeout : std::chrono::milliseconds(config_.peer_timeout / 4);
-  StagedWriter::Overdue& overdue = writer_->watch(now_, resend_after);
-  for (Transfer* t : overdue.failed) {
-    if (t->held) {
-      release_held(*t);  // fails the read's ops with the transfer's error
-    } else if (t->pending == 0) {
-      make_ready(*t);
-    }
+void StagedPath::commit_done(CommitJob& job) {
+  if (job.status.is_ok() && job.commit.has_imm && job.commit.imm_times > 0) {
+    Event& e = events_.emplace_back();
+    e.kind = Event::Kind::kCountImm;
+    e.imm = job.commit.imm;
+    e.times = job.commit.imm_times;
   }
-  if (!overdue.resend.empty()) {
-    const size_t resent = overdue.resend.size();
-    for (CommitSend* cs : overdue.resend) resend_commit(*cs, health_->other_up(cs->domain));
+  if (!job.status.is_ok()) {
+    detail::log().warn("group {}: staged commit failed: {}", group_, job.status.to_string());
+  }
+  Ack ack{job.commit.transfer, job.seq, job.status.code(), job.status.message()};
+  auto record = records_.find({job.sender, job.seq});
+  if (record != records_.end()) {
+    record->second =
+        CommitRecord{nullptr, ack.code, ack.message, ack.transfer, job.commit.reply_to};
+  }
+  send_ack(*Address::decode(job.commit.reply_to), job.reply_domain, std::move(ack));
+  jobs_.erase(&job);
+}
+
+void StagedPath::on_duplicate(const MessageHeader& header, uint32_t domain) {
+  auto it = records_.find({header.sender, header.seq});
+  if (it == records_.end()) {
     detail::log().warn(
-        "group {}: {} commit message(s) without an acknowledgment for {} ms: sent again over "
-        "the next NIC that is up",
-        group_, resent,
-        std::chrono::duration_cast<std::chrono::milliseconds>(resend_after).count());
+        "group {}: a commit message arrived again after its result was "
+        "forgotten; not acknowledged",
+        group_);
+    return;
   }
-}
-
-void Worker::run_staged_events() {
-  // Handling an event may add more (a CUDA IPC Commit that fails at once is acknowledged):
-  // those come in the next round, after the ones that were there before them.
-  while (!staged_->events().empty()) {
-    std::vector<StagedPath::Event> events;
-    events.swap(staged_->events());
-    for (StagedPath::Event& e : events) {
-      switch (e.kind) {
-        case StagedPath::Event::Kind::kStartIpc:
-          ipc_->start(*e.job, now_);
-          hand_ipc_done();
-          break;
-        case StagedPath::Event::Kind::kCountImm: {
-          std::vector<uint32_t> imms(e.times, e.imm);
-          std::vector<uint32_t> unexpected;
-          services_.imms->arrive(imms, jobs_, unexpected);
-          if (!unexpected.empty() && services_.on_unexpected)
-            services_.on_unexpected(unexpected, callbacks_here());
-          break;
-        }
-        case StagedPath::Event::Kind::kSendAck:
-          send_ack(e.to, e.domain, e.ack);
-          break;
-      }
-    }
+  CommitRecord& r = it->second;
+  if (r.job != nullptr) {  // still being copied: its Ack goes back the way this copy came
+    r.job->reply_domain = domain;
+    return;
   }
+  auto reply = Address::decode(r.reply);
+  if (!reply) return;
+  send_ack(std::move(*reply), domain, Ack{r.transfer, header.seq, r.code, r.message});
 }
 
-void Worker::hand_ipc_done() {
-  for (CommitJob* job : ipc_->done()) staged_->commit_done(*job);
-  ipc_->done().clear();
+void StagedPath::send_ack(Address to, uint32_t domain, Ack ack) {
+  Event& e = events_.emplace_back();
+  e.kind = Event::Kind::kSendAck;
+  e.to = std::move(to);
+  e.domain = domain;
+  e.ack = std::move(ack);
 }
 
-void Worker::flush_ipc_batches() {
-  ipc_->flush();
-  hand_ipc_done();
-  run_staged_events();
+bool StagedPath::poll() {
+  done_.clear();
+  if (copiers_.poll(done_) == 0) return false;
+  for (const cuda::Copier::Done& d : done_) {
+    auto* job = reinterpret_cast<CommitJob*>(d.token);
+    if (!d.status.is_ok()) job->status = d.status;
+    commit_done(*job);
+  }
+  return true;
 }
 
-void Worker::sweep_ipc() {
-  ipc_->sweep(now_);
+bool StagedPath::copying() const {
+  return copiers_.copying();
 }
 
-void Worker::send_ack(const Address& to, uint32_t domain, const Ack& ack) {
-  send_internal(to, domain, ack.encode());
+void StagedPath::drain() {
+  copiers_.drain();
+  jobs_.clear();
 }
 
 }  // namespace fabric::engine

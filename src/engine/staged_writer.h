@@ -6,7 +6,7 @@
 // nothing above it (only the copiers): what the worker is to do comes back as return values
 // and lists it drains after each call: ops whose gate opened (or failed), Commits to send, Commit
 // copies to send again, transfers whose Commits are all acknowledged or given up on. Sending a
-// message, queueing and settling ops stay the worker's (staged_path.cc).
+// message, queueing and settling ops stay the worker's (worker_staged.cc).
 //
 // The per-transfer state it works on is the transfer's (transfer_state.h: Gate, StagedDst,
 // IpcDst, CommitSend, Transfer::acks and ack_deadline); a Gate's address is its fence's token.

@@ -249,7 +249,7 @@ void Worker::release(std::vector<std::unique_ptr<transport::MemoryRegistration>>
                      std::unique_ptr<cuda::HostBuffer> mirror,
                      std::function<void(const Status&)> done) {
   // On the worker itself, all is destroyed right here, registrations first; then the writers
-  // still sending are fenced (write_fence.cc) before `done` runs.
+  // still sending are fenced (worker_fence.cc) before `done` runs.
   if (std::this_thread::get_id() == thread_.get_id()) {
     regs.clear();
     mirror.reset();

@@ -41,11 +41,11 @@ namespace fabric::engine {
 
 // The worker's files (docs/engine.md, "Files"): worker.cc (creation, the loop, stopping, idling),
 // worker_datapath.cc, worker_messages.cc (routing what the Messenger receives, internal
-// messages), failover.cc (the peer watchdog, and moving the work of a NIC that NicHealth finds
-// down), staged_path.cc (doing what the staged path's and CUDA IPC's components return),
-// write_fence.cc. Its components, which own their state and call nothing above them:
-// PostingQueues (posting_queues.h, and isolation.cc: the per (NIC, peer) queues, round-robin
-// posting, the in-flight lists, isolation), Messenger (messenger.h), StagedWriter
+// messages), worker_failover.cc (the peer watchdog, and moving the work of a NIC that NicHealth
+// finds down), worker_staged.cc (doing what the staged path's and CUDA IPC's components return),
+// worker_fence.cc. Its components, which own their state and call nothing above them:
+// PostingQueues (posting_queues.h, and posting_queues_isolation.cc: the per (NIC, peer) queues,
+// round-robin posting, the in-flight lists, isolation), Messenger (messenger.h), StagedWriter
 // (staged_writer.h: the writer's side of the staged path: gates, Commits awaiting Acks),
 // StagedPath (staged_path.h: the owner's side of Commits), IpcCopies (ipc_copies.h: the owner's
 // CUDA IPC copies), NicHealth (nic_health.h: which NICs are up, probes, measured rates),
@@ -113,7 +113,6 @@ class Worker {
   void fill_stats(GroupStats& g) const { counters_->fill(g); }
   // Weighted sharding: each NIC's measured write rate in bytes per second (0: not measured
   // yet), the weights of plan_single_up / split_even_up. Thread-safe.
-  std::vector<uint64_t> nic_rates() const;
   void nic_rates(std::vector<uint64_t>& out) const { health_->rates(out); }
 
   // Hands an accepted transfer to the worker. Thread-safe, non-blocking.
@@ -208,7 +207,7 @@ class Worker {
   void finish(Transfer& t);
   // A receive completed: the Messenger reads it, this routes what it says, the buffer goes back.
   void on_recv(const transport::Completion& c, uint32_t domain);
-  // The staged path (staged_path.cc): doing what writer_, staged_ and ipc_ return.
+  // The staged path (worker_staged.cc): doing what writer_, staged_ and ipc_ return.
   void stage_sources(Transfer& t);
   void release_gates();  // queues (or fails) the ops writer_ released
   // A read from a staged region: its ops, held while the owner copied the ranges into its
@@ -250,7 +249,7 @@ class Worker {
   void retarget(Op& op, uint32_t to);
   // Starts a probe of `nic` (down) towards `owner`; it ends in NicHealth::probe_done.
   void probe(uint32_t nic, const Address& owner);
-  // Isolation (the PostingQueues' isolation.cc): the check of a suspect's peer that the queues
+  // Isolation (posting_queues_isolation.cc): the check of a suspect's peer that the queues
   // asked for (a zero-byte write to its scratch buffer), and its end, told to the queues.
   void start_check(uint32_t nic, transport::PeerHandle peer, const Op& suspect);
   void check_done(Transfer& t);
@@ -261,7 +260,7 @@ class Worker {
   void flush_ipc_batches();
   void sweep_ipc();
   // The write fence (write_fence.h, docs/hardening.md "Unregister is a barrier"): the calls
-  // that feed fence_ and send what it returns (write_fence.cc).
+  // that feed fence_ and send what it returns (worker_fence.cc).
   void open_fence();
   // Sends `notes` (urgent) and empties it; run_queue_events sends the queues' and fence_notes_.
   void send_fence_notes(std::vector<WriteFence::Note>& notes);

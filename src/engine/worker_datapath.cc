@@ -37,7 +37,7 @@ void Worker::start_transfer(TransferPtr owned) {
   } else {
     for (Op& op : t.ops) enqueue(op);
   }
-  if (!t.ipc.empty()) send_ipc_commits(t, false);  // the CUDA IPC path (staged_path.cc)
+  if (!t.ipc.empty()) send_ipc_commits(t, false);  // the CUDA IPC path (worker_staged.cc)
   if (t.ops.empty()) make_ready(t);                // else the last op to complete does
 }
 
@@ -271,7 +271,7 @@ void Worker::finish(Transfer& t) {
     health_->probe_done(static_cast<uint32_t>(t.probe_nic), t.error.is_ok(), now_);
   }
   if (t.check_nic >= 0) check_done(t);
-  // A write-fence note (urgent) that failed is sent again by its own timer (write_fence.cc).
+  // A write-fence note (urgent) that failed is sent again by its own timer (worker_fence.cc).
   if ((t.id & kInternalTransfer) != 0 && t.probe_nic < 0 && t.check_nic < 0 && !t.error.is_ok() &&
       !(t.ops.size() == 1 && t.ops[0].urgent)) {
     detail::log().warn("group {}: an engine message could not be delivered: {}", group_,

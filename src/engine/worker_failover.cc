@@ -57,12 +57,6 @@ void Worker::measure(uint32_t index, const Op& op) {
   health_->completed(index, op.length, now_, queues_->inflight(index) <= 1);
 }
 
-std::vector<uint64_t> Worker::nic_rates() const {
-  std::vector<uint64_t> rates;
-  nic_rates(rates);
-  return rates;
-}
-
 std::vector<bool> Worker::up_nics() const {
   std::vector<bool> up;
   up_nics(up);
