@@ -73,37 +73,48 @@ struct RemoteRegion : nixlBackendMD {
   uintptr_t base = 0;  // the owner's virtual address of byte 0 (descriptor addresses are theirs)
 };
 
-// One posting of a request: what checkXfer reads. Shared with the callbacks of its transfers,
-// so a request released mid-flight leaves it to them.
+// One posting of a request: what checkXfer reads. Owned by its request; shared with the
+// callbacks of its transfers when it carries a notification; retired (FabricBackend::retire)
+// when its request lets go of it mid-flight.
 struct Posting {
   CompletionCounter counter;  // counted by the engine's worker, before any callback
   uint64_t submitted = 0;     // transfers accepted by the engine
   Status submit_error;        // the submission that failed, if one did (no later ones were made)
-  // Notification: sent by the callback of the last transfer to end, when all succeeded.
+  // Notification: sent once every transfer ended well, by the first to see it: checkXfer (no
+  // thread hop) or the callback of the last transfer to end (when nobody polls). With worker
+  // threads its delivery is not waited for (a failed delivery is logged); caller-driven, the
+  // request ends once it is delivered.
   bool has_notif = false;
-  std::string notif_agent;
   std::string notif;
-  std::atomic<uint64_t> unfinished{0};
-  enum NotifState : int { kNotifPending = 0, kNotifSent = 1, kNotifFailed = -1 };
-  std::atomic<int> notif_state{kNotifPending};
-  std::atomic<bool> released{false};  // releaseReqH ran: do not send the notification
+  std::atomic<uint64_t> unfinished{0};     // transfers not ended, + 1 while postXfer runs
+  std::atomic<bool> notif_claimed{false};  // someone sends it, or decided not to
+  std::atomic<bool> notif_ended{false};    // delivered, failed, or not to be sent
+  std::atomic<bool> released{false};       // releaseReqH ran: do not send the notification
   std::mutex error_mu;
-  Status notif_error;
+  Status notif_error;  // the notification could not be submitted, or not delivered
 };
 
-// A request (prepXfer), reposted by postXfer: the checked pairs, ready to submit.
+// A request (prepXfer), reposted by postXfer: its descriptor pairs, checked and grouped into
+// the engine transfers that carry them. Pairs that share a local registration, a remote one and
+// a length become one paged transfer (one work request per pair, one completion for all: a
+// batch of KV blocks); the others are single transfers, sharded over the NICs when large.
 struct Request : nixlBackendReqH {
-  struct Pair {
+  struct Op {
     MemoryHandle local;
-    uint64_t local_offset = 0;
     RemoteMemory remote;
+    uint64_t length = 0;  // of each page
+    // Single: one range each side. Paged: page i at base + pages[i] * stride.
+    uint64_t local_offset = 0;
     uint64_t remote_offset = 0;
-    uint64_t length = 0;
+    std::vector<uint32_t> local_pages;  // empty: single
+    std::vector<uint32_t> remote_pages;
+    uint64_t local_stride = 0;
+    uint64_t remote_stride = 0;
   };
   nixl_xfer_op_t op = NIXL_WRITE;
   std::string agent;
   Address peer;  // where the notification goes
-  std::vector<Pair> pairs;
+  std::vector<Op> ops;
   std::shared_ptr<Posting> posting;  // the latest postXfer's
 };
 
@@ -156,8 +167,14 @@ class FabricBackend : public nixlBackendEngine {
   // Sends `msg` to `agent` at `peer`; on_sent gets the outcome on the engine's callback thread.
   Status send_notif(const Address& peer, const std::string& msg,
                     std::function<void(const Status&)> on_sent) const;
+  Result<TransferId> submit_op(nixl_xfer_op_t operation, const Request::Op& op, Callbacks cb) const;
+  // Sends the posting's notification unless another caller did, or a transfer failed.
+  void claim_notif(const std::shared_ptr<Posting>& posting, const Address& peer) const;
   void on_message(std::span<const std::byte> message);
   void drive() const;  // one pass of the engine's loop, in the caller-driven mode
+  // Keeps a posting dropped by its request (released, or reposted after a failed post) until
+  // every transfer it submitted has ended: the worker counts into its counter until then.
+  void retire(std::shared_ptr<Posting> posting) const;
 
   BackendOptions options_;
   std::unique_ptr<TransferEngine> engine_;
@@ -168,6 +185,9 @@ class FabricBackend : public nixlBackendEngine {
 
   std::mutex notifs_mu_;
   notif_list_t notifs_;  // arrived, not yet taken by getNotifs
+
+  mutable std::mutex retired_mu_;
+  mutable std::vector<std::shared_ptr<Posting>> retired_;  // see retire()
 };
 
 }  // namespace fabric::nixl_backend

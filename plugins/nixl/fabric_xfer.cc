@@ -1,7 +1,13 @@
 // FABRIC backend, data path: requests (prepXfer, postXfer, checkXfer, releaseReqH) and
 // notifications (genNotif, getNotifs, and the one a transfer carries).
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
-#include <ios>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <thread>
+#include <tuple>
 
 #include "common/nixl_log.h"
 #include "fabric_backend.h"
@@ -39,6 +45,67 @@ Result<uint64_t> offset_in(uintptr_t addr, uint64_t len, uintptr_t base, uint64_
   return addr - base;
 }
 
+// One checked descriptor pair.
+struct Pair {
+  MemoryHandle local;
+  uint64_t local_offset = 0;
+  RemoteMemory remote;
+  uint64_t remote_offset = 0;
+  uint64_t length = 0;
+};
+
+// Page indices for `offsets` (each from `base`, in units of `stride`), or false when they do
+// not fit the engine's 32-bit page numbers.
+bool page_indices(const std::vector<uint64_t>& offsets, uint64_t& base, uint64_t& stride,
+                  uint64_t length, std::vector<uint32_t>& pages) {
+  base = *std::min_element(offsets.begin(), offsets.end());
+  stride = 0;
+  for (uint64_t o : offsets) stride = std::gcd(stride, o - base);
+  if (stride == 0) stride = length;  // every pair at the same offset
+  pages.clear();
+  pages.reserve(offsets.size());
+  for (uint64_t o : offsets) {
+    const uint64_t index = (o - base) / stride;
+    if (index > std::numeric_limits<uint32_t>::max()) return false;
+    pages.push_back(static_cast<uint32_t>(index));
+  }
+  return true;
+}
+
+// The engine transfers for one group of pairs (same registrations, same length): one paged
+// transfer when the offsets fit page numbers, else one single transfer per pair.
+void add_ops(const std::vector<Pair>& group, std::vector<Request::Op>& ops) {
+  auto single = [&ops](const Pair& p) {
+    Request::Op op;
+    op.local = p.local;
+    op.remote = p.remote;
+    op.length = p.length;
+    op.local_offset = p.local_offset;
+    op.remote_offset = p.remote_offset;
+    ops.push_back(std::move(op));
+  };
+  if (group.size() == 1) {
+    single(group.front());
+    return;
+  }
+  std::vector<uint64_t> local_offsets, remote_offsets;
+  for (const Pair& p : group) {
+    local_offsets.push_back(p.local_offset);
+    remote_offsets.push_back(p.remote_offset);
+  }
+  Request::Op op;
+  op.local = group.front().local;
+  op.remote = group.front().remote;
+  op.length = group.front().length;
+  if (!page_indices(local_offsets, op.local_offset, op.local_stride, op.length, op.local_pages) ||
+      !page_indices(remote_offsets, op.remote_offset, op.remote_stride, op.length,
+                    op.remote_pages)) {
+    for (const Pair& p : group) single(p);
+    return;
+  }
+  ops.push_back(std::move(op));
+}
+
 }  // namespace
 
 Result<Request*> FabricBackend::make_request(const nixl_xfer_op_t& operation,
@@ -59,7 +126,10 @@ Result<Request*> FabricBackend::make_request(const nixl_xfer_op_t& operation,
   request->op = operation;
   request->agent = remote_agent;
   request->peer = std::move(*peer);
-  request->pairs.reserve(static_cast<size_t>(local.descCount()));
+  // Pairs grouped by (local registration, remote registration, length), in first-seen order.
+  using Key = std::tuple<const LocalRegion*, const RemoteRegion*, uint64_t>;
+  std::map<Key, size_t> groups;
+  std::vector<std::vector<Pair>> pairs;
   for (int i = 0; i < local.descCount(); ++i) {
     const nixlMetaDesc& l = local[i];
     const nixlMetaDesc& r = remote[i];
@@ -94,8 +164,12 @@ Result<Request*> FabricBackend::make_request(const nixl_xfer_op_t& operation,
                         " is memory its owner could not register readable (GPU memory "
                         "staged through a host mirror): WRITE into it instead");
     }
-    request->pairs.push_back({lr->handle, *lo, rr->memory, *ro, l.len});
+    const Key key{lr, rr, l.len};
+    auto [it, inserted] = groups.try_emplace(key, pairs.size());
+    if (inserted) pairs.emplace_back();
+    pairs[it->second].push_back({lr->handle, *lo, rr->memory, *ro, l.len});
   }
+  for (auto& group : pairs) add_ops(group, request->ops);
   return request.release();
 }
 
@@ -113,6 +187,29 @@ nixl_status_t FabricBackend::prepXfer(const nixl_xfer_op_t& operation,
   return NIXL_SUCCESS;
 }
 
+void FabricBackend::claim_notif(const std::shared_ptr<Posting>& posting,
+                                const Address& peer) const {
+  if (posting->notif_claimed.exchange(true, std::memory_order_acq_rel)) return;
+  if (posting->counter.failed() > 0 || !posting->submit_error.is_ok() ||
+      posting->released.load(std::memory_order_acquire)) {
+    posting->notif_ended.store(true, std::memory_order_release);
+    return;  // a failed or abandoned request notifies nobody
+  }
+  Status s = send_notif(peer, posting->notif, [posting](const Status& outcome) {
+    if (!outcome.is_ok()) {
+      NIXL_ERROR << "FABRIC: notification not delivered: " << outcome.to_string();
+      std::lock_guard lock(posting->error_mu);
+      posting->notif_error = outcome;
+    }
+    posting->notif_ended.store(true, std::memory_order_release);
+  });
+  if (!s) {
+    std::lock_guard lock(posting->error_mu);
+    posting->notif_error = s;
+    posting->notif_ended.store(true, std::memory_order_release);
+  }
+}
+
 nixl_status_t FabricBackend::postXfer(const nixl_xfer_op_t& operation,
                                       const nixl_meta_dlist_t& local,
                                       const nixl_meta_dlist_t& remote,
@@ -127,7 +224,6 @@ nixl_status_t FabricBackend::postXfer(const nixl_xfer_op_t& operation,
   auto posting = std::make_shared<Posting>();
   if (opt_args != nullptr && opt_args->hasNotif) {
     posting->has_notif = true;
-    posting->notif_agent = request->agent;
     posting->notif = opt_args->notifMsg;
     const uint64_t size = kNotifHeader + localAgent.size() + posting->notif.size();
     if (size > options_.config.max_message_bytes) {
@@ -137,59 +233,28 @@ nixl_status_t FabricBackend::postXfer(const nixl_xfer_op_t& operation,
       return NIXL_ERR_INVALID_PARAM;
     }
   }
+  retire(std::move(request->posting));
   request->posting = posting;
 
-  // The last of the transfers to end (or postXfer itself, when they all ended before it
-  // returned: it holds one count) sends the notification.
-  const auto& pairs = request->pairs;
-  posting->unfinished.store(pairs.size() + 1, std::memory_order_relaxed);
+  // With a notification, each transfer's callback counts down; the last to end (or postXfer
+  // itself, which holds one count, when they all ended before it returned) sends it unless
+  // checkXfer did already. Without one, the worker's counter is all there is.
+  const auto& ops = request->ops;
+  posting->unfinished.store(ops.size() + 1, std::memory_order_relaxed);
   auto finish_one = [this, posting, peer = request->peer]() {
     if (posting->unfinished.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    if (!posting->has_notif) return;
-    if (posting->counter.failed() > 0 || !posting->submit_error.is_ok() ||
-        posting->released.load(std::memory_order_acquire)) {
-      posting->notif_state.store(Posting::kNotifFailed, std::memory_order_release);
-      return;
-    }
-    Status s = send_notif(peer, posting->notif, [posting](const Status& outcome) {
-      if (!outcome.is_ok()) {
-        std::lock_guard lock(posting->error_mu);
-        posting->notif_error = outcome;
-      }
-      posting->notif_state.store(outcome.is_ok() ? Posting::kNotifSent : Posting::kNotifFailed,
-                                 std::memory_order_release);
-    });
-    if (!s) {
-      std::lock_guard lock(posting->error_mu);
-      posting->notif_error = s;
-      posting->notif_state.store(Posting::kNotifFailed, std::memory_order_release);
-    }
+    claim_notif(posting, peer);
   };
 
   uint64_t accepted = 0;
-  for (const Request::Pair& pair : pairs) {
+  for (const Request::Op& op : ops) {
     Callbacks cb;
     cb.counter = &posting->counter;  // counted by the worker: checkXfer needs no callback
-    cb.on_done = finish_one;         // also keeps the posting (and its counter) alive
-    cb.on_error = [finish_one](const Status&) { finish_one(); };
-    Result<TransferId> id = Status(ErrorCode::kInternal, "not submitted");
-    if (request->op == NIXL_WRITE) {
-      SingleWrite w;
-      w.src = pair.local;
-      w.src_offset = pair.local_offset;
-      w.dst = pair.remote;
-      w.dst_offset = pair.remote_offset;
-      w.length = pair.length;
-      id = engine_->submit(w, std::move(cb));
-    } else {
-      SingleRead r;
-      r.dst = pair.local;
-      r.dst_offset = pair.local_offset;
-      r.src = pair.remote;
-      r.src_offset = pair.remote_offset;
-      r.length = pair.length;
-      id = engine_->submit(r, std::move(cb));
+    if (posting->has_notif) {
+      cb.on_done = finish_one;
+      cb.on_error = [finish_one](const Status&) { finish_one(); };
     }
+    Result<TransferId> id = submit_op(request->op, op, std::move(cb));
     if (!id) {
       posting->submit_error = id.status();
       break;
@@ -197,27 +262,78 @@ nixl_status_t FabricBackend::postXfer(const nixl_xfer_op_t& operation,
     ++accepted;
   }
   posting->submitted = accepted;
-  const uint64_t not_submitted = pairs.size() - accepted;
+  const uint64_t not_submitted = ops.size() - accepted;
   if (not_submitted > 0) posting->unfinished.fetch_sub(not_submitted, std::memory_order_acq_rel);
+  if (posting->has_notif) finish_one();
   if (!posting->submit_error.is_ok()) {
-    // Transfers accepted before it still run; the posting outlives the request for them.
-    NIXL_ERROR << "FABRIC: transfer " << accepted << " of " << pairs.size() << " to agent "
+    // Transfers accepted before it still run; the posting is retired until they end.
+    NIXL_ERROR << "FABRIC: transfer " << accepted << " of " << ops.size() << " to agent "
                << request->agent << ": " << posting->submit_error.to_string();
-    finish_one();
     return to_nixl(posting->submit_error);
   }
-  finish_one();
   return checkXfer(request);
+}
+
+Result<TransferId> FabricBackend::submit_op(nixl_xfer_op_t operation, const Request::Op& op,
+                                            Callbacks cb) const {
+  const bool paged = !op.local_pages.empty();
+  if (operation == NIXL_WRITE && !paged) {
+    SingleWrite w;
+    w.src = op.local;
+    w.src_offset = op.local_offset;
+    w.dst = op.remote;
+    w.dst_offset = op.remote_offset;
+    w.length = op.length;
+    return engine_->submit(w, std::move(cb));
+  }
+  if (operation == NIXL_WRITE) {
+    PagedWrite w;
+    w.src = op.local;
+    w.dst = op.remote;
+    w.page_bytes = op.length;
+    w.src_pages = op.local_pages;
+    w.src_stride = op.local_stride;
+    w.src_offset = op.local_offset;
+    w.dst_pages = op.remote_pages;
+    w.dst_stride = op.remote_stride;
+    w.dst_offset = op.remote_offset;
+    return engine_->submit(w, std::move(cb));
+  }
+  if (!paged) {
+    SingleRead r;
+    r.dst = op.local;
+    r.dst_offset = op.local_offset;
+    r.src = op.remote;
+    r.src_offset = op.remote_offset;
+    r.length = op.length;
+    return engine_->submit(r, std::move(cb));
+  }
+  PagedRead r;
+  r.dst = op.local;
+  r.src = op.remote;
+  r.page_bytes = op.length;
+  r.dst_pages = op.local_pages;
+  r.dst_stride = op.local_stride;
+  r.dst_offset = op.local_offset;
+  r.src_pages = op.remote_pages;
+  r.src_stride = op.remote_stride;
+  r.src_offset = op.remote_offset;
+  return engine_->submit(r, std::move(cb));
 }
 
 nixl_status_t FabricBackend::checkXfer(nixlBackendReqH* handle) const {
   auto* request = dynamic_cast<Request*>(handle);
   if (request == nullptr) return NIXL_ERR_INVALID_PARAM;
-  const Posting* posting = request->posting.get();
+  const std::shared_ptr<Posting>& posting = request->posting;
   if (posting == nullptr) return NIXL_ERR_NOT_POSTED;
   if (posting->counter.ended() < posting->submitted) {
     drive();
-    if (posting->counter.ended() < posting->submitted) return NIXL_IN_PROG;
+    if (posting->counter.ended() < posting->submitted) {
+      // A caller polling in a loop leaves the CPU to the engine's threads for a moment (on a
+      // host with fewer cores than busy threads the worker would otherwise wait its turn).
+      if (options_.progress == Progress::kWorker) std::this_thread::yield();
+      return NIXL_IN_PROG;
+    }
   }
   if (!posting->submit_error.is_ok()) return to_nixl(posting->submit_error);
   if (posting->counter.failed() > 0) {
@@ -226,31 +342,45 @@ nixl_status_t FabricBackend::checkXfer(nixlBackendReqH* handle) const {
     return to_nixl(s);
   }
   if (posting->has_notif) {
-    switch (posting->notif_state.load(std::memory_order_acquire)) {
-      case Posting::kNotifPending:
-        drive();
-        return NIXL_IN_PROG;
-      case Posting::kNotifFailed: {
-        std::lock_guard lock(request->posting->error_mu);
-        NIXL_ERROR << "FABRIC: notification to agent " << request->agent
-                   << " failed: " << posting->notif_error.to_string();
-        return to_nixl(posting->notif_error);
-      }
-      default:
-        break;
+    claim_notif(posting, request->peer);
+    // Caller-driven: nothing moves the message unless a call drives the engine, so the request
+    // ends once it is delivered. With worker threads it ends without waiting for that.
+    if (options_.progress == Progress::kCaller &&
+        !posting->notif_ended.load(std::memory_order_acquire)) {
+      drive();
+      return NIXL_IN_PROG;
+    }
+    std::lock_guard lock(posting->error_mu);
+    if (!posting->notif_error.is_ok()) {
+      NIXL_ERROR << "FABRIC: notification to agent " << request->agent
+                 << " not sent: " << posting->notif_error.to_string();
+      return to_nixl(posting->notif_error);
     }
   }
   return NIXL_SUCCESS;
 }
 
 // Releasing mid-flight: the engine cannot take back what it posted, so the transfers run to
-// their end (their callbacks hold the posting) but the notification is not sent.
+// their end (their posting is retired until then) but the notification is not sent.
 nixl_status_t FabricBackend::releaseReqH(nixlBackendReqH* handle) const {
   auto* request = dynamic_cast<Request*>(handle);
   if (request == nullptr) return NIXL_ERR_INVALID_PARAM;
   if (request->posting) request->posting->released.store(true, std::memory_order_release);
+  retire(std::move(request->posting));
   delete request;
   return NIXL_SUCCESS;
+}
+
+// A posting whose transfers still run keeps its counter alive for the worker: it waits here
+// until they have all ended (checked whenever another posting retires, and at close).
+void FabricBackend::retire(std::shared_ptr<Posting> posting) const {
+  std::lock_guard lock(retired_mu_);
+  std::erase_if(retired_, [](const std::shared_ptr<Posting>& p) {
+    return p->counter.ended() >= p->submitted;
+  });
+  if (posting && posting->counter.ended() < posting->submitted) {
+    retired_.push_back(std::move(posting));
+  }
 }
 
 // --- notifications ------------------------------------------------------------------------------
@@ -313,7 +443,13 @@ void FabricBackend::on_message(std::span<const std::byte> message) {
 
 nixl_status_t FabricBackend::getNotifs(notif_list_t& notif_list) {
   drive();
-  std::lock_guard lock(notifs_mu_);
+  std::unique_lock lock(notifs_mu_);
+  if (notifs_.empty()) {
+    lock.unlock();
+    // Targets poll this in a loop: leave the CPU to the engine's threads for a moment.
+    if (options_.progress == Progress::kWorker) std::this_thread::yield();
+    return NIXL_SUCCESS;
+  }
   if (notif_list.empty()) {
     notif_list.swap(notifs_);
   } else {
