@@ -75,7 +75,7 @@ SANITIZER_LABELS := ^(unit|conformance|reliability|kv|netlab)$$
 TSAN_LABELS := ^(unit|conformance|reliability|kv)$$
 SANITIZER_TARGETS := fabric_unit_tests fabric_conformance_tests fabric_test_peer \
   fabric_reliability_tests fabric_bad_input_tests fabric_soak fabric_kv_tests \
-  fabric_kv_test_peer fabric_netlab_tests fabric_shm_tests
+  fabric_kv_test_peer fabric_netlab_tests fabric_shm_tests fabric_ep_tests
 PREFIX ?= /usr/local
 
 .PHONY: deps build run test test-default test-python test-asan test-tsan build-asan build-tsan \

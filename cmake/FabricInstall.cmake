@@ -1,12 +1,12 @@
 # cmake --install: the public headers, the static libraries, the CMake package `fabric`
 # (find_package(fabric CONFIG) gives fabric::fabric, fabric::kv, fabric::kv_etcd,
-# fabric::weights and, in CUDA builds, fabric::cuda) and fabric.pc / fabric-kv.pc for
-# pkg-config. tests/consumer builds against an installed copy both ways (ctest -L consumer).
+# fabric::weights, fabric::ep and, in CUDA builds, fabric::cuda) and fabric.pc / fabric-kv.pc /
+# fabric-ep.pc for pkg-config. tests/consumer builds against an installed copy both ways (ctest -L consumer).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 set(FABRIC_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/fabric)
-set(FABRIC_INSTALL_TARGETS fabric_lib fabric_kv fabric_kv_etcd fabric_weights)
+set(FABRIC_INSTALL_TARGETS fabric_lib fabric_kv fabric_kv_etcd fabric_weights fabric_ep)
 if(FABRIC_CUDA_ENABLED)
   # The CUDA parts (UvmWatcher, GPU memory) live in fabric::fabric; fabric::cuda adds the
   # device-side header's needs (the CUDA runtime) for code that launches watcher stores.
@@ -49,8 +49,10 @@ endif()
 configure_file(${CMAKE_CURRENT_LIST_DIR}/fabric.pc.in ${CMAKE_CURRENT_BINARY_DIR}/fabric.pc @ONLY)
 configure_file(${CMAKE_CURRENT_LIST_DIR}/fabric-kv.pc.in ${CMAKE_CURRENT_BINARY_DIR}/fabric-kv.pc
   @ONLY)
+configure_file(${CMAKE_CURRENT_LIST_DIR}/fabric-ep.pc.in ${CMAKE_CURRENT_BINARY_DIR}/fabric-ep.pc
+  @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/fabric.pc ${CMAKE_CURRENT_BINARY_DIR}/fabric-kv.pc
-  DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+  ${CMAKE_CURRENT_BINARY_DIR}/fabric-ep.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 
 if(FABRIC_BUILD_TOOLS)
   install(TARGETS fabric-info fabric-bench fabric-bench-raw RUNTIME

@@ -3,7 +3,7 @@
 // functions, and the Proxy, a host thread that carries the kernels' rounds to and from the ranks
 // of other nodes through a TransferEngine group of its own in caller-driven progress.
 //
-// Host-only (no CUDA): built and unit-tested everywhere (tests/unit/ep_proxy_test.cc, where a
+// Host-only (no CUDA): built and unit-tested everywhere (tests/ep/ep_proxy_test.cc, where a
 // test double named FakeGpu plays the kernels' part on host memory).
 //
 // The proxy's two regions, laid out by ProxyLayout and registered with the proxy's engine:

@@ -2,7 +2,7 @@
 // part on a proxy's regions in host memory (stages a round with a byte pattern per (source,
 // destination, round, kind) and a varying count, raises the ready word, waits for the receive
 // flag, checks every byte and the count, raises the done word), as the kernels do through the
-// regions' device mappings. Used by the proxy's unit tests (tests/unit/ep_proxy_test.cc) and by
+// regions' device mappings. Used by the proxy's unit tests (tests/ep/ep_proxy_test.cc) and by
 // the proxy benchmark (bench/ep_proxy_bench.cc), which run without a GPU.
 #pragma once
 
