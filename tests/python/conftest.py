@@ -24,6 +24,42 @@ def pytest_report_header(config):
     return f"fabric_lib {fabric_lib.__version__} from {Path(fabric_lib.__file__).parent}"
 
 
+# Feature markers (docs/testing.md, "Tests by feature"): `pytest -m weights` runs every test of
+# the weight push. A module's tests carry its features; a test run over a provider carries the
+# provider's name too (shm, tcp).
+FEATURES_BY_MODULE = {
+    "test_ep": ["ep"],
+    "test_examples_moe": ["ep"],
+    "test_weights": ["weights"],
+    "test_weights_schedule": ["weights"],
+    "test_kv": ["kv"],
+    "test_reads": ["reads"],
+    "test_cuda": ["cuda_ipc", "staged", "gpu"],
+    "test_metrics": ["metrics"],
+    "test_signals": ["signals"],
+    "test_corrupt_bytes": ["bad_input"],
+    "test_arguments": ["bad_input"],
+    "test_text": ["bad_input"],
+}
+FEATURE_MARKERS = sorted({m for ms in FEATURES_BY_MODULE.values() for m in ms} | set(BACKENDS))
+
+
+def pytest_configure(config):
+    for marker in FEATURE_MARKERS:
+        config.addinivalue_line("markers", f"{marker}: tests of the {marker} feature")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        for marker in FEATURES_BY_MODULE.get(module, []):
+            item.add_marker(marker)
+        callspec = getattr(item, "callspec", None)
+        provider = callspec.params.get("provider") if callspec else None
+        if provider in BACKENDS:
+            item.add_marker(provider)
+
+
 def open_engine_or_skip(provider, **fields):
     try:
         return fabric_lib.TransferEngine(make_config(provider, **fields))
