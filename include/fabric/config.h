@@ -129,9 +129,8 @@ struct Config {
   // 50 us where there are at least kAutoSpinMinCpus and 0 (sleep at once) on fewer. Spinning
   // pays only where cores are to spare: on a 16-core host 50 us (with wait_spin's) took shm imm
   // round trips with the worker thread from 23.4 to 7.1 us p50 and tcp from 58.0 to 36.8; on
-  // two cores it took them from 23 to 316 us (bench/results/2026-11-29_5a2701d_H200/README.md, "Engine
-  // tuning").
-  // Environment: FABRIC_CALLBACK_SPIN_US (microseconds, or "auto").
+  // two cores it took them from 23 to 316 us (bench/results/2026-11-29_5a2701d_H200/README.md,
+  // "Engine tuning"). Environment: FABRIC_CALLBACK_SPIN_US (microseconds, or "auto").
   std::optional<std::chrono::microseconds> callback_spin;
   // Run completion callbacks (on_done, on_error), expect_imm callbacks and the unexpected-imm
   // handler on the worker thread that saw them, as soon as it does, instead of handing them to
