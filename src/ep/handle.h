@@ -1,7 +1,7 @@
 // An all-to-all rank's handle: what a peer of its node needs to map its buffer (a CUDA IPC
 // handle), what a peer of another node needs to reach its proxy (the proxy's handle: the engine
 // address and the proxy area's descriptor), and what both need to check that they were created
-// alike. Versioned little-endian bytes (common/codec.h).
+// alike. Versioned little-endian bytes (common/codec.h); the codec is in handle.cc.
 #pragma once
 
 #include <array>

@@ -1,11 +1,12 @@
-// fabric::ep host code that needs no GPU: configuration checks, the buffer layout, the halves'
-// argument checks and the handle codec. Built in every configuration (unit-tested in CI).
+// fabric::ep host code that needs no GPU (fabric/ep.h): configuration checks, the buffer layout
+// and the halves' argument checks. Built in every configuration (unit-tested in CI).
 #include <fmt/format.h>
 
 #include <limits>
 
-#include "common/codec.h"
-#include "ep/handle.h"
+#include "common/align.h"
+#include "common/invalid.h"
+#include "ep/dtype.h"
 #include "fabric/ep.h"
 
 namespace fabric::ep {
@@ -13,24 +14,6 @@ namespace fabric::ep {
 namespace {
 
 constexpr uint64_t kRegionAlign = 4096;  // each region of the buffer starts on a page
-
-constexpr uint64_t round_up(uint64_t v, uint64_t to) {
-  return (v + to - 1) / to * to;
-}
-
-Status invalid(std::string message) {
-  return Status(ErrorCode::kInvalidArgument, std::move(message));
-}
-
-const char* dtype_name(TokenDtype d) {
-  switch (d) {
-    case TokenDtype::kBf16:
-      return "bf16";
-    case TokenDtype::kFp8E4m3:
-      return "fp8_e4m3";
-  }
-  return "unknown";
-}
 
 bool aligned(const void* p, uintptr_t to) {
   return (reinterpret_cast<uintptr_t>(p) & (to - 1)) == 0;
@@ -184,122 +167,6 @@ Status check_combine_recv(const AllToAllConfig& c, const CombineRecvArgs& a) {
   if (Status s = pointer(kHalf, "topk_idx", a.topk_idx, 8); !s) return s;
   if (Status s = pointer(kHalf, "topk_weights", a.topk_weights, 4); !s) return s;
   return pointer(kHalf, "out", a.out, 16);
-}
-
-// --- handles -----------------------------------------------------------------------------------
-
-PeerHandle make_handle(const AllToAllConfig& c, const Layout& l) {
-  PeerHandle h;
-  h.rank = c.rank;
-  h.world_size = c.world_size;
-  h.gpus_per_node = c.gpus_per_node == 0 ? c.world_size : c.gpus_per_node;
-  h.num_experts = c.num_experts;
-  h.hidden = c.hidden;
-  h.top_k = c.top_k;
-  h.max_tokens_per_rank = c.max_tokens_per_rank;
-  h.dtype = c.dtype;
-  h.buffer_bytes = l.buffer_bytes;
-  return h;
-}
-
-Bytes encode(const PeerHandle& h) {
-  detail::ByteWriter w;
-  w.u32(PeerHandle::kMagic);
-  w.u16(PeerHandle::kVersion);
-  w.u16(0);
-  w.u32(static_cast<uint32_t>(h.rank));
-  w.u32(static_cast<uint32_t>(h.world_size));
-  w.u32(static_cast<uint32_t>(h.gpus_per_node));
-  w.u32(h.num_experts);
-  w.u32(h.hidden);
-  w.u32(h.top_k);
-  w.u32(h.max_tokens_per_rank);
-  w.u8(static_cast<uint8_t>(h.dtype));
-  w.u64(h.buffer_bytes);
-  w.bytes(h.device);
-  w.u64(h.pid);
-  w.bytes(h.ipc);
-  w.u32(static_cast<uint32_t>(h.proxy.size()));
-  w.bytes(h.proxy);
-  return w.take();
-}
-
-Result<PeerHandle> decode_handle(std::span<const std::byte> bytes) {
-  detail::ByteReader r(bytes);
-  uint32_t magic = 0, rank = 0, world = 0, per_node = 0;
-  uint16_t version = 0, reserved = 0;
-  if (!r.u32(magic) || magic != PeerHandle::kMagic) {
-    return invalid(
-        fmt::format("not an all-to-all handle ({} bytes without its magic number)", bytes.size()));
-  }
-  auto truncated = [&] {
-    return invalid(fmt::format("all-to-all handle truncated at {} bytes", bytes.size()));
-  };
-  if (!r.u16(version)) return truncated();
-  if (version != PeerHandle::kVersion) {
-    return invalid(fmt::format("all-to-all handle version {}, this build reads version {}", version,
-                               PeerHandle::kVersion));
-  }
-  PeerHandle h;
-  uint8_t dtype = 0;
-  std::vector<std::byte> device, ipc;
-  uint32_t proxy_bytes = 0;
-  const bool ok =
-      r.u16(reserved) && r.u32(rank) && r.u32(world) && r.u32(per_node) && r.u32(h.num_experts) &&
-      r.u32(h.hidden) && r.u32(h.top_k) && r.u32(h.max_tokens_per_rank) && r.u8(dtype) &&
-      r.u64(h.buffer_bytes) && r.bytes(h.device.size(), device) && r.u64(h.pid) &&
-      r.bytes(PeerHandle::kIpcBytes, ipc) && r.u32(proxy_bytes) && r.bytes(proxy_bytes, h.proxy);
-  if (!ok) return truncated();
-  if (r.remaining() != 0) {
-    return invalid(fmt::format("all-to-all handle has {} bytes too many", r.remaining()));
-  }
-  h.rank = static_cast<int>(rank);
-  h.world_size = static_cast<int>(world);
-  h.gpus_per_node = static_cast<int>(per_node);
-  h.dtype = static_cast<TokenDtype>(dtype);
-  std::copy(device.begin(), device.end(), h.device.begin());
-  std::copy(ipc.begin(), ipc.end(), h.ipc.begin());
-  return h;
-}
-
-Status check_peer(const PeerHandle& mine, const PeerHandle& peer, int index) {
-  if (peer.rank != index) {
-    return invalid(
-        fmt::format("handle {} is rank {}'s: handles go in rank order", index, peer.rank));
-  }
-  auto differs = [&](const char* field, auto theirs, auto ours) {
-    return invalid(fmt::format("rank {} has {} {}, this rank (rank {}) has {}", index, field,
-                               theirs, mine.rank, ours));
-  };
-  const bool same_node =
-      mine.gpus_per_node > 0 && index / mine.gpus_per_node == mine.rank / mine.gpus_per_node;
-  if (index != mine.rank && same_node && peer.pid == mine.pid) {
-    return Status(ErrorCode::kUnsupported,
-                  fmt::format("rank {} runs in this process (pid {}): CUDA IPC maps only other "
-                              "processes' memory, so each rank needs a process of its own",
-                              index, peer.pid));
-  }
-  if (peer.world_size != mine.world_size) {
-    return differs("world_size", peer.world_size, mine.world_size);
-  }
-  if (peer.gpus_per_node != mine.gpus_per_node) {
-    return differs("gpus_per_node", peer.gpus_per_node, mine.gpus_per_node);
-  }
-  if (peer.num_experts != mine.num_experts) {
-    return differs("num_experts", peer.num_experts, mine.num_experts);
-  }
-  if (peer.hidden != mine.hidden) return differs("hidden", peer.hidden, mine.hidden);
-  if (peer.top_k != mine.top_k) return differs("top_k", peer.top_k, mine.top_k);
-  if (peer.max_tokens_per_rank != mine.max_tokens_per_rank) {
-    return differs("max_tokens_per_rank", peer.max_tokens_per_rank, mine.max_tokens_per_rank);
-  }
-  if (peer.dtype != mine.dtype) {
-    return differs("dtype", dtype_name(peer.dtype), dtype_name(mine.dtype));
-  }
-  if (peer.buffer_bytes != mine.buffer_bytes) {
-    return differs("buffer_bytes", peer.buffer_bytes, mine.buffer_bytes);
-  }
-  return Status::ok();
 }
 
 }  // namespace fabric::ep

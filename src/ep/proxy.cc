@@ -350,7 +350,7 @@ void Proxy::post_rounds(bool combine, uint32_t round, std::chrono::steady_clock:
     const uint64_t dst =
         combine ? layout_.combine_recv(p.index_there) : layout_.dispatch_recv(p.index_there);
     chunks_.clear();
-    append_round_chunks(chunks_, a2a_, combine, r.value, options_.chunk_bytes);
+    append_chunks(chunks_, round_bytes(a2a_, combine, r.value), options_.chunk_bytes);
     if (!chunks_.empty()) data.peers.push_back(&p);
     for (const Chunk& c : chunks_) {
       data.targets.push_back(ScatterTarget{p.data, c.length, src + c.offset, dst + c.offset});
@@ -498,7 +498,7 @@ bool Proxy::receive_round(Peer& p, bool combine) {
     p.counts[k] = c;
     p.have_counts[k] = true;
     p.counts_seen_at[k] = std::chrono::steady_clock::now();
-    p.chunks[k] = round_chunk_count(a2a_, combine, c.value, options_.chunk_bytes);
+    p.chunks[k] = chunk_count(round_bytes(a2a_, combine, c.value), options_.chunk_bytes);
   }
   const uint64_t need = p.chunks[k];
   if (need > 0 && engine_->imm_count(data_imm) < need) {

@@ -1,24 +1,22 @@
-// fabric::ep's inter-node schedule (ep/proxy.h): which bytes a round sends each peer, with which
+// fabric::ep's inter-node schedule (ep/schedule.h): which bytes a round sends each peer, with which
 // immediates, the counts slots, and where things are in the proxy's two regions. Pure functions,
 // apart from the words' atomic loads and stores; the proxy thread is in proxy.cc.
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstring>
 
+#include "common/align.h"
 #include "common/codec.h"
-#include "ep/proxy.h"
+#include "ep/schedule.h"
 
 namespace fabric::ep {
 
 namespace {
 
 constexpr uint64_t kPage = 4096;
-
-constexpr uint64_t round_up(uint64_t v, uint64_t to) {
-  return (v + to - 1) / to * to;
-}
 
 }  // namespace
 
@@ -63,14 +61,18 @@ Result<DecodedImm> decode_imm(uint32_t imm) {
                     imm & ((1u << kImmRoundBits) - 1)};
 }
 
-namespace {
+uint64_t chunk_count(uint64_t bytes, uint64_t chunk_bytes) {
+  if (bytes == 0) return 0;
+  return chunk_bytes == 0 ? 1 : (bytes + chunk_bytes - 1) / chunk_bytes;
+}
+
 void append_chunks(std::vector<Chunk>& out, uint64_t bytes, uint64_t chunk_bytes) {
-  if (chunk_bytes == 0) chunk_bytes = bytes;
-  for (uint64_t at = 0; at < bytes; at += chunk_bytes) {
-    out.push_back(Chunk{at, std::min(chunk_bytes, bytes - at)});
+  const uint64_t n = chunk_count(bytes, chunk_bytes);
+  const uint64_t each = chunk_bytes == 0 ? bytes : chunk_bytes;
+  for (uint64_t i = 0; i < n; ++i) {
+    out.push_back(Chunk{i * each, std::min(each, bytes - i * each)});
   }
 }
-}  // namespace
 
 std::vector<Chunk> split_chunks(uint64_t bytes, uint64_t chunk_bytes) {
   std::vector<Chunk> out;
@@ -86,30 +88,13 @@ uint64_t combine_bytes(const Layout& layout, uint32_t rows) {
   return static_cast<uint64_t>(rows) * layout.combine_row_bytes;
 }
 
-namespace {
-uint64_t count_chunks(uint64_t bytes, uint64_t chunk_bytes) {
-  if (bytes == 0) return 0;
-  return chunk_bytes == 0 ? 1 : (bytes + chunk_bytes - 1) / chunk_bytes;
-}
-}  // namespace
-
-uint64_t round_chunk_count(const Layout& layout, bool combine, uint32_t value,
-                           uint64_t chunk_bytes) {
-  return count_chunks(combine ? combine_bytes(layout, value) : dispatch_bytes(layout, value),
-                      chunk_bytes);
-}
-
-void append_round_chunks(std::vector<Chunk>& out, const Layout& layout, bool combine,
-                         uint32_t value, uint64_t chunk_bytes) {
-  append_chunks(out, combine ? combine_bytes(layout, value) : dispatch_bytes(layout, value),
-                chunk_bytes);
+uint64_t round_bytes(const Layout& layout, bool combine, uint32_t value) {
+  return combine ? combine_bytes(layout, value) : dispatch_bytes(layout, value);
 }
 
 std::vector<Chunk> round_chunks(const Layout& layout, bool combine, uint32_t value,
                                 uint64_t chunk_bytes) {
-  std::vector<Chunk> out;
-  append_round_chunks(out, layout, combine, value, chunk_bytes);
-  return out;
+  return split_chunks(round_bytes(layout, combine, value), chunk_bytes);
 }
 
 void store_counts(std::byte* slot, const Counts& c) {

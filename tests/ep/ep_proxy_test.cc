@@ -113,6 +113,7 @@ TEST(EpSchedule, ChunksCoverTheBytesExactly) {
         at += c.length;
       }
       EXPECT_EQ(at, bytes) << bytes << " " << chunk;
+      EXPECT_EQ(chunk_count(bytes, chunk), split_chunks(bytes, chunk).size());
     }
   }
 }
@@ -155,7 +156,7 @@ TEST(EpSchedule, RoundChunksCoverTheIdsAndTheRows) {
   for (uint64_t chunk : {0ull, 1ull, 7ull, 20ull, 512ull, 1000ull, 1ull << 20}) {
     for (uint32_t v : {0u, 1u, 4u, 5u, 47u, 48u}) {
       for (bool combine : {false, true}) {
-        EXPECT_EQ(round_chunk_count(*l, combine, v, chunk),
+        EXPECT_EQ(chunk_count(round_bytes(*l, combine, v), chunk),
                   round_chunks(*l, combine, v, chunk).size())
             << "chunk " << chunk << ", value " << v << (combine ? ", combine" : ", dispatch");
       }
