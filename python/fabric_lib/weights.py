@@ -33,6 +33,7 @@ or the receiver's timer thread.
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import time
 
@@ -631,14 +632,13 @@ class TrainerWeights:
         synchronisation per batch), all in C++ when this rank holds every parameter whole.
         on_param(name) runs after each parameter's writes are posted (progress; tests)."""
         t0 = time.perf_counter()
-        stream = torch.cuda.current_stream(self._ring.device).cuda_stream \
-            if self._ring.is_cuda else 0
+        cuda = self._ring.is_cuda
+        stream = torch.cuda.current_stream(self._ring.device).cuda_stream if cuda else 0
         self._sender.set_on_param(on_param)
-        try:
-            if self.world == 1:
-                stats = self._push_whole(version, stream)
-            else:
-                stats = self._push_gathered(version, stream)
+        try:  # the ring's device is current: the projections run there
+            with torch.cuda.device(self._ring.device) if cuda else contextlib.nullcontext():
+                push = self._push_whole if self.world == 1 else self._push_gathered
+                stats = push(version, stream)
         finally:
             self._sender.set_on_param(None)
         stats["total"] = time.perf_counter() - t0

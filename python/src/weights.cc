@@ -76,13 +76,10 @@ py::tuple param_tuple(const ScheduledParam& p) {
                         dtype_names(p.source_dtypes), p.senders);
 }
 
-// Item `i` of a tuple (negative from the end), IndexError past it: the classes below also read
-// by position, in the order of the tuples they replace.
-py::object item(const py::tuple& t, py::ssize_t i) {
-  const auto n = static_cast<py::ssize_t>(t.size());
-  if (i < 0) i += n;
-  if (i < 0 || i >= n) throw py::index_error("index out of range");
-  return t[static_cast<size_t>(i)];
+// The tuple's item or slice `index`, as the tuple reads it: the classes below also read by
+// position, in the order of the tuples they replace.
+py::object item(const py::tuple& t, const py::object& index) {
+  return t.attr("__getitem__")(index);
 }
 
 std::vector<Endpoint> endpoints_of(const std::vector<std::string>& data) {
@@ -419,7 +416,8 @@ void bind_weights(py::module_& m) {
                     "Bytes between runs in the inference rank's tensor.")
       .def_property_readonly("bytes", &Entry::bytes, "length * runs.")
       .def(
-          "__getitem__", [](const Entry& x, py::ssize_t i) { return item(entry_tuple(x), i); },
+          "__getitem__",
+          [](const Entry& x, const py::object& i) { return item(entry_tuple(x), i); },
           py::arg("index"))
       .def("__len__", [](const Entry&) { return 10; })
       .def(
@@ -458,7 +456,7 @@ void bind_weights(py::module_& m) {
                     "Training ranks that may send it (they hold all its sources).")
       .def(
           "__getitem__",
-          [](const ScheduledParam& x, py::ssize_t i) { return item(param_tuple(x), i); },
+          [](const ScheduledParam& x, const py::object& i) { return item(param_tuple(x), i); },
           py::arg("index"))
       .def("__len__", [](const ScheduledParam&) { return 10; })
       .def(

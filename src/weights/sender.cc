@@ -190,6 +190,24 @@ class WeightSender::Impl {
     drain_quietly();
     schedule_ = std::move(s);
     order_ = push_order(schedule_);
+    // Without gathers any order serves: push() stages the parameters in the order the inference
+    // ranks declared them, which is usually their order in memory, so that consecutive writes
+    // are adjacent on both sides and the engine joins them (one copy where the push order,
+    // by name, would make one per parameter).
+    layout_order_.clear();
+    std::vector<bool> placed(n, false);
+    for (const Endpoint& ep : endpoints) {
+      for (const InferenceParam& p : ep.layout.params) {
+        const int64_t at = schedule_.find(p.name);
+        if (at >= 0 && !placed[static_cast<size_t>(at)]) {
+          placed[static_cast<size_t>(at)] = true;
+          layout_order_.push_back(static_cast<uint32_t>(at));
+        }
+      }
+    }
+    for (uint32_t p : order_) {
+      if (!placed[p]) layout_order_.push_back(p);
+    }
     entries_ = std::move(entries);
     targets_.assign(targets.begin(), targets.end());
     partner_ = std::move(partner);
@@ -297,7 +315,7 @@ class WeightSender::Impl {
     by_name.reserve(names.size());
     for (size_t i = 0; i < names.size(); ++i) by_name.emplace(names[i], i);
     std::vector<Source> in;
-    for (uint32_t param : order_) {
+    for (uint32_t param : layout_order_) {
       if (done_[param] || entries_[param].empty()) continue;
       const ScheduledParam& p = schedule_.params[param];
       in.clear();
@@ -428,8 +446,9 @@ class WeightSender::Impl {
       auto& group = pending_fp8_[block];
       group.push_back(Fp8Matrix{input, rows, cols, q, scales});
       ++pending_count_;
-      pending_bytes_ += rows * cols * 2;
-      if (!persistent || pending_count_ >= 64 || pending_bytes_ >= ring_.bytes / 8) {
+      // Sources that may be freed after this call are quantised at once; others wait for a
+      // launch of 64 matrices (the kernel's group) or the batch's end.
+      if (!persistent || pending_count_ >= 64) {
         if (Status st = launch_fp8(); !st) return st;
       }
     } else {
@@ -464,7 +483,6 @@ class WeightSender::Impl {
       if (!st) return st;
     }
     pending_count_ = 0;
-    pending_bytes_ = 0;
     return Status::ok();
   }
 
@@ -512,7 +530,6 @@ class WeightSender::Impl {
     while (!ring_ranges_.empty()) release_oldest().ignore();
     pending_fp8_.clear();
     pending_count_ = 0;
-    pending_bytes_ = 0;
     batches_.clear();
   }
 
@@ -629,7 +646,8 @@ class WeightSender::Impl {
 
   bool connected_ = false;
   Schedule schedule_;
-  std::vector<uint32_t> order_;
+  std::vector<uint32_t> order_;              // push_order(schedule_): the gathers' order
+  std::vector<uint32_t> layout_order_;       // push()'s: the inference ranks' declaration order
   std::vector<std::vector<Entry>> entries_;  // this rank's, per parameter
   std::vector<uint32_t> targets_;            // inference ranks this rank writes into
   std::vector<int64_t> partner_;             // an FP8 parameter's other half, or -1
@@ -651,7 +669,6 @@ class WeightSender::Impl {
   uint64_t queued_bytes_ = 0;
   std::map<uint32_t, std::vector<Fp8Matrix>> pending_fp8_;  // by block, not launched yet
   uint64_t pending_count_ = 0;
-  uint64_t pending_bytes_ = 0;
   std::vector<std::shared_ptr<Batch>> batches_;
   std::vector<std::vector<ScatterTarget>> scatter_;  // per inference rank, reused
   PushStats stats_;

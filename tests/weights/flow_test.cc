@@ -343,7 +343,7 @@ TEST_P(WeightsFlow, BatchesOfTheRingsQuarterAreOneSubmissionPerKindOfWrite) {
   ASSERT_TRUE(stats) << stats.status().to_string();
   ASSERT_TRUE(outcome());
   expect_served(m);
-  // In push order: embed, o, qkv (2304 bytes: a batch of a scatter and o's paged write), then
+  // In declaration order: embed, qkv, o (2304 bytes: a batch of a scatter and o's paged write), then
   // the FP8 weight and its scales (one range, a batch of one scatter).
   EXPECT_EQ(stats->writes, 3u);
 }

@@ -163,7 +163,10 @@ class WeightSender {
   // Posts what is queued and waits for every write of the version. Blocks.
   Result<PushStats> finish();
   // begin, stage of every parameter this rank sends (sources looked up by training parameter
-  // name in `sources`, which stay valid until it returns), finish. Blocks.
+  // name in `sources`, which stay valid until it returns), finish. Without gathers the order is
+  // free: parameters are staged in the order the inference ranks declared them (usually their
+  // order in memory), so that consecutive writes are adjacent on both sides and the engine
+  // joins them. Blocks.
   Result<PushStats> push(uint64_t version, const std::vector<std::string>& names,
                          std::span<const Source> sources, void* stream = nullptr);
 
