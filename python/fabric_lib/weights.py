@@ -54,6 +54,7 @@ __all__ = ["InferenceWeights", "TrainerWeights", "Version", "WeightSchedule", "q
 
 _DTYPES = {torch.uint8: "u8", torch.bfloat16: "bf16", torch.float16: "f16",
            torch.float32: "f32"}
+_TORCH = dict({v: k for k, v in _DTYPES.items()}, fp8_e4m3=torch.uint8)  # e4m3 bytes as uint8
 _ROLE_TRAINER = "weights-trainer"
 _ROLE_INFERENCE = "weights-inference"
 # Training rank 0's member "<group>.schedule": "trainers=<n> inference=<m> chunk_bytes=<c>
@@ -472,7 +473,6 @@ class TrainerWeights:
         self._ring = torch.empty(max_temp_bytes, dtype=torch.uint8, device=device)
         self._ring_reg = engine.register(self._ring, host_mirror=host_mirror)
         self._sender = _ext.WeightSender(engine, rank, num_nics, timeout)
-        self._boxes = None  # all ranks' {name: (box, replica, shape, dtype)} for the gather
         self.schedule = None
 
     def close(self):
@@ -523,44 +523,10 @@ class TrainerWeights:
                              [bytes.fromhex(m.address) for m in inference], self._ring_reg,
                              self._ring.data_ptr(), self._ring.numel(), self._ring.is_cuda)
         self.schedule = schedule
-        if self.world > 1:
-            import torch.distributed as dist
-            boxes = {n: (box, rep, shape, t.dtype) for n, (t, shape, box, rep) in
-                     self._shards.items()}
-            self._boxes = [None] * self.world
-            dist.all_gather_object(self._boxes, boxes, group=self.process_group)
-            self._plan_gathers(schedule)
+        if self.world > 1:  # who sends which shard to whom, from every rank's description
+            self._sender.plan_gathers([bytes.fromhex(m.data) for m in
+                                       _mine(members, self.group, _ROLE_TRAINER)[:self.world]])
         return schedule
-
-    def _plan_gathers(self, schedule):
-        """Who sends which shard to whom in each push, parameter by parameter in push order. A
-        rank scheduled to write a parameter needs each of its sources whole: it receives the
-        other shards of the replica it holds from their holders, point to point, unless it has
-        that source whole from the parameter before (an FP8 weight and its scales). Ranks that
-        write nothing of a parameter receive nothing for it, and ranks that hold none of it
-        (another pipeline stage, another replica) take no part."""
-        writers = collections.defaultdict(set)  # projected parameter -> ranks writing it
-        for e in schedule.entries():
-            writers[e.param].add(e.trainer)
-        self._gathers = {}  # (parameter, source) -> ([(from, to, box)], shape, dtype)
-        self._reuse = {}  # (parameter, source) -> ranks holding it whole from the one before
-        have = {}  # source -> ranks holding it whole after the parameter before
-        for index in schedule.push_order:
-            after = {}
-            for name in schedule.params[index].sources:
-                held = {r: b[name] for r, b in enumerate(self._boxes) if name in b}
-                before = have.get(name, set())
-                moves = []
-                for n in sorted(writers[index] - before):
-                    box, replica, shape, dtype = held[n]
-                    if box:  # a shard: the rest of its replica comes from the other holders
-                        moves += [(h, n, hb[0]) for h, hb in sorted(held.items())
-                                  if h != n and hb[1] == replica]
-                if moves:
-                    self._gathers[(index, name)] = (moves, shape, dtype)
-                self._reuse[(index, name)] = before
-                after[name] = before | writers[index]
-            have = after
 
     def _global_rank(self, rank):
         import torch.distributed as dist
@@ -569,26 +535,19 @@ class TrainerWeights:
         get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
         return get(self.process_group, rank)
 
-    def _gather_start(self, index, name, stats, current):
-        """Starts gathering training parameter `name` for projected parameter `index` as
-        _plan_gathers says (asynchronous sends and receives of its shards); returns a function
-        that waits for them and returns the whole tensor where this rank needs it (taken from
-        `current`, what the parameter before gathered, where the plan says so; else its own
-        shard, or None)."""
-        shard = self._shards.get(name, (None,))[0]
-        if self.world == 1:
-            if shard is None or self._shards[name][2]:
-                raise _error(InvalidArgument,
-                             f"training parameter '{name}': one rank holds only a shard of it")
-            return lambda: shard
-        # What this rank returns without receiving: the source whole from the parameter before,
-        # or its own shard (whole, or unused here); what it sends is always its own shard.
-        result = current[name] if self.rank in self._reuse.get((index, name), ()) else shard
-        moves, shape, dtype = self._gathers.get((index, name), ((), None, None))
-        sends = [(to, box) for frm, to, box in moves if frm == self.rank]
-        recvs = [(frm, box) for frm, to, box in moves if to == self.rank]
+    def _gather_start(self, index, k, stats, current):
+        """Starts gathering source `k` of projected parameter `index` as WeightSender.gather
+        says (asynchronous sends and receives of its shards); returns a function that waits for
+        them and returns the whole tensor where this rank needs it (taken from `current`, what
+        the parameter before gathered, where the plan says so; else its own shard, or None)."""
+        param = self.schedule.params[index]
+        name, step = param.sources[k], self._sender.gather(index, k)
+        shard, _, box_of, _ = self._shards.get(name, (None, None, None, None))
+        result = current[name] if step.reuse else shard
+        sends, recvs = step.sends, step.recvs
         if not sends and not recvs:
             return lambda: result
+        shape, dtype = param.source_shapes[k], _TORCH[param.source_dtypes[k]]
         import torch.distributed as dist
         device = self._ring.device
         # As bytes: every backend sends uint8 (gloo has no bfloat16).
@@ -606,7 +565,6 @@ class TrainerWeights:
         else:
             works = [op(t, self._global_rank(peer), group=self.process_group)
                      for op, t, peer in ops]
-        box_of = self._boxes[self.rank][name][0]
 
         def finish():
             for w in works:
@@ -671,8 +629,8 @@ class TrainerWeights:
         def start(k, current):
             if k >= len(order):
                 return {}
-            return {s: self._gather_start(order[k], s, stats, current)
-                    for s in params[order[k]].sources}
+            return {s: self._gather_start(order[k], i, stats, current)
+                    for i, s in enumerate(params[order[k]].sources)}
 
         following = start(0, {})
         for k, index in enumerate(order):

@@ -166,6 +166,15 @@ class PySender {
     check(sender_->connect(schedule, std::move(eps), std::move(addrs), r));
   }
 
+  void plan_gathers(const std::vector<std::string>& trainers) {
+    std::vector<TrainerRank> t;
+    for (const auto& b : trainers) t.push_back(check(decode_trainer(view(b))));
+    check(sender_->plan_gathers(std::move(t)));
+  }
+  GatherStep gather(const IntArg& param, const IntArg& source) const {
+    return sender_->gather(u32(param, "WeightSender.gather: param"),
+                           u32(source, "WeightSender.gather: source"));
+  }
   std::vector<uint32_t> order() const { return sender_->order(); }
   bool sends(const IntArg& param) const { return sender_->sends(u32(param, "sends: param")); }
 
@@ -567,6 +576,27 @@ void bind_weights(py::module_& m) {
       },
       py::arg("data"), "The encoded layout inside an endpoint's bytes.");
 
+  auto boxes = [](const std::vector<std::pair<uint32_t, std::vector<Range>>>& v) {
+    std::vector<std::pair<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>>> out;
+    for (const auto& [rank, box] : v) {
+      auto& o = out.emplace_back(rank, std::vector<std::pair<uint64_t, uint64_t>>{}).second;
+      for (const Range& r : box) o.emplace_back(r.start, r.length);
+    }
+    return out;
+  };
+  py::class_<GatherStep>(m, "WeightGather",
+                         "What a training rank does for one source of one parameter in a push "
+                         "with gathers (WeightSender.gather).")
+      .def_readonly("reuse", &GatherStep::reuse,
+                    "It holds the source whole from the parameter before in push order.")
+      .def_property_readonly(
+          "sends", [boxes](const GatherStep& g) { return boxes(g.sends); },
+          "(to rank, this rank's box) per shard it sends; a box is [(start, length)] per "
+          "dimension, [] for the whole tensor.")
+      .def_property_readonly(
+          "recvs", [boxes](const GatherStep& g) { return boxes(g.recvs); },
+          "(from rank, its box) per shard it receives.");
+
   py::class_<PySender>(m, "WeightSender",
                        "The training side of the push (fabric/weights/flow.h): takes the "
                        "engine's receive handler for Ready messages; projects into the staging "
@@ -580,6 +610,10 @@ void bind_weights(py::module_& m) {
            py::arg("on_gpu"),
            "The schedule, the inference endpoints (bytes) and addresses by rank, the ring's "
            "Registration, address, size and side. Blocks briefly (a peer group).")
+      .def("plan_gathers", &PySender::plan_gathers, py::arg("trainers"),
+           "Plans the gathers of every push from every training rank's description (bytes).")
+      .def("gather", &PySender::gather, py::arg("param"), py::arg("source"),
+           "This rank's WeightGather for source `source` (an index) of parameter `param`.")
       .def_property_readonly("order", &PySender::order, "WeightSchedule.push_order.")
       .def("sends", &PySender::sends, py::arg("param"),
            "Whether this rank writes parameter `param`.")

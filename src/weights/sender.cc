@@ -340,6 +340,67 @@ class WeightSender::Impl {
 
   void set_on_posted(std::function<void(uint32_t)> fn) { on_posted_ = std::move(fn); }
 
+  Status plan_gathers(std::vector<TrainerRank> trainers) {
+    if (!connected_) return invalid("WeightSender.plan_gathers: before connect");
+    if (trainers.size() != schedule_.num_trainers) {
+      return invalid(
+          fmt::format("WeightSender.plan_gathers: {} training ranks for a schedule "
+                      "of {}",
+                      trainers.size(), schedule_.num_trainers));
+    }
+    // Who holds a shard of each training parameter, by rank.
+    std::map<std::string, std::map<uint32_t, const Shard*>> holders;
+    for (const TrainerRank& t : trainers) {
+      for (const Shard& sh : t.shards) holders[sh.name][t.rank] = &sh;
+    }
+    std::vector<std::set<uint32_t>> writers(schedule_.params.size());
+    for (const Entry& e : schedule_.entries) {
+      if (e.param < writers.size()) writers[e.param].insert(e.trainer);
+    }
+    std::vector<std::vector<GatherStep>> steps(schedule_.params.size());
+    std::map<std::string, std::set<uint32_t>> have;  // ranks holding a source whole
+    for (uint32_t index : order_) {
+      const auto& sources = schedule_.params[index].projection.sources;
+      steps[index].resize(sources.size());
+      std::map<std::string, std::set<uint32_t>> after;
+      for (size_t k = 0; k < sources.size(); ++k) {
+        const auto& held = holders[sources[k]];
+        const std::set<uint32_t>& before = have[sources[k]];
+        GatherStep& step = steps[index][k];
+        step.reuse = before.count(options_.rank) > 0;
+        for (uint32_t n : writers[index]) {
+          if (before.count(n)) continue;
+          auto it = held.find(n);
+          if (it == held.end()) {
+            return invalid(
+                fmt::format("parameter '{}': training rank {} writes it but holds "
+                            "no shard of '{}'",
+                            schedule_.params[index].name, n, sources[k]));
+          }
+          const Shard& mine = *it->second;
+          if (mine.box.empty()) continue;  // whole: nothing to receive
+          for (const auto& [h, shard] : held) {
+            if (h == n || shard->replica != mine.replica) continue;
+            if (h == options_.rank) step.sends.emplace_back(n, shard->box);
+            if (n == options_.rank) step.recvs.emplace_back(h, shard->box);
+          }
+        }
+        std::set<uint32_t> now = before;
+        now.insert(writers[index].begin(), writers[index].end());
+        after[sources[k]] = std::move(now);
+      }
+      have = std::move(after);
+    }
+    gathers_ = std::move(steps);
+    return Status::ok();
+  }
+
+  const GatherStep& gather(uint32_t param, uint32_t source) const {
+    static const GatherStep kNone;
+    if (param >= gathers_.size() || source >= gathers_[param].size()) return kNone;
+    return gathers_[param][source];
+  }
+
   const Schedule& schedule() const { return schedule_; }
   const std::vector<uint32_t>& order() const { return order_; }
   bool sends(uint32_t param) const { return param < entries_.size() && !entries_[param].empty(); }
@@ -658,6 +719,7 @@ class WeightSender::Impl {
   RingRanges<std::shared_ptr<Batch>> ring_ranges_;
   uint64_t batch_limit_ = 1;
   std::function<void(uint32_t)> on_posted_;
+  std::vector<std::vector<GatherStep>> gathers_;  // [param][source], this rank's
 
   // One push.
   bool pushing_ = false;
@@ -710,6 +772,12 @@ Result<PushStats> WeightSender::finish() {
 Result<PushStats> WeightSender::push(uint64_t version, const std::vector<std::string>& names,
                                      std::span<const Source> sources, void* stream) {
   return impl_->push(version, names, sources, stream);
+}
+Status WeightSender::plan_gathers(std::vector<TrainerRank> trainers) {
+  return impl_->plan_gathers(std::move(trainers));
+}
+const GatherStep& WeightSender::gather(uint32_t param, uint32_t source) const {
+  return impl_->gather(param, source);
 }
 void WeightSender::set_on_posted(std::function<void(uint32_t)> fn) {
   impl_->set_on_posted(std::move(fn));

@@ -103,6 +103,16 @@ struct StagingRing {
   bool on_gpu = false;
 };
 
+// What one training rank does, in a push with gathers, for one source of one parameter: a rank
+// that writes the parameter and holds a shard of the source receives the other shards of its
+// replica from their holders (point to point), unless it holds the source whole from the
+// parameter before in push order (an FP8 weight, then its scales).
+struct GatherStep {
+  bool reuse = false;  // this rank holds the source whole from the parameter before
+  std::vector<std::pair<uint32_t, std::vector<Range>>> sends;  // (to rank, this rank's box)
+  std::vector<std::pair<uint32_t, std::vector<Range>>> recvs;  // (from rank, its box)
+};
+
 struct SenderOptions {
   uint32_t rank = 0;      // this training rank
   uint32_t num_nics = 1;  // > 1: every entry is its own write, pinned to the schedule's NIC
@@ -146,6 +156,12 @@ class WeightSender {
   const std::vector<uint32_t>& order() const;
   // Whether this rank writes any entry of parameter `param`.
   bool sends(uint32_t param) const;
+  // The gathers of every push, from every training rank's description (after connect).
+  // kInvalidArgument: ranks that are not the schedule's, a writer that holds no shard of a
+  // source (descriptions other than the schedule's).
+  Status plan_gathers(std::vector<TrainerRank> trainers);
+  // This rank's step for source `source` of parameter `param` (empty where it does nothing).
+  const GatherStep& gather(uint32_t param, uint32_t source) const;
 
   // Starts version `version`: waits for the Ready of every inference rank this rank writes
   // into (kTimeout naming the missing ranks). `stream`: the cudaStream_t projections into a
