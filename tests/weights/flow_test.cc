@@ -2,7 +2,8 @@
 // process over tcp and shm: versions pushed bit-exact against the CPU projections (a copy, a
 // fused QKV, a strided column slice, FP8 weight and scales), batches of writes, the version
 // protocol's failures (timeout, a trainer leaving, close, in place half-written), the Ready and
-// endpoint bytes, and the staging ring's bookkeeping against a scan of every live range.
+// endpoint bytes, the gathers' plan, and the staging ring's bookkeeping against a scan of every
+// live range.
 #include <gtest/gtest.h>
 
 #include <condition_variable>
@@ -343,8 +344,8 @@ TEST_P(WeightsFlow, BatchesOfTheRingsQuarterAreOneSubmissionPerKindOfWrite) {
   ASSERT_TRUE(stats) << stats.status().to_string();
   ASSERT_TRUE(outcome());
   expect_served(m);
-  // In declaration order: embed, qkv, o (2304 bytes: a batch of a scatter and o's paged write), then
-  // the FP8 weight and its scales (one range, a batch of one scatter).
+  // In declaration order: embed, qkv, o (2304 bytes: a batch of a scatter and o's paged write),
+  // then the FP8 weight and its scales (one range, a batch of one scatter).
   EXPECT_EQ(stats->writes, 3u);
 }
 
@@ -505,6 +506,76 @@ TEST_P(WeightsFlow, InPlaceAFailedVersionIsHalfWrittenUntilOneCompletes) {
   ASSERT_TRUE(outcome());
   EXPECT_FALSE(receiver_->half_written());
   expect_served(test_model(2));
+}
+
+// Two FSDP training ranks holding dim-0 halves of "w": each writes part of "w" and of its FP8
+// projection, so each receives the other's half for "w" and reuses it for the FP8 weight and
+// its scales; "b", held whole by rank 1 alone, moves nowhere.
+TEST(WeightsGather, EachRankReceivesTheOtherHalfOnceAndReusesIt) {
+  auto engine = TransferEngine::create(fabric::testing::make_config({"tcp", "tcp", false}));
+  if (!engine && engine.status().code() == ErrorCode::kUnsupported) GTEST_SKIP();
+  ASSERT_TRUE(engine) << engine.status().to_string();
+  const Shape shape{256, 128};
+  std::vector<TrainerRank> trainers;
+  for (uint32_t r = 0; r < 2; ++r) {
+    TrainerRank t{r, 1, {Shard{"w", DType::kBFloat16, shape, {{128 * r, 128}, {0, 128}}, 0}}};
+    if (r == 1) t.shards.push_back(Shard{"b", DType::kFloat32, {64}, {}, 0});
+    trainers.push_back(std::move(t));
+  }
+  InferenceRank ir{0,
+                   {InferenceParam{"w", DType::kBFloat16, shape, {}, {}},
+                    InferenceParam{"w8",
+                                   DType::kFloat8E4M3,
+                                   shape,
+                                   {},
+                                   Projection{ProjectionKind::kFp8Quantize, {"w"}, 0, 128}},
+                    InferenceParam{"w8.scale",
+                                   DType::kFloat32,
+                                   {2, 1},
+                                   {},
+                                   Projection{ProjectionKind::kFp8Scale, {"w"}, 0, 128}},
+                    InferenceParam{"b", DType::kFloat32, {64}, {}, {}}}};
+  auto schedule = compute_schedule(trainers, {ir}, ScheduleOptions{4096});
+  ASSERT_TRUE(schedule) << schedule.status().to_string();
+  std::vector<std::byte> memory(1 << 20), ring(1 << 20);
+  auto reg = (*engine)->register_memory(memory.data(), memory.size());
+  auto ring_reg = (*engine)->register_memory(ring.data(), ring.size());
+  ASSERT_TRUE(reg && ring_reg);
+  Endpoint ep{ir, {reg->descriptor}, {{{0, 0}}, {{0, 0}}, {{0, 0}}, {{0, 0}}}};
+  auto sender = WeightSender::create(**engine, SenderOptions{0, 1, 10s, 0});
+  ASSERT_TRUE(sender);
+  ASSERT_TRUE((*sender)->connect(*schedule, {ep}, {(*engine)->address()},
+                                 StagingRing{*ring_reg, ring.data(), ring.size(), false}));
+  ASSERT_TRUE((*sender)->plan_gathers(trainers));
+  const auto& s = *schedule;
+  const auto w = static_cast<uint32_t>(s.find("w")), w8 = static_cast<uint32_t>(s.find("w8"));
+  const auto scale = static_cast<uint32_t>(s.find("w8.scale"));
+  const auto b = static_cast<uint32_t>(s.find("b"));
+  ASSERT_TRUE((*sender)->sends(w) && (*sender)->sends(w8)) << "rank 0 writes no part of them";
+  const std::vector<Range> half0{{0, 128}, {0, 128}}, half1{{128, 128}, {0, 128}};
+  const GatherStep& first = (*sender)->gather(w, 0);
+  EXPECT_FALSE(first.reuse);
+  ASSERT_EQ(first.recvs.size(), 1u);
+  EXPECT_EQ(first.recvs[0].first, 1u);
+  EXPECT_EQ(first.recvs[0].second, half1);
+  ASSERT_EQ(first.sends.size(), 1u);
+  EXPECT_EQ(first.sends[0].second, half0);
+  for (uint32_t p : {w8, scale}) {  // after "w" in push order: held whole already
+    const GatherStep& again = (*sender)->gather(p, 0);
+    EXPECT_TRUE(again.reuse) << s.params[p].name;
+    EXPECT_TRUE(again.sends.empty() && again.recvs.empty()) << s.params[p].name;
+  }
+  const GatherStep& none = (*sender)->gather(b, 0);
+  EXPECT_TRUE(none.sends.empty() && none.recvs.empty() && !none.reuse);
+  // Descriptions other than the schedule's are refused.
+  trainers[1].shards.erase(trainers[1].shards.begin());
+  Status st = (*sender)->plan_gathers(trainers);
+  EXPECT_EQ(st.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("holds no shard of 'w'"), std::string::npos) << st.message();
+  trainers.pop_back();
+  EXPECT_EQ((*sender)->plan_gathers(trainers).code(), ErrorCode::kInvalidArgument);
+  sender->reset();
+  (*engine)->close();
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, WeightsFlow,
