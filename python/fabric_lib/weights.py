@@ -1,33 +1,17 @@
 """fabric_lib.weights: RL weight push, trainer tensors written straight into inference tensors.
 
-The inference side registers the tensors it already owns, by name, with their layouts
+The inference side registers the tensors it owns, by name, with their layouts
 (:class:`InferenceWeights`); each training rank describes its shards (:class:`TrainerWeights`).
-Both publish their descriptions in a fabric_lib registry (``FileRegistry``, ``EtcdRegistry``,
-``LocalRegistry``). Every rank computes the static schedule itself (the C++
-``fabric::weights::compute_schedule``, through ``WeightSchedule``) from the members it reads;
-training rank 0 publishes the schedule's sha256 and every other rank checks its own against it.
-The protocol runs in C++ (``fabric/weights/flow.h``): ``WeightSender`` waits for each inference
-rank's Ready, projects parameters into a registered staging ring (identity, concatenation,
-BF16 -> FP8 e4m3 with 128x128 block scales) and posts the schedule's writes in batches;
-``WeightReceiver`` arms the immediate count of a version, sends Ready, and completes or fails
-it. Python keeps what is torch's: tensors, the gathers over ``torch.distributed``, the ring's
-memory. docs/weights.md has the protocol.
-
-Two ways to never expose a half-written model (``mode``):
-
-- ``"flip"``: every parameter has two registered copies; a push writes into the copy not being
-  served and the serving copy flips when the version is complete (2x parameter memory). A
-  failed push leaves the served copy untouched.
-- ``"in_place"``: one copy; the caller pauses serving between :meth:`InferenceWeights.prepare`
-  and the version's completion. A failed push leaves the tensors half-written, so
-  :meth:`InferenceWeights.tensors` raises until a later version completes.
-
-Failures: a training rank that leaves the registry while a version is pending fails that
-version with PeerUnreachable; a version not complete within ``timeout`` fails with Timeout.
-
-Threads: ``prepare`` and ``push`` block the calling thread only as documented on each;
-completion callbacks run on the engine's callback thread, failure callbacks on the registry's
-or the receiver's timer thread.
+Both publish their descriptions in a fabric_lib registry; every rank computes the static
+schedule (``WeightSchedule``) and checks it by sha256 against training rank 0's. The protocol is
+C++ (``fabric/weights/flow.h``): ``WeightSender`` waits for each inference rank's Ready,
+projects into a registered staging ring (identity, concatenation, BF16 -> FP8 e4m3 with
+128x128 block scales) and posts the writes in batches; ``WeightReceiver`` arms the immediate
+count of a version, sends Ready, and completes or fails it (a training rank leaving the
+registry: PeerUnreachable; ``timeout``: Timeout). Python keeps what is torch's: the tensors, the
+registry, the gathers over ``torch.distributed``. ``mode``: ``"flip"`` (two copies, the served
+one flips when a version completes) or ``"in_place"`` (one copy; half-written after a failed
+push until a version completes). docs/weights.md has the protocol.
 """
 
 import asyncio
