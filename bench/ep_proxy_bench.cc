@@ -51,9 +51,9 @@ struct Rank {
   AllToAllConfig config;
   Layout layout;
   ProxyLayout proxy_layout;
-  std::unique_ptr<testing::HostRegion> control, data;
+  std::unique_ptr<ep::testing::HostRegion> control, data;
   std::unique_ptr<Proxy> proxy;
-  std::unique_ptr<testing::FakeGpu> gpu;
+  std::unique_ptr<ep::testing::FakeGpu> gpu;
 };
 
 // Per round of rank 0, per kind (0 dispatch, 1 combine).
@@ -99,8 +99,8 @@ int run(const Options& o) {
     k.proxy_layout = *pl;
     auto p = Proxy::create(
         k.config, k.layout, po, [&k](const ProxyLayout& layout, bool) -> Result<ProxyAreas> {
-          k.control = std::make_unique<testing::HostRegion>(layout.control_bytes);
-          k.data = std::make_unique<testing::HostRegion>(layout.data_bytes);
+          k.control = std::make_unique<ep::testing::HostRegion>(layout.control_bytes);
+          k.data = std::make_unique<ep::testing::HostRegion>(layout.data_bytes);
           return ProxyAreas{{k.control->at, layout.control_bytes}, {k.data->at, layout.data_bytes}};
         });
     if (!p) {
@@ -108,8 +108,8 @@ int run(const Options& o) {
       return p.status().code() == ErrorCode::kUnsupported ? 3 : 1;
     }
     k.proxy = std::move(*p);
-    k.gpu = std::make_unique<testing::FakeGpu>(k.config, k.layout, k.proxy_layout, k.control->at,
-                                               k.data->at);
+    k.gpu = std::make_unique<ep::testing::FakeGpu>(k.config, k.layout, k.proxy_layout,
+                                                   k.control->at, k.data->at);
     if (o.no_bytes) k.gpu->skip_bytes();
     handles.push_back(k.proxy->handle());
   }
@@ -127,7 +127,7 @@ int run(const Options& o) {
   std::vector<std::thread> threads;
   for (size_t r = 0; r < ranks.size(); ++r) {
     threads.emplace_back([&, r] {
-      testing::FakeGpu& g = *ranks[r].gpu;
+      ep::testing::FakeGpu& g = *ranks[r].gpu;
       ProxyStats before = ranks[r].proxy->stats();
       for (uint32_t round = 1; round <= total; ++round) {
         std::array<Sample, 2> s{};

@@ -2,7 +2,8 @@
 // cudaIpcGetMemHandle), the buffers of this node's peers mapped with cudaIpcOpenMemHandle, the
 // proxy (ep/proxy.h) towards other nodes with its control region (pinned host memory, mapped)
 // and its data region (GPU memory, or pinned host memory mapped), the private device state, the
-// pinned error report, and the launchers (kernels in ep/kernels.cu).
+// pinned error report, and the launchers (kernels in ep/kernels.cu). What needs no CUDA (the
+// kernels' parameters and routes, the error report's reading) is in ep/params.cc.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -13,16 +14,13 @@
 #include "cuda/cuda_status.h"
 #include "ep/handle.h"
 #include "ep/kernels.h"
+#include "ep/params.h"
 #include "ep/proxy.h"
 #include "fabric/ep.h"
 
 namespace fabric::ep {
 
-static_assert(device::kMaxRanks == kMaxRanks && device::kMaxTopK == kMaxTopK &&
-              device::kMaxLocalExperts == kMaxLocalExperts);
 static_assert(sizeof(cudaIpcMemHandle_t) == PeerHandle::kIpcBytes);
-// Kernel parameters are limited to 4 KiB (Params is passed by value to every launch).
-static_assert(sizeof(device::Params) <= 4096);
 
 namespace {
 
@@ -49,35 +47,6 @@ class DeviceScope {
   int saved_ = -1;
   cudaError_t status_ = cudaSuccess;
 };
-
-const char* half_name(uint32_t half) {
-  switch (half) {
-    case device::kDispatchSend:
-      return "dispatch_send";
-    case device::kDispatchRecv:
-      return "dispatch_recv";
-    case device::kCombineSend:
-      return "combine_send";
-    case device::kCombineRecv:
-      return "combine_recv";
-  }
-  return "an unknown half";
-}
-
-// What a half's wait waits for, as its error says.
-const char* awaited(uint32_t half) {
-  switch (half) {
-    case device::kDispatchSend:
-      return "acknowledgement of the previous round's dispatch";
-    case device::kDispatchRecv:
-      return "dispatched tokens";
-    case device::kCombineSend:
-      return "acknowledgement of the previous round's combine";
-    case device::kCombineRecv:
-      return "expert outputs";
-  }
-  return "signal";
-}
 
 }  // namespace
 
@@ -146,10 +115,7 @@ class AllToAll::Impl {
       return cuda_error(
           fmt::format("cudaMalloc of the {}-byte all-to-all buffer", layout.buffer_bytes), err);
     }
-    // Scratch: State, the row sources, then expert offsets and cursors.
-    const uint64_t rows_at = (sizeof(device::State) + 255) / 256 * 256;
-    const uint64_t experts_at = rows_at + layout.max_recv_rows * sizeof(device::RowSource);
-    const uint64_t scratch_bytes = experts_at + 2ull * layout.num_local_experts * sizeof(uint32_t);
+    const uint64_t scratch_bytes = ScratchLayout::of(layout).bytes;
     if (cudaError_t err = cudaMalloc(&scratch, scratch_bytes); err != cudaSuccess) {
       return cuda_error("cudaMalloc of the all-to-all's state", err);
     }
@@ -204,35 +170,7 @@ class AllToAll::Impl {
     std::memcpy(mine.ipc.data(), &ipc, mine.ipc.size());
     if (proxy) mine.proxy = proxy->handle();
 
-    device::Params& p = params;
-    p.rank = config.rank;
-    p.world = config.world_size;
-    p.num_experts = config.num_experts;
-    p.num_local_experts = layout.num_local_experts;
-    p.hidden = config.hidden;
-    p.top_k = config.top_k;
-    p.scale_columns = layout.scale_columns;
-    p.num_sms = static_cast<uint32_t>(sms);
-    p.token_bytes = layout.token_bytes;
-    p.entry_bytes = layout.entry_bytes;
-    p.entry_token_offset = layout.entry_token_offset;
-    p.entry_scale_offset = layout.entry_scale_offset;
-    p.max_recv_rows = layout.max_recv_rows;
-    p.timeout_ns = static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(config.timeout).count());
-    p.state = reinterpret_cast<device::State*>(scratch);
-    p.rows = reinterpret_cast<device::RowSource*>(scratch + rows_at);
-    p.expert_offset = reinterpret_cast<uint32_t*>(scratch + experts_at);
-    p.expert_cursor = p.expert_offset + layout.num_local_experts;
-    p.report = report_device;
-    p.remote_mask = 0;
-    for (int r = 0; r < config.world_size; ++r) {
-      if (on_other_nodes(config.rank, r, per_node)) p.remote_mask |= 1u << r;
-    }
-    p.combine_map = proxy_control_device == nullptr
-                        ? nullptr
-                        : reinterpret_cast<const uint32_t*>(proxy_control_device +
-                                                            proxy_layout.combine_map_offset);
+    params = kernel_params(config, layout, proxy_layout, memory(), static_cast<uint32_t>(sms));
     return Status::ok();
   }
 
@@ -373,53 +311,21 @@ class AllToAll::Impl {
         return Status(s.code(), "connect: the inter-node proxy: " + s.message());
       }
     }
-    for (int r = 0; r < config.world_size; ++r) route(r);
+    route_peers(params, config, layout, proxy_layout, memory());
     connected = true;
     return Status::ok();
   }
 
-  // Where the kernels find rank r's data and signals (device::Params): its mapped buffer for a
-  // rank of this node, the proxy area for a rank of another.
-  void route(int r) {
-    device::Params& p = params;
-    const int me = config.rank;
-    if (!on_other_nodes(me, r, per_node)) {
-      auto* const own = reinterpret_cast<device::Signals*>(buffer);
-      uint8_t* const theirs = r == me ? buffer : static_cast<uint8_t*>(opened[r]);
-      auto* const sig = reinterpret_cast<device::Signals*>(theirs);
-      p.dispatch_dst[r] = theirs + layout.dispatch_entry(me, 0);
-      p.dispatch_flag_out[r] = &sig->dispatch_flag[me];
-      p.dispatch_src[r] = buffer + layout.dispatch_entry(r, 0);
-      p.dispatch_flag_in[r] = &own->dispatch_flag[r];
-      p.dispatch_ack_out[r] = &sig->dispatch_ack[me];
-      p.dispatch_ack_in[r] = &own->dispatch_ack[r];
-      p.combine_dst[r] = theirs + layout.combine_offset;
-      p.combine_flag_out[r] = &sig->combine_flag[me];
-      p.combine_src[r] = buffer + layout.combine_offset;
-      p.combine_flag_in[r] = &own->combine_flag[r];
-      p.combine_ack_out[r] = &sig->combine_ack[me];
-      p.combine_ack_in[r] = &own->combine_ack[r];
-      return;
-    }
-    const int i = remote_index(me, r, per_node);
-    const ProxyLayout& pl = proxy_layout;
-    auto word = [&](ProxyLayout::Word w) {
-      return reinterpret_cast<uint64_t*>(proxy_control_device + ProxyLayout::word_offset(w, r));
-    };
-    p.dispatch_dst[r] = proxy_data_device + pl.dispatch_send(i);
-    p.dispatch_flag_out[r] = word(ProxyLayout::kDispatchReady);
-    p.dispatch_src[r] = proxy_data_device + pl.dispatch_recv(i);
-    p.dispatch_flag_in[r] = word(ProxyLayout::kDispatchFlag);
-    p.dispatch_ack_out[r] = word(ProxyLayout::kDispatchDone);
-    p.dispatch_ack_in[r] = word(ProxyLayout::kDispatchAck);
-    p.combine_dst[r] = proxy_data_device + pl.combine_send(i);
-    p.combine_ids_dst[r] =
-        reinterpret_cast<uint32_t*>(proxy_control_device + pl.combine_ids_send(i));
-    p.combine_flag_out[r] = word(ProxyLayout::kCombineReady);
-    p.combine_src[r] = proxy_data_device + pl.combine_recv(i);
-    p.combine_flag_in[r] = word(ProxyLayout::kCombineFlag);
-    p.combine_ack_out[r] = word(ProxyLayout::kCombineDone);
-    p.combine_ack_in[r] = word(ProxyLayout::kCombineAck);
+  // Where the kernels find this rank's memory and, once connected, its peers' buffers.
+  KernelMemory memory() const {
+    KernelMemory m{.buffer = buffer,
+                   .scratch = scratch,
+                   .report = report_device,
+                   .proxy_control = proxy_control_device,
+                   .proxy_data = proxy_data_device,
+                   .peers = {}};
+    for (void* p : opened) m.peers.push_back(static_cast<uint8_t*>(p));
+    return m;
   }
 
   Status check() const {
@@ -431,30 +337,16 @@ class AllToAll::Impl {
                                             config.rank, s.message()));
       }
     }
-    const uint32_t kind = r->kind;
-    if (kind == device::kNoError) return Status::ok();
+    device::ErrorReport seen{};
+    seen.kind = r->kind;
+    if (seen.kind == device::kNoError) return Status::ok();
     std::atomic_thread_fence(std::memory_order_acquire);
-    const uint32_t half = r->half, peer = r->peer, round = r->round;
-    const uint64_t seen = r->seen, detail = r->detail;
-    if (kind == device::kTimedOut) {
-      const uint32_t shift = half == device::kDispatchRecv || half == device::kCombineRecv ? 32 : 0;
-      return Status(
-          ErrorCode::kTimeout,
-          fmt::format("{} on rank {} waited more than {} ms for rank {}'s {} of round {} (its "
-                      "signal is at round {}): that rank stopped, is stuck, or calls the "
-                      "halves out of step; this all-to-all cannot be used again",
-                      half_name(half), config.rank, config.timeout.count(), peer, awaited(half),
-                      round, static_cast<uint32_t>(seen >> shift)));
-    }
-    if (kind == device::kBadExpert) {
-      return Status(ErrorCode::kInvalidArgument,
-                    fmt::format("{} on rank {}, round {}: expert index {} of token {}, top-k "
-                                "slot {} is not below num_experts {} (the pair was dropped); "
-                                "this all-to-all cannot be used again",
-                                half_name(half), config.rank, round, static_cast<int64_t>(seen),
-                                peer, detail, config.num_experts));
-    }
-    return Status(ErrorCode::kInternal, fmt::format("unknown GPU error kind {}", kind));
+    seen.half = r->half;
+    seen.peer = r->peer;
+    seen.round = r->round;
+    seen.seen = r->seen;
+    seen.detail = r->detail;
+    return gpu_failure(seen, config);
   }
 
   // Common checks of a half: connected, in order, no recorded failure.

@@ -1,11 +1,17 @@
-// fabric::ep's kernels (ep/kernels.h): dispatch and combine between the GPUs of one node.
+// fabric::ep's kernels (launchers in ep/kernels.h): dispatch and combine with every peer rank.
+// For a rank of this node they store straight into its buffer, mapped here with CUDA IPC (over
+// NVLink), and raise the Signals words in it; for a rank of another node they stage into this
+// rank's proxy areas (pinned host memory, or GPU memory the proxy's NICs reach) and raise the
+// proxy's words, which the proxy thread (ep/proxy.h) answers across the fabric. The kernels tell
+// the two apart only through Params: the routes the host sets up (ep/params.h) and remote_mask
+// (a combine to another node is compact, with slot ids, and read back through the proxy's map).
 //
 // Memory ordering, in one place (docs/moe.md has the whole protocol):
-//  - A peer's buffer is mapped here with CUDA IPC; data goes into it with ordinary stores, and
-//    each signal word with st.release.sys after a __threadfence_system() that follows every
-//    block's data stores (the last-block pattern below). The owner reads the word with
-//    ld.acquire.sys, then __syncthreads() (or a kernel boundary) before any thread reads the
-//    data. The system scope is the one that covers another GPU.
+//  - Data goes to a peer's buffer or a proxy area with ordinary stores, and each signal word
+//    with st.release.sys after a __threadfence_system() that follows every block's data stores
+//    (the last-block pattern below). The owner's kernels read the word with ld.acquire.sys (the
+//    proxy thread with an acquire load), then __syncthreads() (or a kernel boundary) before any
+//    thread reads the data. The system scope is the one that covers another GPU and the host.
 //  - Data written by a peer is read with ordinary (coherent) loads, never ld.global.nc: the
 //    non-coherent path may keep what the same SM read in an earlier round. Only the caller's
 //    tensors, which nothing writes while a kernel runs, are read through it.

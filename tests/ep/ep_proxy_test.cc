@@ -32,20 +32,7 @@ using Clock = std::chrono::steady_clock;
 using testing::amount;
 using testing::FakeGpu;
 using testing::HostRegion;
-
-AllToAllConfig small_config(int rank, int world, int per_node) {
-  AllToAllConfig c;
-  c.rank = rank;
-  c.world_size = world;
-  c.gpus_per_node = per_node;
-  c.num_experts = static_cast<uint32_t>(2 * world);
-  c.hidden = 256;
-  c.top_k = 2;
-  c.max_tokens_per_rank = 24;
-  c.dtype = TokenDtype::kBf16;
-  c.timeout = 1000ms * kSlowdown;  // the test double's waits for a round
-  return c;
-}
+using testing::small_config;
 
 // --- the schedule ------------------------------------------------------------------------------
 

@@ -2,10 +2,13 @@
 // part on a proxy's regions in host memory (stages a round with a byte pattern per (source,
 // destination, round, kind) and a varying count, raises the ready word, waits for the receive
 // flag, checks every byte and the count, raises the done word), as the kernels do through the
-// regions' device mappings. Used by the proxy's unit tests (tests/ep/ep_proxy_test.cc) and by
+// regions' device mappings. Like the kernels, it finds every area and word through the
+// parameters and routes the host side sets up (ep/params.h: kernel_params, route_peers), so what
+// it carries checks those too. Used by the proxy's unit tests (tests/ep/ep_proxy_test.cc) and by
 // the proxy benchmark (bench/ep_proxy_bench.cc), which run without a GPU.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -16,12 +19,42 @@
 #include <utility>
 #include <vector>
 
-#include "ep/proxy.h"
+#include "ep/params.h"
+#include "ep/schedule.h"
+#include "fabric/ep.h"
 #include "fabric/status.h"
+#include "slowdown.h"
 
 namespace fabric::ep::testing {
 
 using FakeGpuClock = std::chrono::steady_clock;
+
+// Host memory of `bytes`, zeroed, 64-byte aligned.
+struct HostRegion {
+  std::unique_ptr<std::byte[]> storage;
+  std::byte* at = nullptr;
+  explicit HostRegion(uint64_t bytes) : storage(new std::byte[bytes + 64]()) {
+    at = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) / 64 * 64);
+  }
+};
+
+// A small all-to-all of `world` ranks, `per_node` per node, for the tests: two experts per rank,
+// hidden 256, top-2, 24 tokens per rank; the FakeGpu's waits for a round bounded by a second
+// (scaled in sanitized builds).
+inline AllToAllConfig small_config(int rank, int world, int per_node,
+                                   TokenDtype dtype = TokenDtype::kBf16) {
+  AllToAllConfig c;
+  c.rank = rank;
+  c.world_size = world;
+  c.gpus_per_node = per_node;
+  c.num_experts = static_cast<uint32_t>(2 * world);
+  c.hidden = 256;
+  c.top_k = 2;
+  c.max_tokens_per_rank = 24;
+  c.dtype = dtype;
+  c.timeout = std::chrono::milliseconds(1000) * fabric::testing::kSlowdown;
+  return c;
+}
 
 // The byte `i` of what `src` sends `dst` in `round` (kind 0 dispatch, 1 combine).
 inline std::byte pattern(int src, int dst, uint32_t round, int kind, uint64_t i) {
@@ -49,17 +82,35 @@ inline uint32_t slot_of(int from, int peers, uint32_t round, uint32_t i, uint32_
   return (i * 7 + round) % per_source * static_cast<uint32_t>(peers) + static_cast<uint32_t>(from);
 }
 
-// A test double for the GPU of one rank. Each half returns kTimeout when a word it waits for
-// does not move within the timeout, and kInternal naming the first wrong byte.
+// A test double for the GPU of one rank, towards the ranks of other nodes. Each half returns
+// kTimeout when a word it waits for does not move within the timeout, and kInternal naming the
+// first wrong byte.
 class FakeGpu {
  public:
-  // `data`: the data region as this test reaches it (the same bytes as the proxy's, or a second
-  // mapping of them for a FakeDeviceBuffer).
+  // `control` and `data`: the proxy's regions as this double's "GPU" reaches them (the same bytes
+  // as the proxy's, or a second mapping of them for a FakeDeviceBuffer), as AllToAll hands their
+  // device mappings to kernel_params and route_peers. Its own buffer and scratch are host memory.
   FakeGpu(const AllToAllConfig& c, const Layout& l, const ProxyLayout& p, std::byte* control,
           std::byte* data)
-      : c_(c), l_(l), p_(p), control_(control), data_(data) {
+      : c_(c),
+        l_(l),
+        p_(p),
+        control_(control),
+        buffer_(l.buffer_bytes),
+        scratch_(ScratchLayout::of(l).bytes) {
+    KernelMemory m;
+    m.buffer = reinterpret_cast<uint8_t*>(buffer_.at);
+    m.scratch = reinterpret_cast<uint8_t*>(scratch_.at);
+    m.report = &report_;
+    m.proxy_control = reinterpret_cast<uint8_t*>(control);
+    m.proxy_data = reinterpret_cast<uint8_t*>(data);
+    params_ = kernel_params(c, l, p, m, 1);
+    route_peers(params_, c, l, p, m);
     peers_ = remote_peers(c.rank, c.world_size, c.gpus_per_node);
   }
+
+  // The parameters the kernels would get.
+  const device::Params& params() const { return params_; }
 
   // The next combine_send stages `slot` as its first row's slot id, whatever the row's is.
   void corrupt_next_slot(uint32_t slot) { bad_slot_ = slot; }
@@ -75,9 +126,19 @@ class FakeGpu {
   // Waits until `word` of `rank` reaches `round` in bits [shift, shift + 32).
   bool wait(ProxyLayout::Word w, int rank, int shift, uint32_t round,
             std::chrono::milliseconds timeout, uint64_t* value = nullptr) const {
+    return wait(reinterpret_cast<const uint64_t*>(control_ + ProxyLayout::word_offset(w, rank)),
+                shift, round, timeout, value);
+  }
+
+ private:
+  // The kernels' wait: an acquire load of `word` until its round (bits [shift, shift + 32))
+  // reaches `round`.
+  static bool wait(const uint64_t* word, int shift, uint32_t round,
+                   std::chrono::milliseconds timeout, uint64_t* value = nullptr) {
     const auto until = FakeGpuClock::now() + timeout;
     for (;;) {
-      const uint64_t v = load_word(control_, w, rank);
+      const uint64_t v =
+          std::atomic_ref<uint64_t>(*const_cast<uint64_t*>(word)).load(std::memory_order_acquire);
       if (static_cast<int32_t>(static_cast<uint32_t>(v >> shift) - round) >= 0) {
         if (value != nullptr) *value = v;
         return true;
@@ -87,7 +148,10 @@ class FakeGpu {
     }
   }
 
- private:
+  // The kernels' signal: a release store.
+  static void raise(uint64_t* word, uint64_t value) {
+    std::atomic_ref<uint64_t>(*word).store(value, std::memory_order_release);
+  }
   // Combine: a source sends at most its share of the receiver's slots (slot_of).
   uint32_t most(int kind) const {
     return kind == 0 ? c_.max_tokens_per_rank
@@ -97,20 +161,19 @@ class FakeGpu {
   Status send(uint32_t round, int kind) {
     for (int d : peers_) {
       // The previous round's staging must have been read by d.
-      if (!wait(kind == 0 ? ProxyLayout::kDispatchAck : ProxyLayout::kCombineAck, d, 0, round - 1,
+      if (!wait(kind == 0 ? params_.dispatch_ack_in[d] : params_.combine_ack_in[d], 0, round - 1,
                 c_.timeout)) {
         return Status(ErrorCode::kTimeout, "ack of rank " + std::to_string(d));
       }
-      const int i = remote_index(c_.rank, d, c_.gpus_per_node);
       const uint32_t n = amount(c_.rank, d, round, kind, most(kind));
       if (kind == 0) {
-        std::byte* to = data_ + p_.dispatch_send(i);
+        auto* to = reinterpret_cast<std::byte*>(params_.dispatch_dst[d]);
         const uint64_t bytes = check_bytes_ ? dispatch_bytes(l_, n) : 0;
         for (uint64_t b = 0; b < bytes; ++b) to[b] = pattern(c_.rank, d, round, kind, b);
       } else {
         // Compact: row j holds slot_of(j)'s output, its id in place j of the ids.
-        std::byte* rows = data_ + p_.combine_send(i);
-        std::byte* ids = control_ + p_.combine_ids_send(i);
+        auto* rows = reinterpret_cast<std::byte*>(params_.combine_dst[d]);
+        auto* ids = reinterpret_cast<std::byte*>(params_.combine_ids_dst[d]);
         const int from = remote_index(d, c_.rank, c_.gpus_per_node);
         for (uint32_t j = 0; j < n; ++j) {
           uint32_t slot = slot_of(from, p_.num_remote, round, j, p_.combine_slots);
@@ -123,8 +186,8 @@ class FakeGpu {
           std::memcpy(ids + 4ull * j, &slot, 4);
         }
       }
-      store_word(control_, kind == 0 ? ProxyLayout::kDispatchReady : ProxyLayout::kCombineReady, d,
-                 (static_cast<uint64_t>(round) << 32) | n);
+      raise(kind == 0 ? params_.dispatch_flag_out[d] : params_.combine_flag_out[d],
+            (static_cast<uint64_t>(round) << 32) | n);
     }
     return Status::ok();
   }
@@ -132,7 +195,7 @@ class FakeGpu {
   Status recv(uint32_t round, int kind) {
     for (int s : peers_) {
       uint64_t v = 0;
-      if (!wait(kind == 0 ? ProxyLayout::kDispatchFlag : ProxyLayout::kCombineFlag, s, 32, round,
+      if (!wait(kind == 0 ? params_.dispatch_flag_in[s] : params_.combine_flag_in[s], 32, round,
                 c_.timeout, &v)) {
         return Status(ErrorCode::kTimeout,
                       "rank " + std::to_string(c_.rank) + " waited for rank " + std::to_string(s));
@@ -149,7 +212,7 @@ class FakeGpu {
       const std::string which =
           " of rank " + std::to_string(s) + "'s round " + std::to_string(round) + " differs";
       if (kind == 0) {
-        const std::byte* from = data_ + p_.dispatch_recv(i);
+        const auto* from = reinterpret_cast<const std::byte*>(params_.dispatch_src[s]);
         for (uint64_t b = 0; check_bytes_ && b < dispatch_bytes(l_, n); ++b) {
           if (from[b] != pattern(s, c_.rank, round, kind, b)) {
             return Status(ErrorCode::kInternal, "byte " + std::to_string(b) + which);
@@ -157,8 +220,8 @@ class FakeGpu {
         }
       } else {
         // As combine_recv reads: each expected slot's row where the proxy's map says.
-        const auto* map = reinterpret_cast<const uint32_t*>(control_ + p_.combine_map_offset);
-        const std::byte* rows = data_ + p_.combine_recv(i);
+        const uint32_t* map = params_.combine_map;
+        const auto* rows = reinterpret_cast<const std::byte*>(params_.combine_src[s]);
         for (uint32_t j = 0; j < n; ++j) {
           const uint32_t slot = slot_of(i, p_.num_remote, round, j, p_.combine_slots);
           if (map[slot] >= n) {
@@ -174,8 +237,7 @@ class FakeGpu {
           }
         }
       }
-      store_word(control_, kind == 0 ? ProxyLayout::kDispatchDone : ProxyLayout::kCombineDone, s,
-                 round);
+      raise(kind == 0 ? params_.dispatch_ack_out[s] : params_.combine_ack_out[s], round);
     }
     return Status::ok();
   }
@@ -184,19 +246,13 @@ class FakeGpu {
   Layout l_;
   ProxyLayout p_;
   std::byte* control_;
-  std::byte* data_;
+  HostRegion buffer_;
+  HostRegion scratch_;
+  device::ErrorReport report_{};
+  device::Params params_{};
   std::vector<int> peers_;
   std::optional<uint32_t> bad_slot_;
   bool check_bytes_ = true;
-};
-
-// Host memory of `bytes`, zeroed, 64-byte aligned.
-struct HostRegion {
-  std::unique_ptr<std::byte[]> storage;
-  std::byte* at = nullptr;
-  explicit HostRegion(uint64_t bytes) : storage(new std::byte[bytes + 64]()) {
-    at = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) / 64 * 64);
-  }
 };
 
 }  // namespace fabric::ep::testing
