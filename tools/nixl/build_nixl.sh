@@ -68,21 +68,28 @@ step_absl() {
 
 # Debian 12 lacks three things NIXL's meson wants: toml++/toml.hpp (Debian ships toml.h), a
 # pkg-config file for asio (header-only), and taskflow (only the GDS_MT plugin, not built here,
-# uses it). Shims for all three, in the work folder.
+# uses it). Shims for those missing, in the work folder.
 step_shims() {
-  echo '#include <toml++/toml.h>' >"$shims/include/toml++/toml.hpp"
-  cat >"$shims/pkgconfig/asio.pc" <<PC
+  rm -f "$shims/include/toml++/toml.hpp" "$shims/pkgconfig/asio.pc" "$shims/pkgconfig/taskflow.pc"
+  if [ ! -f /usr/include/toml++/toml.hpp ] && [ -f /usr/include/toml++/toml.h ]; then
+    echo '#include <toml++/toml.h>' >"$shims/include/toml++/toml.hpp"
+  fi
+  if ! pkg-config --exists asio; then
+    cat >"$shims/pkgconfig/asio.pc" <<PC
 Name: asio
 Description: header-only asio (Debian libasio-dev)
 Version: 1.22.1
 Cflags:
 PC
-  cat >"$shims/pkgconfig/taskflow.pc" <<PC
+  fi
+  if ! pkg-config --exists taskflow; then
+    cat >"$shims/pkgconfig/taskflow.pc" <<PC
 Name: taskflow
 Description: empty: no plugin built here uses it
 Version: 3.6.0
 Cflags:
 PC
+  fi
 }
 
 # The scratch copy of NIXL that is built: NIXL_SRC stays untouched. The patches only name the
@@ -102,11 +109,14 @@ NIXL_INSTANTIATE_TEST(fabric_no_pt, TestTransfer, "FABRIC", false, 2, 0, "");\
 NIXL_INSTANTIATE_TEST(fabric_telemetry, TestTransferTelemetry, "FABRIC", true, 2, 0, "");\
 NIXL_INSTANTIATE_TEST(fabric_telemetry_no_pt, TestTransferTelemetry, "FABRIC", false, 2, 0, "");' "$tt"
   grep -q '"FABRIC"' "$tt" || { echo "could not add FABRIC to $tt" >&2; exit 1; }
-  # nixlbench accepts only the backends it lists.
+  # nixlbench accepts only the backends it lists (twice: the check, and the parameters).
   local worker=$dst/benchmark/nixlbench/src/worker/nixl/nixl_worker.cpp
-  grep -q '"FABRIC"' "$worker" ||
+  grep -q 'compare("FABRIC") ||' "$worker" ||
     sed -i 's|0 == xferBenchConfig::backend.compare(XFERBENCH_BACKEND_UCCL) \|\||&\n        0 == xferBenchConfig::backend.compare("FABRIC") \|\||' "$worker"
-  grep -q '"FABRIC"' "$worker" || { echo "could not add FABRIC to $worker" >&2; exit 1; }
+  grep -q 'compare("FABRIC")) {' "$worker" ||
+    sed -i 's|^    } else if (0 == xferBenchConfig::backend.compare(XFERBENCH_BACKEND_AZURE_BLOB)) {|    } else if (0 == xferBenchConfig::backend.compare("FABRIC")) {\n        std::cout << "FABRIC backend" << std::endl;\n&|' "$worker"
+  [ "$(grep -c 'compare("FABRIC")' "$worker")" -eq 2 ] ||
+    { echo "could not add FABRIC to $worker" >&2; exit 1; }
 }
 
 nixl_env() {
@@ -137,6 +147,7 @@ step_nixl() {
 
 step_nixlbench() {
   nixl_env
+  patch_nixl_copy "$work/nixl-src"
   if [ ! -f "$work/nixlbench-build/build.ninja" ]; then
     meson setup "$work/nixlbench-build" "$work/nixl-src/benchmark/nixlbench" \
       -Dbuildtype=release -Dnixl_path="$prefix" -Dlibdir=lib -Dwrap_mode=nodownload
