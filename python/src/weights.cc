@@ -82,6 +82,24 @@ py::object item(const py::tuple& t, const py::object& index) {
   return t.attr("__getitem__")(index);
 }
 
+// Reading by position (and slices), length, equality, hash and repr of a class that replaces
+// a tuple: `as_tuple` gives that tuple.
+template <typename T, typename F>
+void def_tuple_protocol(py::class_<T>& cls, const char* name, F as_tuple) {
+  cls.def(
+         "__getitem__",
+         [as_tuple](const T& x, const py::object& i) { return item(as_tuple(x), i); },
+         py::arg("index"))
+      .def("__len__", [as_tuple](const T& x) { return as_tuple(x).size(); })
+      .def(
+          "__eq__", [](const T& a, const T& b) { return a == b; }, py::arg("other"),
+          py::is_operator())
+      .def("__hash__", [as_tuple](const T& x) { return py::hash(py::repr(as_tuple(x))); })
+      .def("__repr__", [as_tuple, name](const T& x) {
+        return std::string(name) + py::cast<std::string>(py::repr(as_tuple(x)));
+      });
+}
+
 std::vector<Endpoint> endpoints_of(const std::vector<std::string>& data) {
   std::vector<Endpoint> out;
   for (size_t i = 0; i < data.size(); ++i) {
@@ -405,12 +423,13 @@ void bind_weights(py::module_& m) {
       },
       py::arg("data"), "_weights_encode_inference's bytes back as its parameter tuples.");
 
-  py::class_<Entry>(m, "WeightEntry",
-                    "One entry of a WeightSchedule: `runs` runs of `length` bytes, the i-th from "
-                    "projected-tensor byte src_offset + i * src_stride into the inference rank's "
-                    "tensor at dst_offset + i * dst_stride. Also read by position, in the order "
-                    "of its fields.")
-      .def_readonly("trainer", &Entry::trainer, "The training rank that writes it.")
+  py::class_<Entry> entry_class(
+      m, "WeightEntry",
+      "One entry of a WeightSchedule: `runs` runs of `length` bytes, the i-th from "
+      "projected-tensor byte src_offset + i * src_stride into the inference rank's "
+      "tensor at dst_offset + i * dst_stride. Also read by position, in the order "
+      "of its fields.");
+  entry_class.def_readonly("trainer", &Entry::trainer, "The training rank that writes it.")
       .def_readonly("nic", &Entry::nic, "Its NIC on that rank.")
       .def_readonly("param", &Entry::param, "Index into WeightSchedule.params.")
       .def_readonly("inference", &Entry::inference, "The inference rank written into.")
@@ -423,24 +442,13 @@ void bind_weights(py::module_& m) {
                     "Byte offset of the first run in the inference rank's tensor.")
       .def_readonly("dst_stride", &Entry::dst_stride,
                     "Bytes between runs in the inference rank's tensor.")
-      .def_property_readonly("bytes", &Entry::bytes, "length * runs.")
-      .def(
-          "__getitem__",
-          [](const Entry& x, const py::object& i) { return item(entry_tuple(x), i); },
-          py::arg("index"))
-      .def("__len__", [](const Entry&) { return 10; })
-      .def(
-          "__eq__", [](const Entry& a, const Entry& b) { return a == b; }, py::arg("other"),
-          py::is_operator())
-      .def("__hash__", [](const Entry& x) { return py::hash(entry_tuple(x)); })
-      .def("__repr__", [](const Entry& e) {
-        return "WeightEntry" + py::repr(entry_tuple(e)).cast<std::string>();
-      });
-  py::class_<ScheduledParam>(
+      .def_property_readonly("bytes", &Entry::bytes, "length * runs.");
+  def_tuple_protocol(entry_class, "WeightEntry", entry_tuple);
+  py::class_<ScheduledParam> param_class(
       m, "WeightParam",
       "A projected parameter of a WeightSchedule. Also read by position: (name, dtype, shape, "
-      "kind, sources, concat_dim, block, source_shapes, source_dtypes, senders).")
-      .def_readonly("name", &ScheduledParam::name, "The inference name.")
+      "kind, sources, concat_dim, block, source_shapes, source_dtypes, senders).");
+  param_class.def_readonly("name", &ScheduledParam::name, "The inference name.")
       .def_property_readonly(
           "dtype", [](const ScheduledParam& p) { return std::string(to_string(p.dtype)); },
           "Its dtype's fabric name (bf16, fp8_e4m3, ...).")
@@ -462,19 +470,8 @@ void bind_weights(py::module_& m) {
           "source_dtypes", [](const ScheduledParam& p) { return dtype_names(p.source_dtypes); },
           "Per source, fabric names.")
       .def_readonly("senders", &ScheduledParam::senders,
-                    "Training ranks that may send it (they hold all its sources).")
-      .def(
-          "__getitem__",
-          [](const ScheduledParam& x, const py::object& i) { return item(param_tuple(x), i); },
-          py::arg("index"))
-      .def("__len__", [](const ScheduledParam&) { return 10; })
-      .def(
-          "__eq__", [](const ScheduledParam& a, const ScheduledParam& b) { return a == b; },
-          py::arg("other"))
-      .def("__hash__", [](const ScheduledParam& x) { return py::hash(py::repr(param_tuple(x))); })
-      .def("__repr__", [](const ScheduledParam& p) {
-        return "WeightParam" + py::repr(param_tuple(p)).cast<std::string>();
-      });
+                    "Training ranks that may send it (they hold all its sources).");
+  def_tuple_protocol(param_class, "WeightParam", param_tuple);
 
   py::class_<Schedule>(m, "WeightSchedule",
                        "The static schedule of a weight push (fabric/weights.h).")

@@ -189,16 +189,10 @@ class WeightsFlow : public ::testing::TestWithParam<Backend> {
   // `ring_bytes` of staging; `flip`: two copies on the inference side.
   void build(bool flip = true, uint64_t ring_bytes = 1 << 16, uint64_t batch_bytes = 0,
              Model model = test_model(1)) {
-    Config c = fabric::testing::make_config(GetParam());
-    auto t = TransferEngine::create(c);
-    if (!t && t.status().code() == ErrorCode::kUnsupported) {
-      GTEST_SKIP() << "provider not available here: " << t.status().to_string();
-    }
-    ASSERT_TRUE(t) << t.status().to_string();
-    auto i = TransferEngine::create(c);
-    ASSERT_TRUE(i) << i.status().to_string();
-    trainer_engine_ = std::move(*t);
-    inference_engine_ = std::move(*i);
+    auto pair = fabric::testing::make_engine_pair(fabric::testing::make_config(GetParam()));
+    ASSERT_TRUE(pair.a && pair.b);
+    trainer_engine_ = std::move(pair.a);
+    inference_engine_ = std::move(pair.b);
     model_ = std::move(model);
     TrainerRank tr{0, 1, {}};
     for (const auto& [name, shape] : model_.shapes) {
@@ -578,9 +572,14 @@ TEST(WeightsGather, EachRankReceivesTheOtherHalfOnceAndReusesIt) {
   (*engine)->close();
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, WeightsFlow,
-                         ::testing::Values(Backend{"tcp", "tcp", false},
-                                           Backend{"shm", "shm", false}),
+// tcp and shm as they are (the engine's own suites cover reordering and verbs).
+std::vector<Backend> plain_backends() {
+  auto all = fabric::testing::all_backends();
+  std::erase_if(all, [](const Backend& b) { return b.reorder || b.provider == "verbs"; });
+  return all;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, WeightsFlow, ::testing::ValuesIn(plain_backends()),
                          fabric::testing::backend_name);
 
 }  // namespace
