@@ -165,7 +165,12 @@ class PySender {
     }();
     sender_ = check(std::move(made));
   }
+  // Waits (bounded) for writes of an interrupted push; at interpreter exit leaks it instead.
   ~PySender() {
+    if (interpreter_finalizing()) {
+      (void)sender_.release();
+      return;
+    }
     py::gil_scoped_release nogil;
     sender_.reset();
   }
@@ -287,7 +292,13 @@ class PyReceiver {
     o.timeout = millis(timeout, "WeightReceiver: timeout");
     receiver_ = check(WeightReceiver::create(engine_of(engine_), o));
   }
-  ~PyReceiver() { close(); }
+  ~PyReceiver() {
+    if (interpreter_finalizing()) {
+      (void)receiver_.release();  // its timer thread may wait for the GIL: leaked, not joined
+      return;
+    }
+    close();
+  }
 
   py::tuple prepare(const IntArg& version, const IntArg& expected, const py::sequence& trainers,
                     py::object on_complete, py::object on_fail) {
