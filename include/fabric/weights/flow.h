@@ -7,17 +7,18 @@
 //     Ready(N, imm, r, copy) -> every training rank --> WeightSender::begin(N): waits for the
 //                                                     Ready of every rank it writes into
 //                                                     stage(param, sources) per parameter, in
-//                                                     push_order(): projected into the staging
+//                                                     order(): projected into the staging
 //                                                     ring; every ~ring/4 bytes a batch: one
 //                                                     stream sync, then its writes posted (one
 //                                                     scatter per inference rank, paged writes
 //                                                     for strided entries, pinned writes with
 //                                                     several NICs)
 //                   <---- writes, each run carrying imm, into copy `copy` ----
-//   writes_into(r) counted -> on_complete(N, copy)    finish(): the last batch, every write done
+//   writes_into(r) counted -> on_complete(N)          finish(): the last batch, every write done
 //
 // A training rank that leaves (fail_trainer, from a membership watch) fails the pending version
-// with kPeerUnreachable; a version not complete within Options::timeout fails with kTimeout;
+// with kPeerUnreachable; a version not complete within ReceiverOptions::timeout fails with
+// kTimeout;
 // close() fails it with kClosed. The failed version's expectation is withdrawn and its
 // immediate never reused, so a late write of it can never complete a later version.
 //
@@ -171,10 +172,10 @@ class WeightSender {
   // ring and queues its writes; posts a batch once enough is queued; an FP8 weight stages its
   // scales too (and the other way round). Nothing to do for a parameter this rank does not
   // send or one staged already this push. `persistent`: the sources stay valid until finish()
-  // (FP8 projections of a GPU ring are then launched in groups at the batch's end; otherwise at
-  // once). Blocks while the ring has no room (kTimeout). kInvalidArgument naming the parameter:
-  // wrong number or size of sources, FP8 sources not on the ring's side, a projection larger
-  // than the ring. A write that failed is returned by this or a later call.
+  // (FP8 projections into a GPU ring are then launched 64 matrices at a time, or at the batch's
+  // end; otherwise at once). Blocks while the ring has no room (kTimeout). kInvalidArgument naming
+  // the parameter: wrong number or size of sources, FP8 sources not on the ring's side, a
+  // projection larger than the ring. A write that failed is returned by this or a later call.
   Status stage(uint32_t param, std::span<const Source> sources, bool persistent = false);
   // Posts what is queued and waits for every write of the version. Blocks.
   Result<PushStats> finish();
