@@ -22,7 +22,7 @@ for f in "$SRC"/python/src/*.cc; do
 done
 wait
 timeout -k 10 "$SECONDS_EACH" c++ -shared "$OBJ"/*.o "$BUNDLE/libfabrickvetcd.a" "$BUNDLE/libfabrickv.a" \
-  "$BUNDLE/libfabricweights.a" "$LIB" "$BUNDLE/libcudart_static.a" -L"$BUNDLE/lib" -Wl,--as-needed -l:libfabric.so.1 -Wl,--no-as-needed -l:libibverbs.so.1 \
+  "$BUNDLE/libfabricweights.a" "$BUNDLE/libfabricep.a" "$LIB" "$BUNDLE/libcudart_static.a" -L"$BUNDLE/lib" -Wl,--as-needed -l:libfabric.so.1 -Wl,--no-as-needed -l:libibverbs.so.1 \
   -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt \
   -o "$PKG/fabric_lib/_fabric_lib$EXT" >>"$LOG" 2>&1 ||
   { echo "the module did not build ($LOG):"; tail -40 "$LOG"; exit 1; }

@@ -24,6 +24,8 @@ cp build/lib/libfabriclib.a .gpu/ && strip --strip-debug .gpu/libfabriclib.a
 for l in libfabrickv.a libfabrickvetcd.a; do cp build/lib/$l .gpu/ && strip --strip-debug .gpu/$l; done
 # fabric::weights (schedule, projections, the FP8 kernel) for the module's weights bindings.
 cp build/lib/libfabricweights.a .gpu/ && strip --strip-debug .gpu/libfabricweights.a
+# fabric::ep (the all-to-all, its kernels and proxy) for the module's ep bindings.
+cp build/lib/libfabricep.a .gpu/ && strip --strip-debug .gpu/libfabricep.a
 cp /usr/local/cuda/lib64/libcudart_static.a .gpu/
 for l in libhwloc.so.15 libspdlog.so.1.10 libfmt.so.9; do cp "/lib/x86_64-linux-gnu/$l" .gpu/lib/; done
 cp -r /usr/include/rdma /usr/include/fmt /usr/include/spdlog .gpu/include/
