@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # nixlbench over the FABRIC plugin against fabric-bench, the same shape, in one run:
 #
-#   tools/nixl/bench_nixl.sh [--quick] [--provider tcp|shm] [--out FILE.md]
+#   tools/nixl/bench_nixl.sh [--quick] [--provider tcp|shm] [--rounds N] [--out FILE.md]
 #
 # For WRITE and READ, batch 1 and 64, blocks 4 KiB to 64 MiB:
 #   nixlbench: two processes on loopback (ASIO runtime, no etcd), one agent each, backend FABRIC;
@@ -21,18 +21,21 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${NIXL_WORK:-$repo/.nixl}
 provider=tcp
 quick=0
+rounds_arg=""
 out=$work/bench-nixl.md
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
     --provider) provider=$2; shift ;;
     --out) out=$2; shift ;;
+    --rounds) rounds_arg=$2; shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
 done
-# shellcheck disable=SC1091
-source "$work/env.sh"
+# NIXL_ENV, NIXLBENCH, FABRIC_BENCH: another layout (tools/nixl/gpu_bundle.sh's .nixl/gpu).
+# shellcheck disable=SC1090
+source "${NIXL_ENV:-$work/env.sh}"
 # nixlbench links libcuda; on a host without a driver, the toolkit's stub satisfies the loader
 # (nothing of it is called for DRAM).
 if ! ldconfig -p | grep -q 'libcuda.so.1 '; then
@@ -50,8 +53,8 @@ export FABRIC_NICS=$nic
 fb_env=()
 if [ "$(nproc)" -lt 8 ]; then fb_env=(env FABRIC_SPIN_US=0 FABRIC_INFLIGHT_SPIN_US=0); fi
 
-nixlbench=$work/nixlbench-build/nixlbench
-fabric_bench=$work/fabric-build/bin/fabric-bench
+nixlbench=${NIXLBENCH:-$work/nixlbench-build/nixlbench}
+fabric_bench=${FABRIC_BENCH:-$work/fabric-build/bin/fabric-bench}
 if [ "$quick" = 1 ]; then
   sizes=(65536 1048576 16777216)
   iters=64; factor=16; warmup=8; fb_iters=2; rounds=1
@@ -60,6 +63,7 @@ else
     16777216 33554432 67108864)
   iters=256; factor=32; warmup=32; fb_iters=3; rounds=2
 fi
+[ -n "$rounds_arg" ] && rounds=$rounds_arg
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 log() { printf '== %s: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
