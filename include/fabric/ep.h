@@ -19,6 +19,7 @@
 // sequence of calls can be captured in a CUDA graph and replayed. Every GPU wait gives up after
 // AllToAllConfig::timeout and records an error that the next call (or check()) returns.
 //
+// Library: fabric::ep (CMake target fabric::ep, pkg-config fabric-ep), on fabric::fabric.
 // Available when fabric-lib is built with CUDA; otherwise AllToAll::create returns kUnsupported.
 // validate(), Layout and the argument checks are plain host code, built everywhere.
 #pragma once
