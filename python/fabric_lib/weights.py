@@ -453,7 +453,7 @@ class TrainerWeights:
         self.group, self.num_nics, self.timeout = group, num_nics, timeout
         self.chunk_bytes, self.process_group = chunk_bytes, process_group
         self._shards = {}  # name -> (tensor, shape, box, replica)
-        self._sources = None  # (names, tensors, bytes, on_gpu) of the shards, for push()
+        self._sources = None  # the shards' tensors as push() last told the sender
         self._ring = torch.empty(max_temp_bytes, dtype=torch.uint8, device=device)
         self._ring_reg = engine.register(self._ring, host_mirror=host_mirror)
         self._sender = _ext.WeightSender(engine, rank, num_nics, timeout)
@@ -587,17 +587,17 @@ class TrainerWeights:
         return stats
 
     def _push_whole(self, version, stream):
-        """One call into C++ with a pointer per training parameter."""
+        """One call into C++ with a data pointer per training parameter (their names, sizes
+        and sides told once after each add)."""
         if self._sources is None:
-            names = list(self._shards)
-            tensors = [self._shards[n][0] for n in names]
-            self._sources = (names, tensors, [t.numel() * t.element_size() for t in tensors],
-                             [t.is_cuda for t in tensors])
-        names, tensors, sizes, on_gpu = self._sources
+            tensors = [t for t, _, _, _ in self._shards.values()]
+            self._sender.set_sources(list(self._shards), [t.numel() * t.element_size()
+                                                          for t in tensors],
+                                     [t.is_cuda for t in tensors])
+            self._sources = tensors
         # Non-contiguous shards are copied (alive until the push returns).
-        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        stats = self._sender.push(version, names, list(zip([t.data_ptr() for t in tensors],
-                                                           sizes, on_gpu)), stream)
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in self._sources]
+        stats = self._sender.push(version, [t.data_ptr() for t in tensors], stream)
         stats.update(gather=0.0, gather_bytes=0)
         return stats
 

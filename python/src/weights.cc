@@ -231,16 +231,42 @@ class PySender {
     return stats_dict(check(std::move(r)));
   }
 
-  py::dict push(const IntArg& version, const std::vector<std::string>& names,
-                const py::sequence& sources, const IntArg& stream) {
+  // The training parameters push() reads: names, bytes and sides, kept until called again.
+  void set_sources(std::vector<std::string> names, const std::vector<IntArg>& bytes,
+                   const std::vector<bool>& on_gpu) {
+    if (bytes.size() != names.size() || on_gpu.size() != names.size()) {
+      throw StatusError{Status(ErrorCode::kInvalidArgument,
+                               "WeightSender.set_sources: one size and one side per name")};
+    }
+    std::vector<Source> templates;
+    for (size_t i = 0; i < names.size(); ++i) {
+      templates.push_back(Source{nullptr, u64(bytes[i], "WeightSender.set_sources: bytes"),
+                                 static_cast<bool>(on_gpu[i])});
+    }
+    names_ = std::move(names);
+    templates_ = std::move(templates);
+  }
+
+  // The push of a rank holding every parameter whole: one data pointer per source of
+  // set_sources, in its order (what changes between pushes), then WeightSender::push.
+  py::dict push(const IntArg& version, const std::vector<uintptr_t>& pointers,
+                const IntArg& stream) {
     const uint64_t v = u64(version, "WeightSender.push: version");
     void* st = reinterpret_cast<void*>(u64(stream, "WeightSender.push: stream"));
-    std::vector<Source> in = sources_of(sources, "WeightSender.push: sources");
+    if (pointers.size() != templates_.size()) {
+      throw StatusError{Status(ErrorCode::kInvalidArgument,
+                               "WeightSender.push: " + std::to_string(pointers.size()) +
+                                   " pointers for " + std::to_string(templates_.size()) +
+                                   " sources (set_sources)")};
+    }
+    for (size_t i = 0; i < pointers.size(); ++i) {
+      templates_[i].data = reinterpret_cast<const void*>(pointers[i]);
+    }
     engine_of(engine_);
     Result<PushStats> r = Status(ErrorCode::kInternal, "unset");
     {
       py::gil_scoped_release nogil;
-      r = sender_->push(v, names, in, st);
+      r = sender_->push(v, names_, templates_, st);
     }
     rethrow_on_param();
     return stats_dict(check(std::move(r)));
@@ -277,6 +303,8 @@ class PySender {
   std::unique_ptr<WeightSender> sender_;
   py::object on_param_ = py::none();
   std::unique_ptr<py::error_already_set> error_;
+  std::vector<std::string> names_;  // set_sources
+  std::vector<Source> templates_;
 };
 
 // WeightReceiver for Python: callbacks take the GIL for their Python part.
@@ -633,10 +661,13 @@ void bind_weights(py::module_& m) {
            "posts a batch when enough is staged. Blocks while the ring is full.")
       .def("finish", &PySender::finish,
            "Posts the rest and waits for every write; returns the stage times and counts.")
-      .def("push", &PySender::push, py::arg("version"), py::arg("names"), py::arg("sources"),
-           py::arg("stream") = 0,
-           "begin, stage of every parameter this rank sends (sources by training name, "
-           "valid until it returns), finish. Returns the stage times and counts.")
+      .def("set_sources", &PySender::set_sources, py::arg("names"), py::arg("bytes"),
+           py::arg("on_gpu"),
+           "The training parameters push() reads: name, bytes and whether on a GPU, each.")
+      .def("push", &PySender::push, py::arg("version"), py::arg("pointers"), py::arg("stream") = 0,
+           "begin, stage of every parameter this rank sends (the data pointer of each source "
+           "of set_sources, valid until it returns), finish. Returns the stage times and "
+           "counts.")
       .def("set_on_param", &PySender::set_on_param, py::arg("fn"),
            "fn(name) after each parameter's writes are posted (None: none).");
 
