@@ -7,13 +7,13 @@
 #include <cstdlib>
 #include <memory>
 
+#include "common/align.h"
+
 namespace fabric::engine {
 
 inline constexpr size_t kBufferAlignment = 64;
 
-inline uint64_t round_up(uint64_t n, uint64_t to) {
-  return (n + to - 1) / to * to;
-}
+using fabric::round_up;  // common/align.h
 
 struct AlignedFree {
   void operator()(std::byte* p) const noexcept { std::free(p); }

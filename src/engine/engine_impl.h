@@ -7,6 +7,7 @@
 #include "fabric/engine.h"
 
 #include <fmt/format.h>
+#include "common/invalid.h"
 #include "common/log.h"
 
 #include <atomic>
@@ -43,9 +44,7 @@ namespace engine_impl {
 inline constexpr int kTagShift = 40;
 inline constexpr uint64_t kSeqMask = (uint64_t{1} << kTagShift) - 1;
 
-inline Status invalid(std::string message) {
-  return Status(ErrorCode::kInvalidArgument, std::move(message));
-}
+using fabric::invalid;  // common/invalid.h
 
 }  // namespace engine_impl
 

@@ -4,15 +4,11 @@
 
 #include <algorithm>
 
+#include "common/invalid.h"
+
 namespace fabric::kv {
 
-namespace {
-
-Status invalid(std::string message) {
-  return Status(ErrorCode::kInvalidArgument, std::move(message));
-}
-
-}  // namespace
+using fabric::invalid;  // common/invalid.h
 
 Status KvLayout::validate() const {
   if (num_layers == 0) return invalid("KvLayout.num_layers is 0");
