@@ -5,16 +5,11 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/invalid.h"
 #include "fabric/weights_projection.h"
 
 namespace fabric::weights {
-namespace {
-
-Status invalid(std::string message) {
-  return Status(ErrorCode::kInvalidArgument, std::move(message));
-}
-
-}  // namespace
+using fabric::invalid;  // common/invalid.h
 
 uint8_t float_to_e4m3(float value) {
   uint32_t bits;

@@ -7,18 +7,17 @@
 #include <map>
 #include <set>
 
+#include "common/invalid.h"
 #include "fabric/weights.h"
 
 namespace fabric::weights {
+
+using fabric::invalid;  // common/invalid.h
 namespace {
 
 // The most NICs a training rank may have (as many as an engine's device group may: an
 // Address holds at most 64): the schedule keeps a load per NIC.
 constexpr uint32_t kMaxNics = 64;
-
-Status invalid(std::string message) {
-  return Status(ErrorCode::kInvalidArgument, std::move(message));
-}
 
 std::string shape_str(const Shape& s) {
   return fmt::format("[{}]", fmt::join(s, ", "));

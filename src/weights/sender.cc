@@ -12,21 +12,20 @@
 #include <set>
 #include <unordered_map>
 
+#include "common/invalid.h"
 #include "fabric/weights/flow.h"
 #include "fabric/weights_projection.h"
 #include "weights/ring.h"
 
 namespace fabric::weights {
+
+using fabric::invalid;  // common/invalid.h
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-Status invalid(std::string message) {
-  return Status(ErrorCode::kInvalidArgument, std::move(message));
 }
 
 bool is_fp8(ProjectionKind k) {
