@@ -18,9 +18,11 @@ import urllib.request
 import uuid
 
 import pytest
-import torch
 
-from nixl._api import nixl_agent, nixl_agent_config
+torch = pytest.importorskip("torch")
+nixl_api = pytest.importorskip(
+    "nixl._api", reason="NIXL's Python module is not on PYTHONPATH (source .nixl/env.sh)")
+nixl_agent, nixl_agent_config = nixl_api.nixl_agent, nixl_api.nixl_agent_config
 
 BACKEND = "FABRIC"
 DEADLINE_S = 30.0
