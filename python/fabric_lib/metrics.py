@@ -165,7 +165,11 @@ class EngineCollector(Collector):
         yield mirrors
 
 
-_collectors: dict[int, EngineCollector] = {}
+# By registry, held weakly: keyed by id() instead, a registry created after another was collected
+# could reuse its id and be handed the dead registry's collector, never registered with it (a
+# scrape of the new one then showed nothing).
+_collectors: "weakref.WeakKeyDictionary[CollectorRegistry, EngineCollector]" = (
+    weakref.WeakKeyDictionary())
 _collectors_lock = threading.Lock()
 
 
@@ -181,11 +185,11 @@ def register(
     returns it."""
     registry = REGISTRY if registry is None else registry
     with _collectors_lock:
-        collector = _collectors.get(id(registry))
+        collector = _collectors.get(registry)
         if collector is None:
             collector = EngineCollector()
             registry.register(collector)
-            _collectors[id(registry)] = collector
+            _collectors[registry] = collector
     collector.add(engine, name)
     return collector
 
@@ -194,5 +198,5 @@ def unregister(engine: TransferEngine, registry: Optional[CollectorRegistry] = N
     """Stops exporting `engine` to `registry`; whether it was exported there."""
     registry = REGISTRY if registry is None else registry
     with _collectors_lock:
-        collector = _collectors.get(id(registry))
+        collector = _collectors.get(registry)
     return collector is not None and collector.remove(engine)

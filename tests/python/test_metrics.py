@@ -2,6 +2,7 @@
 an HTTP endpoint served by prometheus_client is scraped before and after traffic, and the text
 is parsed with prometheus_client's own parser."""
 
+import gc
 import http.server
 import re
 import threading
@@ -177,6 +178,19 @@ def test_a_closed_engine_releases_its_name(provider):
             assert len(c.names()) == len(set(c.names())) == 2, c.names()
     assert old.closed
     assert collector.names() == []
+
+
+def test_a_new_registry_is_never_handed_a_collected_ones_collector(pair):
+    """Registries made and dropped one after another (CPython reuses their ids): each scrape
+    shows the engine."""
+    a, _ = pair
+    for i in range(100):
+        registry = prometheus_client.CollectorRegistry()
+        metrics.register(a, name="e", registry=registry)
+        names = {family.name for family in registry.collect()}
+        assert "fabric_nic_up" in names, f"registry {i}: the scrape showed {sorted(names)}"
+        del registry
+        gc.collect()
 
 
 def exported_metric_names(engine):
