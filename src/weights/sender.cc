@@ -15,6 +15,7 @@
 #include "common/invalid.h"
 #include "fabric/weights/flow.h"
 #include "fabric/weights_projection.h"
+#include "weights/gather_plan.h"
 #include "weights/ring.h"
 
 namespace fabric::weights {
@@ -347,50 +348,9 @@ class WeightSender::Impl {
                       "of {}",
                       trainers.size(), schedule_.num_trainers));
     }
-    // Who holds a shard of each training parameter, by rank.
-    std::map<std::string, std::map<uint32_t, const Shard*>> holders;
-    for (const TrainerRank& t : trainers) {
-      for (const Shard& sh : t.shards) holders[sh.name][t.rank] = &sh;
-    }
-    std::vector<std::set<uint32_t>> writers(schedule_.params.size());
-    for (const Entry& e : schedule_.entries) {
-      if (e.param < writers.size()) writers[e.param].insert(e.trainer);
-    }
-    std::vector<std::vector<GatherStep>> steps(schedule_.params.size());
-    std::map<std::string, std::set<uint32_t>> have;  // ranks holding a source whole
-    for (uint32_t index : order_) {
-      const auto& sources = schedule_.params[index].projection.sources;
-      steps[index].resize(sources.size());
-      std::map<std::string, std::set<uint32_t>> after;
-      for (size_t k = 0; k < sources.size(); ++k) {
-        const auto& held = holders[sources[k]];
-        const std::set<uint32_t>& before = have[sources[k]];
-        GatherStep& step = steps[index][k];
-        step.reuse = before.count(options_.rank) > 0;
-        for (uint32_t n : writers[index]) {
-          if (before.count(n)) continue;
-          auto it = held.find(n);
-          if (it == held.end()) {
-            return invalid(
-                fmt::format("parameter '{}': training rank {} writes it but holds "
-                            "no shard of '{}'",
-                            schedule_.params[index].name, n, sources[k]));
-          }
-          const Shard& mine = *it->second;
-          if (mine.box.empty()) continue;  // whole: nothing to receive
-          for (const auto& [h, shard] : held) {
-            if (h == n || shard->replica != mine.replica) continue;
-            if (h == options_.rank) step.sends.emplace_back(n, shard->box);
-            if (n == options_.rank) step.recvs.emplace_back(h, shard->box);
-          }
-        }
-        std::set<uint32_t> now = before;
-        now.insert(writers[index].begin(), writers[index].end());
-        after[sources[k]] = std::move(now);
-      }
-      have = std::move(after);
-    }
-    gathers_ = std::move(steps);
+    auto steps = weights::plan_gathers(schedule_, order_, trainers, options_.rank);
+    if (!steps) return steps.status();
+    gathers_ = std::move(*steps);
     return Status::ok();
   }
 
