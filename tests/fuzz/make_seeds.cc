@@ -48,8 +48,8 @@ weights::Schedule schedule(const std::vector<weights::TrainerRank>& trainers,
   return std::move(s).value();
 }
 
-// fabric::weights: the descriptions of two layouts (the second one of tests/unit/weights_test.cc)
-// and the schedules computed from them.
+// fabric::weights: the descriptions of two layouts (the second one of
+// tests/weights/schedule_test.cc) and the schedules computed from them.
 void write_weights(const std::filesystem::path& dir) {
   using namespace weights;
   auto shard = [](std::string name, Shape shape, std::vector<Range> box = {},
