@@ -34,7 +34,7 @@ DEB_PACKAGES := cmake ninja-build g++ pkg-config make \
   libgtest-dev googletest clang-format iproute2 libibverbs-dev ibverbs-providers rdma-core \
   pybind11-dev python3-dev python3-pip python3-pytest python3-pytest-timeout python3-numpy \
   python3-torch etcd-server libcurl4-openssl-dev nlohmann-json3-dev python3-prometheus-client \
-  doxygen
+  libssl-dev doxygen
 # Only `make bench` installs these: the baselines fabric-bench compares with (ucx_perftest,
 # iperf3, run in a private network namespace made with unshare and ip) and the plot.
 BENCH_PACKAGES := ucx-utils iperf3 python3-matplotlib iproute2 util-linux
@@ -73,9 +73,13 @@ BACKGROUND_STAGES := build-asan build-tsan
 # threads as conformance's multi-NIC tests, and its shaped links make it the slowest label by far.
 SANITIZER_LABELS := ^(unit|conformance|reliability|kv|netlab)$$
 TSAN_LABELS := ^(unit|conformance|reliability|kv)$$
-SANITIZER_TARGETS := fabric_unit_tests fabric_conformance_tests fabric_test_peer \
+# The unit programs are one per feature folder (tests/engine, tests/shm, ...; docs/testing.md).
+UNIT_TARGETS := fabric_engine_tests fabric_shm_unit_tests fabric_cuda_ipc_tests \
+  fabric_common_tests fabric_discovery_tests fabric_verbs_unit_tests fabric_weights_unit_tests \
+  fabric_ep_tests
+SANITIZER_TARGETS := $(UNIT_TARGETS) fabric_conformance_tests fabric_test_peer \
   fabric_reliability_tests fabric_bad_input_tests fabric_soak fabric_kv_tests \
-  fabric_kv_test_peer fabric_netlab_tests fabric_shm_tests fabric_ep_tests
+  fabric_kv_test_peer fabric_netlab_tests fabric_shm_tests
 PREFIX ?= /usr/local
 
 .PHONY: deps build run test test-default test-python test-asan test-tsan build-asan build-tsan \

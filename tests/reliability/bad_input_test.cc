@@ -4,7 +4,7 @@
 // poison it was filled with, and the row's immediate was never counted).
 //
 // Rows whose input is bytes or strings rather than calls (malformed descriptors and addresses,
-// environment overrides, the engine's own messages) are tested in tests/unit (codec_test,
+// environment overrides, the engine's own messages) are tested in tests/common (codec_test,
 // config_test) and fuzzed in tests/fuzz; the table names those tests.
 #include <limits>
 #include <thread>

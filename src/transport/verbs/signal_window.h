@@ -1,6 +1,6 @@
 // Selective signalling's bookkeeping for one queue pair: the send work requests it has accepted,
 // in posting order, until each is known to be finished. Pure (no verbs calls), so that the rules
-// below are unit-tested without a device (tests/unit/signal_window_test.cc).
+// below are unit-tested without a device (tests/verbs/signal_window_test.cc).
 //
 // Only some requests ask for a completion (IBV_SEND_SIGNALED): every Nth, and the newest of
 // every chained post (seal()). An RC send queue completes in posting order, so a completion for
