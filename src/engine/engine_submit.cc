@@ -277,19 +277,27 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
   t->src = std::move(src);
   t->dsts.reserve(sc.targets.size());
   t->ops.reserve(sc.targets.size());  // one op per target when pinned; more when sharded
+  bool last_ipc = false;              // the target before went over CUDA IPC (as dsts.back())
   for (size_t i = 0; i < sc.targets.size(); ++i) {
     const ScatterTarget& tg = sc.targets[i];
-    t->dsts.push_back(tg.dst);
-    const uint32_t dst_index = static_cast<uint32_t>(t->dsts.size() - 1);
     const engine::IpcRoute route = ipc_route(*t->src, tg.dst, group);
     if (route.kind == engine::IpcRoute::Kind::kRejected) {
       return ipc_rejected(fmt::format("scatter target {}", i), route);
     }
     if (route.kind == engine::IpcRoute::Kind::kIpc) {
+      // Targets in a row into one region share its destination: ranges adjacent on both sides
+      // become one copy, and the region's ranges go in one Commit that counts the immediate
+      // once per target.
+      if (!last_ipc || !(t->dsts.back() == tg.dst)) t->dsts.push_back(tg.dst);
+      const uint32_t dst_index = static_cast<uint32_t>(t->dsts.size() - 1);
       engine::add_ipc_range(*t, dst_index, tg.src_offset, tg.dst_offset, tg.length);
       if (sc.imm) engine::add_ipc_imm(*t, dst_index, *sc.imm, 1);
+      last_ipc = true;
       continue;
     }
+    last_ipc = false;
+    t->dsts.push_back(tg.dst);
+    const uint32_t dst_index = static_cast<uint32_t>(t->dsts.size() - 1);
     const Routing routing = sc.sharding == Scatter::Sharding::kByBytes
                                 ? Routing::sharded(0)
                                 : Routing::pinned(static_cast<uint32_t>((rotation + i) % nics));

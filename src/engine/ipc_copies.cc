@@ -110,11 +110,22 @@ void IpcCopies::start(CommitJob& job, Clock::time_point now) {
   // A write's ranges come from the writer's mapped source into the region; a read's go from
   // the region into the reader's mapped destination.
   std::byte* peer = (*lease)->base + src.exported.offset;
+  // A copy that continues the last one on both sides (the next parameter of a region, often)
+  // extends it: one copy instead of many.
   for (size_t i = 0; i < c.ranges.size(); ++i) {
     std::byte* mine = region.ptr + c.ranges[i].offset;
     std::byte* theirs = peer + src.offsets[i];
-    batch->copies.push_back(c.read ? cuda::Copier::DeviceCopy{theirs, mine, c.ranges[i].length}
-                                   : cuda::Copier::DeviceCopy{mine, theirs, c.ranges[i].length});
+    const uint64_t n = c.ranges[i].length;
+    const cuda::Copier::DeviceCopy next = c.read ? cuda::Copier::DeviceCopy{theirs, mine, n}
+                                                 : cuda::Copier::DeviceCopy{mine, theirs, n};
+    if (!batch->copies.empty()) {
+      cuda::Copier::DeviceCopy& last = batch->copies.back();
+      if (last.dst + last.bytes == next.dst && last.src + last.bytes == next.src) {
+        last.bytes += n;
+        continue;
+      }
+    }
+    batch->copies.push_back(next);
   }
   batch->jobs.push_back(&job);
 }

@@ -59,6 +59,8 @@ IpcRoute choose_route(Config::CudaIpc mode, const Origin& self, const cuda::Poin
 namespace {
 
 IpcDst& ipc_dst(Transfer& t, uint32_t dst_index) {
+  // The last one first: a scatter's targets come in order.
+  if (!t.ipc.empty() && t.ipc.back().dst_index == dst_index) return t.ipc.back();
   for (IpcDst& d : t.ipc) {
     if (d.dst_index == dst_index) return d;
   }

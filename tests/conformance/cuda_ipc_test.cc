@@ -157,6 +157,47 @@ TEST_P(CudaIpcPath, ScatterMixesThePathAndTheFabric) {
   EXPECT_EQ(ipc_transfers(), 1u);
 }
 
+// A scatter's targets in a row into one region (the parameters of a weight push, the pages of
+// a layer) go as one Commit per run, whatever their count, and still count one immediate each;
+// targets adjacent on both sides become one copy at the owner.
+TEST_P(CudaIpcPath, ScatterTargetsInARowIntoOneRegionGoAsOneCommit) {
+  constexpr uint64_t kPiece = 4096;
+  auto src = make_device_buffer(*a_, 128 * kPiece);
+  fill_pattern(src->bytes().data(), 128 * kPiece, 9);
+  auto one = make_device_buffer(*b_, 256 * kPiece);
+  auto other = make_device_buffer(*b_, 16 * kPiece);
+  std::vector<ScatterTarget> targets;
+  // 64 adjacent pieces into `one`, 8 into `other`, 16 into `one` again with gaps between them.
+  for (uint64_t k = 0; k < 64; ++k) {
+    targets.push_back({one->reg.descriptor, kPiece, k * kPiece, 100 + k * kPiece});
+  }
+  for (uint64_t k = 0; k < 8; ++k) {
+    targets.push_back({other->reg.descriptor, kPiece, (64 + k) * kPiece, k * kPiece});
+  }
+  for (uint64_t k = 0; k < 16; ++k) {
+    targets.push_back({one->reg.descriptor, kPiece, (72 + k) * kPiece, (100 + 2 * k) * kPiece});
+  }
+  auto group = a_->add_peer_group({b_->address()});
+  ASSERT_TRUE(group);
+  const uint64_t posted_before = a_->stats().groups[0].nics[0].work_requests_posted;
+  Probe done;
+  ASSERT_TRUE(a_->submit(Scatter{src->reg.handle, *group, targets, 73}, done.callbacks()));
+  ASSERT_TRUE(done.wait()) << done.wait().to_string();
+  EXPECT_TRUE(b_->wait_imm(73, targets.size(), 20s));
+  for (const ScatterTarget& t : targets) {
+    const auto& dst = t.dst == one->reg.descriptor ? one : other;
+    EXPECT_EQ(0, std::memcmp(dst->bytes().data() + t.dst_offset, src->bytes().data() + t.src_offset,
+                             kPiece))
+        << "the piece from " << t.src_offset;
+  }
+  // Three runs: three Commits (one message each, the writer's only work requests), not one per
+  // target (88).
+  const uint64_t commits = a_->stats().groups[0].nics[0].work_requests_posted - posted_before;
+  EXPECT_LE(commits, 3u);
+  EXPECT_GE(commits, 1u);
+  EXPECT_EQ(ipc_transfers(), 1u);
+}
+
 // Imm-only and barrier carry no GPU bytes: they keep the fabric, and work beside the path.
 TEST_P(CudaIpcPath, ImmOnlyAndBarrierBesideThePath) {
   auto group = a_->add_peer_group({b_->address()});

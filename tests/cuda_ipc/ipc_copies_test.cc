@@ -134,6 +134,30 @@ TEST(IpcCopies, CommitsOfOnePassAreBatchedPerGpuAndEndWithTheirJobs) {
   EXPECT_EQ(gpu1.fenced.size(), 2u);
 }
 
+// Ranges that continue the one before on both sides, in one Commit or the next of the pass,
+// are one copy; a gap on either side starts another.
+TEST(IpcCopies, RangesAdjacentOnBothSidesAreOneCopy) {
+  Owner o;
+  auto a = o.job(1, {{0, 64}, {64, 32}, {96, 8}}, {0, 64, 96});
+  auto b = o.job(1, {{104, 16}, {200, 8}}, {104, 120});
+  auto c = o.job(1, {{208, 8}}, {500});
+  for (CommitJob* j : {a.get(), b.get(), c.get()}) o.ipc->start(*j, Clock::time_point{});
+  o.ipc->flush();
+  ASSERT_EQ(o.copiers.made.size(), 1u);
+  const auto& copies = o.copiers.made[0]->device_copies;
+  ASSERT_EQ(copies.size(), 3u);
+  EXPECT_EQ(copies[0].dst, o.gpu0.data());
+  EXPECT_EQ(copies[0].src, o.source.data() + 0x100);
+  EXPECT_EQ(copies[0].bytes, 120u) << "four ranges of two Commits, adjacent on both sides";
+  EXPECT_EQ(copies[1].dst, o.gpu0.data() + 200) << "a gap in the destination";
+  EXPECT_EQ(copies[1].bytes, 8u);
+  EXPECT_EQ(copies[2].dst, o.gpu0.data() + 208) << "adjacent here, not in the source";
+  EXPECT_EQ(copies[2].src, o.source.data() + 0x100 + 500);
+  o.copiers.made[0]->ready = 1;
+  EXPECT_TRUE(o.ipc->poll());
+  EXPECT_EQ(o.take(), (std::vector<CommitJob*>{a.get(), b.get(), c.get()}));
+}
+
 TEST(IpcCopies, ACopyThatFailsFailsItsBatchsJobsOnly) {
   Owner o;
   auto a = o.job(1, {{0, 64}}, {0});
