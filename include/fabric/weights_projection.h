@@ -68,14 +68,6 @@ Status copy_2d_cuda(void* dst, uint64_t dst_pitch, const void* src, uint64_t src
                     uint64_t width, uint64_t height, void* stream);
 // Waits until everything enqueued on `stream` has run. Blocks. kUnsupported without CUDA.
 Status synchronize_cuda(void* stream);
-// A CUDA event (no timing): marks a point of a stream, so that one can wait for the work
-// enqueued before it while more is enqueued behind it (the push posts one batch's writes while
-// the next batch's projections run). kUnsupported without CUDA; kInternal with CUDA's message.
-Result<void*> create_event_cuda();
-void destroy_event_cuda(void* event);  // nullptr: nothing
-Status record_event_cuda(void* event, void* stream);
-// Blocks until the work enqueued before the event's last record has run.
-Status wait_event_cuda(void* event);
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;

@@ -91,26 +91,4 @@ Status synchronize_cuda(void* stream) {
   return err == cudaSuccess ? Status::ok() : internal("weights stream synchronize", err);
 }
 
-Result<void*> create_event_cuda() {
-  cudaEvent_t event = nullptr;
-  const cudaError_t err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-  if (err != cudaSuccess) return internal("weights event create", err);
-  return static_cast<void*>(event);
-}
-
-void destroy_event_cuda(void* event) {
-  if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
-}
-
-Status record_event_cuda(void* event, void* stream) {
-  const cudaError_t err =
-      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream));
-  return err == cudaSuccess ? Status::ok() : internal("weights event record", err);
-}
-
-Status wait_event_cuda(void* event) {
-  const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(event));
-  return err == cudaSuccess ? Status::ok() : internal("weights event wait", err);
-}
-
 }  // namespace fabric::weights

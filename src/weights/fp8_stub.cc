@@ -25,18 +25,4 @@ Status synchronize_cuda(void*) {
   return Status(ErrorCode::kUnsupported, "synchronize_cuda: this build of fabric-lib has no CUDA");
 }
 
-Result<void*> create_event_cuda() {
-  return Status(ErrorCode::kUnsupported, "create_event_cuda: this build of fabric-lib has no CUDA");
-}
-
-void destroy_event_cuda(void*) {}
-
-Status record_event_cuda(void*, void*) {
-  return Status(ErrorCode::kUnsupported, "record_event_cuda: this build of fabric-lib has no CUDA");
-}
-
-Status wait_event_cuda(void*) {
-  return Status(ErrorCode::kUnsupported, "wait_event_cuda: this build of fabric-lib has no CUDA");
-}
-
 }  // namespace fabric::weights

@@ -5,12 +5,10 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <array>
 #include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -48,13 +46,7 @@ struct Inbox {
 struct Batch {
   CompletionCounter counter;
   uint64_t submitted = 0;
-  bool posted = false;  // its writes submitted (`submitted` of them): they can be waited for
 };
-
-// Matrices of 128 x 128 tiles a grouped FP8 launch waits for (about four waves of a Hopper's
-// blocks): a launch starts once this much work is staged, not only at 64 matrices, so the GPU
-// is not left idle while the first 64 small ones of a batch are staged.
-constexpr uint64_t kLaunchTiles = 4096;
 
 // The 2-D shape an FP8 projection quantises: its sources joined along projection.dim.
 std::pair<uint64_t, uint64_t> fp8_matrix(const ScheduledParam& p) {
@@ -96,7 +88,6 @@ class WeightSender::Impl {
     for (const auto& b : batches_) {
       if (!b->counter.wait(b->submitted, options_.timeout)) break;
     }
-    for (void* e : events_) destroy_event_cuda(e);
   }
 
   Status init() {
@@ -302,7 +293,7 @@ class WeightSender::Impl {
   Result<PushStats> finish() {
     if (!pushing_) return invalid("WeightSender.finish: no push begun");
     pushing_ = false;
-    if (Status st = flush_all(); !st) return st;
+    if (Status st = flush(); !st) return st;
     const auto t0 = Clock::now();
     while (!ring_ranges_.empty()) {
       if (Status st = release_oldest(); !st) return st;
@@ -377,12 +368,6 @@ class WeightSender::Impl {
   struct Queued {
     uint32_t param;
     uint64_t start;  // in the ring
-  };
-  // A batch whose projections are enqueued but whose writes are not posted yet.
-  struct Projected {
-    std::vector<Queued> items;
-    std::shared_ptr<Batch> batch;
-    void* event = nullptr;  // recorded after its projections; nullptr: nothing to wait for
   };
 
   // Copies `height` rows of `width` bytes; through CUDA when either side is on the GPU.
@@ -481,10 +466,9 @@ class WeightSender::Impl {
       auto& group = pending_fp8_[block];
       group.push_back(Fp8Matrix{input, rows, cols, q, scales});
       ++pending_count_;
-      pending_tiles_ += tiles[0] * tiles[1];
       // Sources that may be freed after this call are quantised at once; others wait for a
-      // launch of 64 matrices (the kernel's group), kLaunchTiles of work or the batch's end.
-      if (!persistent || pending_count_ >= 64 || pending_tiles_ >= kLaunchTiles) {
+      // launch of 64 matrices (the kernel's group) or the batch's end.
+      if (!persistent || pending_count_ >= 64) {
         if (Status st = launch_fp8(); !st) return st;
       }
     } else {
@@ -519,7 +503,6 @@ class WeightSender::Impl {
       if (!st) return st;
     }
     pending_count_ = 0;
-    pending_tiles_ = 0;
     return Status::ok();
   }
 
@@ -542,9 +525,6 @@ class WeightSender::Impl {
       if (!ring_ranges_.oldest().held) {
         if (Status st = flush(); !st) return st;
       }
-      if (!ring_ranges_.oldest().held->posted) {
-        if (Status st = post_projected(); !st) return st;
-      }
       const auto t0 = Clock::now();
       Status st = release_oldest();
       stats_.wait_ring += seconds_since(t0);
@@ -555,7 +535,7 @@ class WeightSender::Impl {
   Status release_oldest() {
     std::shared_ptr<Batch> batch = ring_ranges_.oldest().held;
     ring_ranges_.release_oldest();
-    if (!batch || !batch->posted) return Status::ok();  // never posted (a failed push)
+    if (!batch) return Status::ok();  // never posted (a failed push)
     if (!batch->counter.wait(batch->submitted, options_.timeout)) {
       return Status(ErrorCode::kTimeout,
                     fmt::format("weights push: writes not complete after {} s",
@@ -570,8 +550,6 @@ class WeightSender::Impl {
     while (!ring_ranges_.empty()) release_oldest().ignore();
     pending_fp8_.clear();
     pending_count_ = 0;
-    pending_tiles_ = 0;
-    projected_.reset();
     batches_.clear();
   }
 
@@ -585,74 +563,30 @@ class WeightSender::Impl {
     return c;
   }
 
-  // Ends the batch being staged: its projections launched, its ring ranges tied to a new Batch.
-  // On a GPU ring its writes wait (projected_) until the next batch is enqueued behind it, and
-  // the batch before it is posted now, so that the GPU projects one batch while this thread
-  // waits for the one before and posts it; elsewhere it is posted at once.
+  // Posts the queued parameters' writes: contiguous entries as one scatter per inference rank
+  // (each target counts one immediate, as a single write would), strided ones as paged writes;
+  // with several NICs every entry is its own write pinned to the schedule's NIC.
   Status flush() {
     if (queued_.empty()) return Status::ok();
     const auto t_flush = Clock::now();
     if (Status st = launch_fp8(); !st) return st;
-    Projected next{std::move(queued_), std::make_shared<Batch>(), nullptr};
-    queued_.clear();
-    queued_bytes_ = 0;
-    batches_.push_back(next.batch);
-    // The queued ranges are the newest live ones: they wait for this batch.
-    for (auto it = ring_ranges_.live().rbegin(); it != ring_ranges_.live().rend() && !it->held;
-         ++it) {
-      it->held = next.batch;
-    }
     if (gpu_work_) {
-      void*& event = events_[next_event_];
-      next_event_ ^= 1;
-      if (event == nullptr) {
-        auto made = create_event_cuda();
-        if (!made) return made.status();
-        event = *made;
-      }
-      if (Status st = record_event_cuda(event, stream_); !st) return st;
-      next.event = event;
+      if (Status st = synchronize_cuda(stream_); !st) return st;
       gpu_work_ = false;
     }
     stats_.project += seconds_since(t_flush);
-    flush_s_ += seconds_since(t_flush);
-    Status st = post_projected();
-    projected_ = std::move(next);
-    if (st.is_ok() && !ring_.on_gpu) st = post_projected();
-    return st;
-  }
-
-  Status flush_all() {
-    Status st = flush();
-    return st.is_ok() ? post_projected() : st;
-  }
-
-  // Posts projected_'s writes once its projections ran: contiguous entries as one scatter per
-  // inference rank (each target counts one immediate, as a single write would), strided ones
-  // as paged writes; with several NICs every entry is its own write pinned to the schedule's
-  // NIC.
-  Status post_projected() {
-    if (!projected_) return Status::ok();
-    Projected p = std::move(*projected_);
-    projected_.reset();
-    const auto t_wait = Clock::now();
-    // stage() counts its time less what flushes and posts took (they count their own).
-    struct Count {
-      double& total;
-      Clock::time_point t0;
-      ~Count() { total += seconds_since(t0); }
-    } count{flush_s_, t_wait};
-    if (p.event != nullptr) {
-      if (Status st = wait_event_cuda(p.event); !st) return st;
-    }
-    stats_.project += seconds_since(t_wait);
     const auto t_post = Clock::now();
-    const std::shared_ptr<Batch>& batch = p.batch;
-    batch->posted = true;
+    auto batch = std::make_shared<Batch>();
+    batches_.push_back(batch);
+    // The queued ranges are the newest live ones: they wait for this batch.
+    for (auto it = ring_ranges_.live().rbegin(); it != ring_ranges_.live().rend() && !it->held;
+         ++it) {
+      it->held = batch;
+    }
     scatter_.resize(endpoints_.size());
     for (auto& t : scatter_) t.clear();
     Status failed;
-    for (const Queued& q : p.items) {
+    for (const Queued& q : queued_) {
       for (const Entry& e : entries_[q.param]) {
         stats_.bytes += e.bytes();
         const Ready& ready = ready_[e.inference];
@@ -712,9 +646,15 @@ class WeightSender::Impl {
       }
     }
     stats_.post += seconds_since(t_post);
+    std::vector<uint32_t> posted;
+    posted.reserve(queued_.size());
+    for (const Queued& q : queued_) posted.push_back(q.param);
+    queued_.clear();
+    queued_bytes_ = 0;
+    flush_s_ += seconds_since(t_flush);
     if (!failed.is_ok()) return failed;
     if (on_posted_) {
-      for (const Queued& q : p.items) on_posted_(q.param);
+      for (uint32_t p : posted) on_posted_(p);
     }
     return Status::ok();
   }
@@ -750,10 +690,6 @@ class WeightSender::Impl {
   uint64_t queued_bytes_ = 0;
   std::map<uint32_t, std::vector<Fp8Matrix>> pending_fp8_;  // by block, not launched yet
   uint64_t pending_count_ = 0;
-  uint64_t pending_tiles_ = 0;
-  std::optional<Projected> projected_;  // flushed, posted at the next flush (GPU ring)
-  std::array<void*, 2> events_{};       // CUDA events, projected_'s and the next batch's
-  uint32_t next_event_ = 0;
   std::vector<std::shared_ptr<Batch>> batches_;
   std::vector<std::vector<ScatterTarget>> scatter_;  // per inference rank, reused
   PushStats stats_;
