@@ -1383,12 +1383,18 @@ def _weights_decode_inference(data: bytes) -> list[_ParamTuple]: ...
 def _weights_encode_endpoint(
     layout: bytes, regions: Sequence[Any], places: Sequence[Sequence[tuple[int, int]]]
 ) -> bytes: ...
-def _weights_endpoint_layout(data: bytes) -> bytes: ...
+def _weights_publish_schedule(
+    registry: Registry, group: str, trainers: int, inference: int, chunk_bytes: int, timeout: float
+) -> WeightSchedule: ...
+def _weights_agree_schedule(registry: Registry, group: str, timeout: float) -> WeightSchedule: ...
 def _weights_quantize_fp8(
     src: Any, rows: int, cols: int, out: Any, scales: Any, block: int = 128, stream: int = 0
 ) -> None: ...
 def _weights_quantize_fp8_many(
     jobs: Sequence[tuple[int, int, int, int, int]], block: int, stream: int
+) -> None: ...
+def _weights_quantize_fp8_tensors(
+    jobs: Sequence[tuple[Any, Any, Any]], block: int, streams: dict[str, int]
 ) -> None: ...
 
 class WeightEntry:
@@ -1477,6 +1483,23 @@ class WeightSender:
         ring_bytes: int,
         on_gpu: bool,
     ) -> None: ...
+    def publish(
+        self, registry: Registry, group: str, world: int, shards: Sequence[_ShardTuple]
+    ) -> None: ...
+    def connect_registry(
+        self,
+        registry: Registry,
+        group: str,
+        world: int,
+        num_inference: int,
+        chunk_bytes: int,
+        timeout: float,
+        ring: Registration,
+        ring_ptr: int,
+        ring_bytes: int,
+        on_gpu: bool,
+    ) -> WeightSchedule: ...
+    def withdraw(self, registry: Registry, group: str) -> None: ...
     def plan_gathers(self, trainers: Sequence[bytes]) -> None: ...
     def gather(self, param: int, source: int) -> WeightGather: ...
     @property
@@ -1512,6 +1535,35 @@ class WeightReceiver:
         on_complete: Callable[[int], Any],
         on_fail: Callable[[int, FabricError], Any],
     ) -> tuple[int, int]: ...
+    def add(
+        self,
+        name: str,
+        tensor: Any,
+        shape: Optional[Sequence[int]],
+        dim: Optional[int],
+        start: int,
+        projection: str,
+        sources: Sequence[str],
+        concat_dim: int,
+        block: int,
+        dtype: Any,
+    ) -> None: ...
+    def publish(
+        self,
+        registry: Registry,
+        group: str,
+        regions: Sequence[Any],
+        places: Sequence[Sequence[tuple[int, int]]],
+    ) -> None: ...
+    def prepare_version(
+        self,
+        version: int,
+        on_complete: Callable[[int], Any],
+        on_fail: Callable[[int, FabricError], Any],
+    ) -> tuple[int, int]: ...
+    def withdraw(self, registry: Registry, group: str) -> None: ...
+    @property
+    def schedule(self) -> Optional[WeightSchedule]: ...
     def fail_trainer(self, name: str) -> None: ...
     def close(self) -> None: ...
     @property

@@ -2,49 +2,36 @@
 
 The inference side registers the tensors it owns, by name, with their layouts
 (:class:`InferenceWeights`); each training rank describes its shards (:class:`TrainerWeights`).
-Both publish their descriptions in a fabric_lib registry; every rank computes the static
-schedule (``WeightSchedule``) and checks it by sha256 against training rank 0's. The protocol is
-C++ (``fabric/weights/flow.h``): ``WeightSender`` waits for each inference rank's Ready,
-projects into a registered staging ring (identity, concatenation, BF16 -> FP8 e4m3 with
-128x128 block scales) and posts the writes in batches; ``WeightReceiver`` arms the immediate
-count of a version, sends Ready, and completes or fails it (a training rank leaving the
-registry: PeerUnreachable; ``timeout``: Timeout). Python keeps what is torch's: the tensors, the
-registry, the gathers over ``torch.distributed``. ``mode``: ``"flip"`` (two copies, the served
-one flips when a version completes) or ``"in_place"`` (one copy; half-written after a failed
-push until a version completes). docs/weights.md has the protocol.
+The protocol is C++ (``fabric/weights/flow.h``, ``fabric/weights/rendezvous.h``): the ranks
+publish their descriptions in a fabric_lib registry, training rank 0 computes the static schedule
+(``WeightSchedule``) and publishes its sha256, every other rank computes it and checks it;
+``WeightSender`` waits for each inference rank's Ready, projects into a registered staging ring
+(identity, concatenation, BF16 -> FP8 e4m3 with 128x128 block scales) and posts the writes in
+batches; ``WeightReceiver`` arms the immediate count of a version, sends Ready, and completes or
+fails it (a training rank leaving the registry: PeerUnreachable; ``timeout``: Timeout). Python
+keeps what is torch's: the tensors, their registration, the gathers over ``torch.distributed``.
+``mode``: ``"flip"`` (two copies, the served one flips when a version completes) or
+``"in_place"`` (one copy; half-written after a failed push until a version completes).
+docs/weights.md has the protocol.
 """
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
-import hashlib
+import math
 import time
 
 import torch
 
 from . import _fabric_lib as _ext
-from ._fabric_lib import (
-    Closed,
-    InvalidArgument,
-    Member,
-    NotFound,
-    Timeout,
-    WeightSchedule,
-)
+from ._fabric_lib import InvalidArgument, WeightSchedule
 
 __all__ = ["InferenceWeights", "TrainerWeights", "Version", "WeightSchedule", "quantize_fp8",
-           "quantize_fp8_many", "fp8_reference"]
+           "quantize_fp8_many"]
 
-_DTYPES = {torch.uint8: "u8", torch.bfloat16: "bf16", torch.float16: "f16",
-           torch.float32: "f32"}
-_TORCH = dict({v: k for k, v in _DTYPES.items()}, fp8_e4m3=torch.uint8)  # e4m3 bytes as uint8
-_ROLE_TRAINER = "weights-trainer"
-_ROLE_INFERENCE = "weights-inference"
-# Training rank 0's member "<group>.schedule": "trainers=<n> inference=<m> chunk_bytes=<c>
-# bytes=<length> sha256=<digest>", what every rank computes the schedule from and checks it by.
-_ROLE_SCHEDULE = "weights-schedule"
-_HEADER_FIELDS = ("trainers", "inference", "chunk_bytes", "bytes", "sha256")
+# Fabric's dtype names -> the torch dtype a gather moves them as (e4m3 bytes as uint8).
+_TORCH = {"u8": torch.uint8, "bf16": torch.bfloat16, "f16": torch.float16,
+          "f32": torch.float32, "fp8_e4m3": torch.uint8}
 
 
 class Version(concurrent.futures.Future):
@@ -56,203 +43,32 @@ class Version(concurrent.futures.Future):
         return asyncio.wrap_future(self).__await__()
 
 
-def _error(cls, message):
-    exc = cls(message)
-    exc.code, exc.message = getattr(_ext.ErrorCode, _CODES[cls]), message
+def _invalid(message):
+    exc = InvalidArgument(message)
+    exc.code, exc.message = _ext.ErrorCode.INVALID_ARGUMENT, message
     return exc
-
-
-_CODES = {InvalidArgument: "INVALID_ARGUMENT", Timeout: "TIMEOUT", Closed: "CLOSED",
-          _ext.PeerUnreachable: "PEER_UNREACHABLE"}
-
-
-def _dtype_name(dtype, what):
-    if isinstance(dtype, str):
-        return dtype
-    if getattr(torch, "float8_e4m3fn", None) is not None and dtype == torch.float8_e4m3fn:
-        return "fp8_e4m3"
-    if dtype not in _DTYPES:
-        raise _error(InvalidArgument, f"parameter '{what}': dtype {dtype} has no fabric name")
-    return _DTYPES[dtype]
-
-
-def _element_bytes(name):
-    return {"u8": 1, "fp8_e4m3": 1, "bf16": 2, "f16": 2, "f32": 4}[name]
-
-
-def _mine(members, group, role):
-    return sorted((m for m in members if m.role == role and m.instance == group),
-                  key=lambda m: m.tp_rank)
-
-
-def _wait_members(registry, want, timeout, what):
-    """Members until want(members) is true, polling; Timeout naming `what` (a string, or a
-    function of the last members that says what is missing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        members = registry.members()
-        if want(members):
-            return members
-        if time.monotonic() > deadline:
-            missing = what(members) if callable(what) else what
-            raise _error(Timeout, f"weights: {missing} not in the registry after {timeout} s")
-        time.sleep(0.02)
-
-
-def _leave(registry, name):
-    try:
-        registry.leave(name)
-    except NotFound:
-        pass
-
-
-def _compute(members, group, num_trainers, num_inference, chunk_bytes):
-    """The schedule from the first `num_trainers` training and `num_inference` inference
-    members of the group."""
-    trainers = _mine(members, group, _ROLE_TRAINER)[:num_trainers]
-    inference = _mine(members, group, _ROLE_INFERENCE)[:num_inference]
-    return WeightSchedule.compute(
-        [bytes.fromhex(m.data) for m in trainers],
-        [_ext._weights_endpoint_layout(bytes.fromhex(m.data)) for m in inference], chunk_bytes)
-
-
-def _digest(schedule):
-    data = schedule.encode()
-    return len(data), hashlib.sha256(data).hexdigest()
-
-
-def _publish_header(registry, group, schedule, chunk_bytes):
-    length, digest = _digest(schedule)
-    registry.join(Member(f"{group}.schedule", role=_ROLE_SCHEDULE, instance=group,
-                         data=f"trainers={schedule.num_trainers} "
-                              f"inference={schedule.num_inference} chunk_bytes={chunk_bytes} "
-                              f"bytes={length} sha256={digest}"))
-
-
-def _header(members, group):
-    """The fields of the group's schedule header, or None when it is absent."""
-    header = next((m for m in members if m.role == _ROLE_SCHEDULE and m.instance == group), None)
-    if header is None:
-        return None
-    try:
-        fields = dict(f.split("=", 1) for f in header.data.split())
-        return {k: fields[k] if k == "sha256" else int(fields[k]) for k in _HEADER_FIELDS}
-    except (KeyError, ValueError):
-        raise _error(InvalidArgument, f"weights: the schedule header {header.name} is "
-                     f"malformed: {header.data[:100]!r}") from None
-
-
-def _agreed_schedule(registry, group, timeout):
-    """Waits (up to `timeout`) for training rank 0's schedule header and the members it names,
-    computes the schedule from them and checks it against the header's length and sha256
-    (InvalidArgument naming both digests when this rank sees other members than rank 0 did)."""
-    def missing(members):
-        h = _header(members, group)
-        if h is None:
-            return f"the schedule header ({group}.schedule)"
-        return (f"{h['trainers']} training and {h['inference']} inference ranks (found "
-                f"{len(_mine(members, group, _ROLE_TRAINER))} and "
-                f"{len(_mine(members, group, _ROLE_INFERENCE))})")
-
-    def complete(members):
-        h = _header(members, group)
-        return h is not None and len(_mine(members, group, _ROLE_TRAINER)) >= h["trainers"] and \
-            len(_mine(members, group, _ROLE_INFERENCE)) >= h["inference"]
-
-    members = _wait_members(registry, complete, timeout, missing)
-    h = _header(members, group)
-    schedule = _compute(members, group, h["trainers"], h["inference"], h["chunk_bytes"])
-    length, digest = _digest(schedule)
-    if (length, digest) != (h["bytes"], h["sha256"]):
-        raise _error(InvalidArgument, f"weights: the schedule computed here ({length} bytes, "
-                     f"sha256 {digest[:16]}...) differs from training rank 0's ({h['bytes']} "
-                     f"bytes, sha256 {h['sha256'][:16]}...): the ranks read different "
-                     "descriptions from the registry")
-    return schedule
 
 
 def quantize_fp8(src, block=128):
     """BF16 2-D tensor -> (e4m3 bytes as uint8, f32 scales [ceil(r/b), ceil(c/b)]): the CUDA
     kernel for a CUDA tensor (on the current stream), the C++ CPU reference otherwise."""
-    rows, cols = src.shape
-    out = torch.empty((rows, cols), dtype=torch.uint8, device=src.device)
-    scales = torch.empty(((rows + block - 1) // block, (cols + block - 1) // block),
-                         dtype=torch.float32, device=src.device)
-    _quantize_into(src, out, scales, block)
-    return out, scales
+    return quantize_fp8_many([src], block)[0]
 
 
 def quantize_fp8_many(sources, block=128):
     """quantize_fp8 of each BF16 2-D tensor of `sources`: for CUDA tensors the kernel runs over
     them in few launches (64 matrices a launch, on the current stream), which costs far less
-    than a launch each when they are many and small. Returns [(e4m3 uint8, f32 scales)]."""
-    outs = []
-    for src in sources:
-        rows, cols = src.shape
-        outs.append((torch.empty((rows, cols), dtype=torch.uint8, device=src.device),
-                     torch.empty(((rows + block - 1) // block, (cols + block - 1) // block),
-                                 dtype=torch.float32, device=src.device)))
-    _quantize_many([(s, q, sc) for s, (q, sc) in zip(sources, outs)], block)
+    than a launch each when they are many and small. Returns [(e4m3 uint8, f32 scales)].
+    InvalidArgument for a source that is not a 2-D bf16 tensor."""
+    sources = [s.contiguous() for s in sources]
+    outs = [(torch.empty(s.shape, dtype=torch.uint8, device=s.device),
+             torch.empty([-(-n // block) for n in s.shape], dtype=torch.float32, device=s.device))
+            for s in sources]
+    streams = {str(s.device): torch.cuda.current_stream(s.device).cuda_stream
+               for s in sources if s.is_cuda}
+    _ext._weights_quantize_fp8_tensors([(s, q, sc) for s, (q, sc) in zip(sources, outs)], block,
+                                       streams)
     return outs
-
-
-def _quantize_many(jobs, block):
-    """[(bf16 source, e4m3 out, f32 scales)] quantised: CUDA ones grouped (sources made
-    contiguous; sizes, dtypes and devices checked here, since the kernel takes pointers), CPU
-    ones one by one."""
-    cuda_jobs = collections.defaultdict(list)  # device -> [(source kept alive, pointers...)]
-    for src, out, scales in jobs:
-        if not src.is_cuda:
-            _quantize_into(src, out, scales, block)
-            continue
-        src = src.contiguous()
-        rows, cols = src.shape
-        tiles = ((rows + block - 1) // block) * ((cols + block - 1) // block)
-        if (src.dtype != torch.bfloat16 or out.device != src.device
-                or scales.device != src.device or not out.is_contiguous()
-                or not scales.is_contiguous() or out.numel() * out.element_size() != rows * cols
-                or scales.numel() * scales.element_size() != tiles * 4):
-            raise _error(InvalidArgument,
-                         "quantize_fp8: a bf16 source on the GPU of its out and scales, sized "
-                         "rows x cols bytes and one f32 per tile")
-        cuda_jobs[src.device].append((src, (src.data_ptr(), rows, cols, out.data_ptr(),
-                                            scales.data_ptr())))
-    for device, group in cuda_jobs.items():
-        stream = torch.cuda.current_stream(device).cuda_stream
-        _ext._weights_quantize_fp8_many([j for _, j in group], block, stream)
-
-
-def _quantize_into(src, out, scales, block):
-    src = src.contiguous()
-    stream = torch.cuda.current_stream(src.device).cuda_stream if src.is_cuda else 0
-    _ext._weights_quantize_fp8(src.view(torch.int16), src.shape[0], src.shape[1], out, scales,
-                              block, stream)
-
-
-def fp8_reference(src, block=128):
-    """The same quantisation in plain PyTorch ops (no fabric code): the tests' reference.
-    Returns (e4m3 bits as uint8, f32 scales)."""
-    x = src.float()
-    rows, cols = x.shape
-    tr, tc = (rows + block - 1) // block, (cols + block - 1) // block
-    padded = torch.zeros(tr * block, tc * block)
-    padded[:rows, :cols] = x.abs()
-    amax = padded.view(tr, block, tc, block).amax(dim=(1, 3))
-    scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    per_elem = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
-    q = (x / per_elem).clamp(-448.0, 448.0)
-    a = q.abs()
-    # e4m3: exponent bias 7, 3 mantissa bits, subnormals below 2^-6 in steps of 2^-9.
-    _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1)
-    step_exp = torch.clamp(e - 1, min=-6) - 3
-    r = torch.round(a * torch.pow(2.0, -step_exp.float())) * torch.pow(2.0, step_exp.float())
-    _, e2 = torch.frexp(r)
-    normal = r >= 2.0 ** -6
-    exp_field = torch.where(normal, e2 - 1 + 7, torch.zeros_like(e2))
-    mant = torch.where(normal, (r / torch.pow(2.0, (e2 - 1).float()) - 1.0) * 8.0, r * 512.0)
-    bits = exp_field * 8 + mant.round().to(torch.int64)
-    sign = torch.signbit(q).to(torch.int64) * 128
-    return (bits + sign).to(torch.uint8), scales
 
 
 class InferenceWeights:
@@ -264,7 +80,8 @@ class InferenceWeights:
     fails with PeerUnreachable / Timeout), and tells the training ranks where to write; in
     ``"flip"`` mode, ``tensors()`` keeps returning the last complete version until then.
     It counts immediates ``imm_base + n`` (n counts prepares, never reused) and must own that
-    range on its engine; it installs no handler on the engine.
+    range on its engine; it installs no handler on the engine, and takes `registry`'s watch
+    (a fabric_lib LocalRegistry, FileRegistry or EtcdRegistry).
     ``host_mirror=False``: CUDA tensors are registered without a pinned host mirror (no pinned
     memory the size of the model), so only training ranks on this host reach them, over CUDA
     IPC; a push from another host then fails with Unsupported at its trainer.
@@ -273,18 +90,16 @@ class InferenceWeights:
     def __init__(self, engine, rank, registry, *, group="weights", mode="flip",
                  imm_base=0xA0000000, timeout=30.0, host_mirror=True):
         if mode not in ("flip", "in_place"):
-            raise _error(InvalidArgument, f"mode must be 'flip' or 'in_place', not {mode!r}")
+            raise _invalid(f"mode must be 'flip' or 'in_place', not {mode!r}")
         self.engine, self.rank, self.registry = engine, rank, registry
         self.group, self.mode, self.timeout = group, mode, timeout
         self.host_mirror = host_mirror
         self._receiver = _ext.WeightReceiver(engine, rank, flip=mode == "flip",
                                              imm_base=imm_base, timeout=timeout)
-        self._params = []  # the tuples of _weights_encode_inference
         self._copies = {}  # name -> [tensor per copy]
+        self._places = []  # per add: [(region index, byte offset) per copy]
         self._regions = []  # Registration: arenas and tensors registered alone
         self._arenas = []  # (start address, end address, region index)
-        self._where = {}  # name -> [(region index, byte offset) per copy]
-        self._schedule = None
         self._on_version = []
         self._keep = []  # the arenas' tensors, alive as long as their registrations
 
@@ -300,29 +115,13 @@ class InferenceWeights:
         In flip mode `spare` is the second copy (allocated like `tensor` when None; ignored in
         place). InvalidArgument naming the parameter for a non-contiguous tensor, or one whose
         element size or element count does not match the declared dtype and slice."""
-        def bad(what):
-            return _error(InvalidArgument, f"parameter '{name}': {what}")
-        if not tensor.is_contiguous():
-            raise bad("the tensor must be contiguous")
-        dtype = _dtype_name(dtype if dtype is not None else tensor.dtype, name)
-        shape = list(tensor.shape) if shape is None else [int(s) for s in shape]
-        if dim is None:
-            d, length, local = -1, 0, _numel(shape)
-        else:
-            d, length = dim, tensor.shape[dim]
-            local = _numel(shape) // max(1, shape[dim]) * length
-        if tensor.element_size() != _element_bytes(dtype):
-            raise bad(f"a {tensor.dtype} tensor cannot hold {dtype} elements")
-        if tensor.numel() != local:
-            raise bad(f"the tensor has {tensor.numel()} elements, its slice of {shape} has "
-                      f"{local}")
-        self._params.append((name, dtype, shape, d, start, length, projection, list(sources),
-                             concat_dim, block))
+        self._receiver.add(name, tensor, shape, dim, start, projection, list(sources),
+                           concat_dim, block, dtype)
         copies = [tensor]
         if self.mode == "flip":
             copies.append(torch.empty_like(tensor) if spare is None else spare)
         self._copies[name] = copies
-        self._where[name] = [self._locate(c) for c in copies]
+        self._places.append([self._locate(c) for c in copies])
 
     def add_arena(self, buffer):
         """Registers `buffer` (a contiguous tensor) once; tensors added later that lie inside
@@ -346,19 +145,14 @@ class InferenceWeights:
 
     def publish(self):
         """Publishes this rank's layout and registrations, and watches the training ranks."""
-        layout = _ext._weights_encode_inference(self.rank, self._params)
-        endpoint = _ext._weights_encode_endpoint(
-            layout, [r.descriptor for r in self._regions], [self._where[p[0]] for p in self._params])
-        self.registry.join(Member(f"{self.group}.i{self.rank}", role=_ROLE_INFERENCE,
-                                  instance=self.group, tp_rank=self.rank,
-                                  address=bytes(self.engine.address).hex(), data=endpoint.hex()))
-        self.registry.watch(self._on_member)
+        self._receiver.publish(self.registry, self.group, [r.descriptor for r in self._regions],
+                               self._places)
 
     def close(self):
         """Fails a pending version with Closed and leaves the registry (the tensors and their
         registrations stay as they are until dropped). Also on leaving a `with` block."""
         self._receiver.close()
-        _leave(self.registry, f"{self.group}.i{self.rank}")
+        self._receiver.withdraw(self.registry, self.group)
 
     def __enter__(self):
         return self
@@ -378,6 +172,11 @@ class InferenceWeights:
         return self._receiver.version
 
     @property
+    def schedule(self):
+        """The schedule agreed at the first prepare (None before)."""
+        return self._receiver.schedule
+
+    @property
     def copies(self):
         """Copies of each parameter this mode keeps (2 for flip, 1 in place): the memory cost."""
         return 2 if self.mode == "flip" else 1
@@ -386,8 +185,7 @@ class InferenceWeights:
         """{name: tensor} of the last complete version. In place, raises InvalidArgument after
         a failed push (the tensors are half-written) until a version completes."""
         if self._receiver.half_written:
-            raise _error(InvalidArgument,
-                         "in-place weights are half-written: the last push failed")
+            raise _invalid("in-place weights are half-written: the last push failed")
         active = self._receiver.active_copy
         return {n: c[active] for n, c in self._copies.items()}
 
@@ -407,13 +205,6 @@ class InferenceWeights:
         blocks until training rank 0's schedule header and every rank it names are in the
         registry (up to `timeout`), and computes the schedule. In place, stop serving until
         the Version resolves."""
-        if self._schedule is None:
-            self._schedule = _agreed_schedule(self.registry, self.group, self.timeout)
-        trainers = _mine(self.registry.members(), self.group, _ROLE_TRAINER)
-        if len(trainers) < self._schedule.num_trainers:
-            raise _error(_ext.PeerUnreachable,
-                         f"version {version}: {len(trainers)} of "
-                         f"{self._schedule.num_trainers} training ranks are in the registry")
         future = Version()
 
         def complete(v):
@@ -421,14 +212,8 @@ class InferenceWeights:
                 cb(v)
             future.set_result(v)
 
-        self._receiver.prepare(version, self._schedule.writes_into(self.rank),
-                               [(m.tp_rank, m.name, bytes.fromhex(m.address)) for m in trainers],
-                               complete, lambda v, exc: future.set_exception(exc))
+        self._receiver.prepare_version(version, complete, lambda v, exc: future.set_exception(exc))
         return future
-
-    def _on_member(self, joined, member):
-        if not joined and member.role == _ROLE_TRAINER and member.instance == self.group:
-            self._receiver.fail_trainer(member.name)
 
 
 class TrainerWeights:
@@ -462,9 +247,7 @@ class TrainerWeights:
     def close(self):
         """Leaves the registry (and withdraws the schedule's header, on rank 0). Also on
         leaving a `with` block; a push in progress is not interrupted."""
-        _leave(self.registry, f"{self.group}.t{self.rank}")
-        if self.rank == 0:
-            _leave(self.registry, f"{self.group}.schedule")
+        self._sender.withdraw(self.registry, self.group)
 
     def __enter__(self):
         return self
@@ -481,36 +264,18 @@ class TrainerWeights:
         self._sources = None
 
     def publish(self):
-        desc = _ext._weights_encode_trainer(self.rank, self.num_nics, [
-            (n, _dtype_name(t.dtype, n), shape, box, rep)
-            for n, (t, shape, box, rep) in self._shards.items()])
-        self.registry.join(Member(f"{self.group}.t{self.rank}", role=_ROLE_TRAINER,
-                                  instance=self.group, tp_size=self.world, tp_rank=self.rank,
-                                  address=bytes(self.engine.address).hex(), data=desc.hex()))
+        """Publishes this rank's shards (their names, dtypes, shapes and boxes)."""
+        self._sender.publish(self.registry, self.group, self.world, [
+            (n, str(t.dtype), shape, box, rep) for n, (t, shape, box, rep) in self._shards.items()])
 
     def connect(self, num_inference):
         """Waits for `world` training and `num_inference` inference ranks in the registry and
         computes the schedule (raising its error naming the parameter); rank 0 publishes its
         digest, the others check theirs against it. Returns the schedule."""
-        members = _wait_members(
-            self.registry, lambda ms: len(_mine(ms, self.group, _ROLE_TRAINER)) >= self.world and
-            len(_mine(ms, self.group, _ROLE_INFERENCE)) >= num_inference, self.timeout,
-            "every rank")
-        if self.rank == 0:
-            schedule = _compute(members, self.group, self.world, num_inference, self.chunk_bytes)
-            _publish_header(self.registry, self.group, schedule, self.chunk_bytes)
-        else:
-            schedule = _agreed_schedule(self.registry, self.group, self.timeout)
-            members = self.registry.members()
-        inference = _mine(members, self.group, _ROLE_INFERENCE)[:schedule.num_inference]
-        self._sender.connect(schedule, [bytes.fromhex(m.data) for m in inference],
-                             [bytes.fromhex(m.address) for m in inference], self._ring_reg,
-                             self._ring.data_ptr(), self._ring.numel(), self._ring.is_cuda)
-        self.schedule = schedule
-        if self.world > 1:  # who sends which shard to whom, from every rank's description
-            self._sender.plan_gathers([bytes.fromhex(m.data) for m in
-                                       _mine(members, self.group, _ROLE_TRAINER)[:self.world]])
-        return schedule
+        self.schedule = self._sender.connect_registry(
+            self.registry, self.group, self.world, num_inference, self.chunk_bytes, self.timeout,
+            self._ring_reg, self._ring.data_ptr(), self._ring.numel(), self._ring.is_cuda)
+        return self.schedule
 
     def _global_rank(self, rank):
         import torch.distributed as dist
@@ -632,16 +397,9 @@ class TrainerWeights:
         return out
 
 
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _full_box(box, shape):
     return box if box else [(0, s) for s in shape]
 
 
 def _box_numel(box, shape):
-    return _numel([ln for _, ln in _full_box(box, shape)])
+    return math.prod(ln for _, ln in _full_box(box, shape))

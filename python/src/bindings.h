@@ -24,6 +24,10 @@
 
 #include "fabric/fabric.h"
 
+namespace fabric::kv {
+class Registry;
+}  // namespace fabric::kv
+
 // Config.groups is bound as a list-like view of the C++ vector, so that
 // `config.groups[0].nics = [...]` changes the config and not a copy. Every file includes this.
 PYBIND11_MAKE_OPAQUE(std::vector<fabric::GroupConfig>)
@@ -310,6 +314,10 @@ void bind_engine(py::module_& m);
 void bind_info(py::module_& m);
 // fabric::kv: layouts, KvDecoder, KvPrefiller, members and registries (kv.cc).
 void bind_kv(py::module_& m);
+// The C++ registry behind a fabric_lib Registry (LocalRegistry, FileRegistry, EtcdRegistry);
+// raises TypeError for another object, Closed when it is closed. Holding the GIL; drop the
+// reference without it (it may be the last one, whose destructor joins threads).
+std::shared_ptr<kv::Registry> registry_of(py::handle registry);
 // fabric::ep: the MoE all-to-all on device addresses (ep.cc).
 void bind_ep(py::module_& m);
 // fabric::weights: rank descriptions, the schedule, the FP8 quantiser (weights.cc).

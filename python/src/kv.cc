@@ -232,6 +232,7 @@ class PyKvBase {
     pending_->fail_all(what_);
   }
   bool is_closed() const { return !slot_ || !slot_->impl; }
+  std::shared_ptr<void> impl() const { return slot_ ? slot_->impl : nullptr; }
 
  protected:
   const char* what_;
@@ -510,6 +511,7 @@ class PyRegistry {
     empty_slot(*slot_);
   }
   bool is_closed() const { return !slot_ || !slot_->impl; }
+  std::shared_ptr<void> impl() const { return slot_ ? slot_->impl : nullptr; }
 
  protected:
   void set(std::shared_ptr<kv::Registry> r) { slot_ = new_slot(std::move(r), py::none()); }
@@ -578,6 +580,18 @@ void bind_context(py::class_<T>& cls, const char* what) {
 }
 
 }  // namespace
+
+std::shared_ptr<kv::Registry> registry_of(py::handle registry) {
+  if (!py::isinstance<PyRegistry>(registry)) {
+    throw py::type_error(
+        "expected a fabric_lib registry (LocalRegistry, FileRegistry, "
+        "EtcdRegistry), not " +
+        py::cast<std::string>(py::str(py::type::of(registry).attr("__name__"))));
+  }
+  auto r = std::static_pointer_cast<kv::Registry>(py::cast<PyRegistry&>(registry).impl());
+  if (!r) closed("registry");
+  return r;
+}
 
 void bind_kv(py::module_& m) {
   // --- layout ---

@@ -7,12 +7,17 @@
 //   shard:  (name, dtype, shape, box, replica)  box: [(start, length), ...] or [] (whole)
 //   param:  (name, dtype, shape, dim, start, length, kind, sources, concat_dim, block)
 //           dim -1: held whole; kind: "identity", "concat", "fp8_quantize", "fp8_scale"
-// dtypes are fabric's names ("bf16", "f32", "fp8_e4m3", ...).
+// dtypes are fabric's names ("bf16", "f32", "fp8_e4m3", ...) or torch's ("torch.bfloat16").
+// The rendezvous through a registry (fabric/weights/rendezvous.h) is bound as methods of the
+// sender and the receiver: publish, connect_registry / prepare_version, withdraw.
 #include <pybind11/numpy.h>
+
+#include <map>
 
 #include "bindings.h"
 #include "fabric/weights.h"
 #include "fabric/weights/flow.h"
+#include "fabric/weights/rendezvous.h"
 #include "fabric/weights_projection.h"
 
 namespace fabric::python {
@@ -48,6 +53,24 @@ std::span<const std::byte> view(const std::string& s) {
   return std::as_bytes(std::span(s.data(), s.size()));
 }
 
+// A dtype by fabric's name or torch's (str(tensor.dtype)); `what` names the parameter.
+DType dtype_arg(const std::string& name, const std::string& what) {
+  static const std::pair<const char*, DType> kTorch[] = {
+      {"torch.uint8", DType::kUInt8},
+      {"torch.bfloat16", DType::kBFloat16},
+      {"torch.float16", DType::kFloat16},
+      {"torch.float32", DType::kFloat32},
+      {"torch.float8_e4m3fn", DType::kFloat8E4M3}};
+  if (name.starts_with("torch.")) {
+    for (const auto& [torch_name, d] : kTorch) {
+      if (name == torch_name) return d;
+    }
+    throw StatusError{Status(ErrorCode::kInvalidArgument,
+                             "parameter '" + what + "': dtype " + name + " has no fabric name")};
+  }
+  return check(parse_dtype(name));
+}
+
 // A shape from Python; `what` names it ("_weights_encode_trainer: shards[0].shape").
 Shape shape_of(const std::vector<IntArg>& dims, const std::string& what) {
   Shape out;
@@ -56,6 +79,43 @@ Shape shape_of(const std::vector<IntArg>& dims, const std::string& what) {
     out.push_back(u64(dims[d], (what + "[" + std::to_string(d) + "]").c_str()));
   }
   return out;
+}
+
+TrainerRank trainer_of(uint32_t rank, uint32_t num_nics, const std::vector<ShardIn>& shards,
+                       const std::string& call) {
+  TrainerRank t{rank, num_nics, {}};
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& [name, dtype, shape, box, replica] = shards[i];
+    const std::string what = call + ": shards[" + std::to_string(i) + "].";
+    Shard s{name,
+            dtype_arg(dtype, name),
+            shape_of(shape, what + "shape"),
+            {},
+            u32(replica, (what + "replica").c_str())};
+    for (size_t d = 0; d < box.size(); ++d) {
+      const std::string range = what + "box[" + std::to_string(d) + "]";
+      s.box.push_back({u64(box[d].first, (range + " start").c_str()),
+                       u64(box[d].second, (range + " length").c_str())});
+    }
+    t.shards.push_back(std::move(s));
+  }
+  return t;
+}
+
+// One parameter tuple; `what` prefixes the fields' names ("...: params[3].").
+InferenceParam param_of(const ParamIn& param, const std::string& what) {
+  const auto& [name, dtype, shape, dim, start, length, kind, sources, cdim, block] = param;
+  // dim: a dimension, or -1 (any negative value) for a parameter held whole.
+  const auto placement_dim = static_cast<int32_t>(
+      signed_value(dim, (what + "dim").c_str(), std::numeric_limits<int32_t>::min(),
+                   std::numeric_limits<int32_t>::max()));
+  Shape param_shape = shape_of(shape, what + "shape");
+  const Range range{u64(start, (what + "start").c_str()), u64(length, (what + "length").c_str())};
+  const uint32_t concat_dim = u32(cdim, (what + "concat_dim").c_str());
+  const uint32_t tile = u32(block, (what + "block").c_str());
+  return InferenceParam{name, dtype_arg(dtype, name), std::move(param_shape),
+                        Placement{placement_dim, range},
+                        Projection{parse_kind(kind), sources, concat_dim, tile}};
 }
 
 py::tuple entry_tuple(const Entry& e) {
@@ -149,6 +209,63 @@ std::chrono::milliseconds millis(double seconds, const char* what) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
+// An endpoint from a layout, the regions' descriptors and (region, offset) per parameter and
+// copy; what a reader would refuse is refused here.
+Endpoint endpoint_of(InferenceRank layout, const py::sequence& regions,
+                     const std::vector<std::vector<std::pair<IntArg, IntArg>>>& places) {
+  Endpoint e;
+  e.layout = std::move(layout);
+  for (py::handle r : regions) e.regions.push_back(to_remote(r, "endpoint: region"));
+  for (size_t i = 0; i < places.size(); ++i) {
+    auto& out = e.places.emplace_back();
+    for (const auto& [region, offset] : places[i]) {
+      out.push_back(
+          Place{u32(region, "endpoint: place region"), u64(offset, "endpoint: place offset")});
+    }
+  }
+  check(decode_endpoint(encode(e)).status());
+  return e;
+}
+
+// A torch tensor's memory and form, as quantize_fp8 checks them.
+struct TensorArg {
+  uintptr_t ptr = 0;
+  uint64_t bytes = 0;
+  std::string device;  // "cpu", "cuda:0", ...
+  std::string dtype;   // "torch.bfloat16", ...
+  std::vector<uint64_t> shape;
+  bool contiguous = false;
+};
+
+TensorArg tensor_arg(py::handle t) {
+  return TensorArg{
+      py::cast<uintptr_t>(t.attr("data_ptr")()),
+      py::cast<uint64_t>(t.attr("numel")()) * py::cast<uint64_t>(t.attr("element_size")()),
+      py::str(t.attr("device")),
+      py::str(t.attr("dtype")),
+      py::cast<std::vector<uint64_t>>(t.attr("shape")),
+      py::cast<bool>(t.attr("is_contiguous")())};
+}
+
+// The CPU reference on one matrix of host memory.
+Status quantize_cpu(const Fp8Matrix& m, uint32_t block) {
+  const Shape tiles = fp8_scale_shape(m.rows, m.cols, block);
+  return quantize_fp8_blocks_cpu(std::span(static_cast<const uint16_t*>(m.bf16), m.rows * m.cols),
+                                 m.rows, m.cols, block,
+                                 std::span(static_cast<uint8_t*>(m.out), m.rows * m.cols),
+                                 std::span(m.scales, tiles[0] * tiles[1]));
+}
+
+// fn(registry) with the GIL released, on the C++ registry of a fabric_lib Registry.
+template <typename Fn>
+auto on_registry(py::handle registry, Fn&& fn) {
+  std::shared_ptr<kv::Registry> r = registry_of(registry);
+  py::gil_scoped_release nogil;
+  auto out = fn(*r);
+  r.reset();
+  return out;
+}
+
 // WeightSender for Python: holds its engine (the C++ engine lives as long as it).
 class PySender {
  public:
@@ -158,6 +275,8 @@ class PySender {
     o.rank = u32(rank, "WeightSender: rank");
     o.num_nics = u32(num_nics, "WeightSender: num_nics");
     o.timeout = millis(timeout, "WeightSender: timeout");
+    rank_ = o.rank;
+    num_nics_ = o.num_nics;
     TransferEngine& e = engine_of(engine_);
     auto made = [&] {
       py::gil_scoped_release nogil;
@@ -187,6 +306,47 @@ class PySender {
     engine_of(engine_);  // Closed when it is
     py::gil_scoped_release nogil;
     check(sender_->connect(schedule, std::move(eps), std::move(addrs), r));
+  }
+
+  // Publishes this training rank's shards as its member of `group` (tp_size `world`).
+  void publish(py::handle registry, const std::string& group, const IntArg& world,
+               const std::vector<ShardIn>& shards) {
+    const uint32_t w = u32(world, "WeightSender.publish: world");
+    const Bytes description = encode(trainer_of(rank_, num_nics_, shards, "WeightSender.publish"));
+    const Address address = engine_of(engine_).address();
+    check(on_registry(registry, [&](kv::Registry& r) {
+      return publish_rank(r, group, Side::kTrainer, rank_, w, address, description);
+    }));
+  }
+
+  // connect_trainer (rank 0 publishes the schedule's header, the others check theirs against
+  // it), then connect to the inference ranks it names and, with world > 1, plan the gathers.
+  Schedule connect_registry(py::handle registry, const std::string& group, const IntArg& world,
+                            const IntArg& num_inference, const IntArg& chunk_bytes, double timeout,
+                            py::handle ring, const IntArg& ring_ptr, const IntArg& ring_bytes,
+                            bool on_gpu) {
+    const uint32_t w = u32(world, "WeightSender.connect_registry: world");
+    const uint32_t n = u32(num_inference, "WeightSender.connect_registry: num_inference");
+    const uint64_t chunk = u64(chunk_bytes, "WeightSender.connect_registry: chunk_bytes");
+    const auto wait = millis(timeout, "WeightSender.connect_registry: timeout");
+    StagingRing r{registration_of(ring, engine_),
+                  reinterpret_cast<void*>(u64(ring_ptr, "WeightSender.connect_registry: ring_ptr")),
+                  u64(ring_bytes, "WeightSender.connect_registry: ring_bytes"), on_gpu};
+    Agreement a = check(on_registry(registry, [&](kv::Registry& reg) {
+      return connect_trainer(reg, group, rank_, w, n, chunk, wait);
+    }));
+    engine_of(engine_);  // Closed when it is
+    py::gil_scoped_release nogil;
+    check(
+        sender_->connect(a.schedule, std::move(a.endpoints), std::move(a.inference_addresses), r));
+    if (w > 1) check(sender_->plan_gathers(std::move(a.trainers)));
+    return std::move(a.schedule);
+  }
+
+  // Withdraws this rank's member (and on rank 0 the schedule's header).
+  void withdraw(py::handle registry, const std::string& group) {
+    check(on_registry(
+        registry, [&](kv::Registry& r) { return withdraw_rank(r, group, Side::kTrainer, rank_); }));
   }
 
   void plan_gathers(const std::vector<std::string>& trainers) {
@@ -300,6 +460,8 @@ class PySender {
   }
 
   py::object engine_;
+  uint32_t rank_ = 0;
+  uint32_t num_nics_ = 1;
   std::unique_ptr<WeightSender> sender_;
   py::object on_param_ = py::none();
   std::unique_ptr<py::error_already_set> error_;
@@ -318,15 +480,109 @@ class PyReceiver {
     o.flip = flip;
     o.imm_base = u32(imm_base, "WeightReceiver: imm_base");
     o.timeout = millis(timeout, "WeightReceiver: timeout");
+    rank_ = o.rank;
+    timeout_ = o.timeout;
     receiver_ = check(WeightReceiver::create(engine_of(engine_), o));
   }
   ~PyReceiver() {
     if (interpreter_finalizing()) {
-      (void)receiver_.release();  // its timer thread may wait for the GIL: leaked, not joined
+      // Its timer thread may wait for the GIL: leaked, not joined.
+      (void)new std::shared_ptr<WeightReceiver>(std::move(receiver_));
       return;
     }
     close();
   }
+
+  // Checks `tensor` (contiguous; its element size and count those of `dtype`, default its own,
+  // and of its slice: all of `shape`, default its own, or tensor.shape[dim] from `start` along
+  // `dim`) and records parameter `name`, published by publish(). InvalidArgument naming it.
+  void add(const std::string& name, py::handle tensor,
+           const std::optional<std::vector<IntArg>>& shape, const std::optional<IntArg>& dim,
+           const IntArg& start, const std::string& projection,
+           const std::vector<std::string>& sources, const IntArg& concat_dim, const IntArg& block,
+           py::handle dtype) {
+    auto bad = [&](const std::string& what) {
+      return StatusError{Status(ErrorCode::kInvalidArgument, "parameter '" + name + "': " + what)};
+    };
+    if (!py::cast<bool>(tensor.attr("is_contiguous")())) throw bad("the tensor must be contiguous");
+    const std::string own = py::str(tensor.attr("dtype"));
+    const DType d = dtype_arg(dtype.is_none() ? own : std::string(py::str(dtype)), name);
+    const auto dims = py::cast<std::vector<uint64_t>>(tensor.attr("shape"));
+    Shape global = shape ? shape_of(*shape, "parameter '" + name + "': shape") : dims;
+    Placement placement{-1, {u64(start, "WeightReceiver.add: start"), 0}};
+    uint64_t local = num_elements(global);
+    if (dim) {
+      const uint32_t k = u32(*dim, "WeightReceiver.add: dim");
+      if (k >= dims.size() || k >= global.size()) {
+        throw bad("dim " + std::to_string(k) + " is not a dimension of the tensor and its shape");
+      }
+      placement = Placement{static_cast<int32_t>(k), {placement.range.start, dims[k]}};
+      local = num_elements(global) / std::max<uint64_t>(1, global[k]) * dims[k];
+    }
+    if (py::cast<uint64_t>(tensor.attr("element_size")()) != element_bytes(d)) {
+      throw bad("a " + own + " tensor cannot hold " + std::string(to_string(d)) + " elements");
+    }
+    if (const auto numel = py::cast<uint64_t>(tensor.attr("numel")()); numel != local) {
+      std::string text;
+      for (uint64_t n : global) text += (text.empty() ? "" : ", ") + std::to_string(n);
+      throw bad("the tensor has " + std::to_string(numel) + " elements, its slice of [" + text +
+                "] has " + std::to_string(local));
+    }
+    params_.push_back(InferenceParam{name, d, std::move(global), placement,
+                                     Projection{parse_kind(projection), sources,
+                                                u32(concat_dim, "WeightReceiver.add: concat_dim"),
+                                                u32(block, "WeightReceiver.add: block")}});
+  }
+
+  // Publishes the endpoint (the parameters added, `regions`' descriptors, per parameter and
+  // copy (region, offset)) as this rank's member of `group`, and fails a pending version when a
+  // training rank of the group leaves the registry.
+  void publish(py::object registry, const std::string& group, const py::sequence& regions,
+               const std::vector<std::vector<std::pair<IntArg, IntArg>>>& places) {
+    const Bytes endpoint = encode(endpoint_of(InferenceRank{rank_, params_}, regions, places));
+    const Address address = engine_of(engine_).address();
+    std::weak_ptr<WeightReceiver> weak = receiver_;
+    const bool watch = registry_.is_none();
+    check(on_registry(registry, [&](kv::Registry& r) {
+      Status s = publish_rank(r, group, Side::kInference, rank_, 1, address, endpoint);
+      return s && watch ? watch_trainers(r, group, weak) : s;
+    }));
+    registry_ = std::move(registry);
+    group_ = group;
+  }
+
+  // The first call agrees on the schedule (agree_schedule, within the timeout); every call
+  // arms `version` for this rank's writes and sends Ready to the group's training ranks in the
+  // registry (PeerUnreachable naming the version when fewer than the schedule's).
+  py::tuple prepare_version(const IntArg& version, py::object on_complete, py::object on_fail) {
+    const uint64_t v = u64(version, "WeightReceiver.prepare_version: version");
+    if (registry_.is_none()) {
+      throw StatusError{
+          Status(ErrorCode::kInvalidArgument, "WeightReceiver.prepare_version: publish first")};
+    }
+    if (!schedule_) {
+      schedule_ = check(on_registry(registry_, [&](kv::Registry& r) {
+                    return agree_schedule(r, group_, timeout_);
+                  })).schedule;
+    }
+    auto peers = on_registry(registry_, [&](kv::Registry& r) {
+      return trainer_peers(r, group_, schedule_->num_trainers);
+    });
+    if (!peers) {
+      throw StatusError{Status(peers.status().code(),
+                               "version " + std::to_string(v) + ": " + peers.status().message())};
+    }
+    return arm(v, schedule_->writes_into(rank_), std::move(*peers), std::move(on_complete),
+               std::move(on_fail));
+  }
+
+  void withdraw(py::handle registry, const std::string& group) {
+    check(on_registry(registry, [&](kv::Registry& r) {
+      return withdraw_rank(r, group, Side::kInference, rank_);
+    }));
+  }
+
+  const std::optional<Schedule>& schedule() const { return schedule_; }
 
   py::tuple prepare(const IntArg& version, const IntArg& expected, const py::sequence& trainers,
                     py::object on_complete, py::object on_fail) {
@@ -342,6 +598,12 @@ class PyReceiver {
                                   py::cast<std::string>(tup[1]),
                                   to_address(tup[2], "WeightReceiver.prepare: trainer address")});
     }
+    return arm(v, n, std::move(peers), std::move(on_complete), std::move(on_fail));
+  }
+
+ private:
+  py::tuple arm(uint64_t v, uint64_t n, std::vector<TrainerPeer> peers, py::object on_complete,
+                py::object on_fail) {
     engine_of(engine_);
     auto ok = std::make_shared<PyRef>(std::move(on_complete));
     auto bad = std::make_shared<PyRef>(std::move(on_fail));
@@ -368,6 +630,7 @@ class PyReceiver {
     return py::make_tuple(ready.imm, ready.copy);
   }
 
+ public:
   void fail_trainer(const std::string& name) {
     py::gil_scoped_release nogil;
     receiver_->fail_trainer(name);
@@ -388,7 +651,13 @@ class PyReceiver {
 
  private:
   py::object engine_;
-  std::unique_ptr<WeightReceiver> receiver_;
+  uint32_t rank_ = 0;
+  std::chrono::milliseconds timeout_{0};
+  std::shared_ptr<WeightReceiver> receiver_;
+  std::vector<InferenceParam> params_;  // add
+  py::object registry_ = py::none();    // publish
+  std::string group_;
+  std::optional<Schedule> schedule_;  // agreed at the first prepare_version
 };
 
 }  // namespace
@@ -397,25 +666,9 @@ void bind_weights(py::module_& m) {
   m.def(
       "_weights_encode_trainer",
       [](const IntArg& rank, const IntArg& num_nics, const std::vector<ShardIn>& shards) {
-        TrainerRank t{u32(rank, "_weights_encode_trainer: rank"),
-                      u32(num_nics, "_weights_encode_trainer: num_nics"),
-                      {}};
-        for (size_t i = 0; i < shards.size(); ++i) {
-          const auto& [name, dtype, shape, box, replica] = shards[i];
-          const std::string what = "_weights_encode_trainer: shards[" + std::to_string(i) + "].";
-          Shard s{name,
-                  check(parse_dtype(dtype)),
-                  shape_of(shape, what + "shape"),
-                  {},
-                  u32(replica, (what + "replica").c_str())};
-          for (size_t d = 0; d < box.size(); ++d) {
-            const std::string range = what + "box[" + std::to_string(d) + "]";
-            s.box.push_back({u64(box[d].first, (range + " start").c_str()),
-                             u64(box[d].second, (range + " length").c_str())});
-          }
-          t.shards.push_back(std::move(s));
-        }
-        return to_py(encode(t));
+        return to_py(encode(trainer_of(u32(rank, "_weights_encode_trainer: rank"),
+                                       u32(num_nics, "_weights_encode_trainer: num_nics"), shards,
+                                       "_weights_encode_trainer")));
       },
       py::arg("rank"), py::arg("num_nics"), py::arg("shards"),
       "A training rank's shards as bytes: (name, dtype, shape, box, replica) each.");
@@ -424,22 +677,8 @@ void bind_weights(py::module_& m) {
       [](const IntArg& rank, const std::vector<ParamIn>& params) {
         InferenceRank r{u32(rank, "_weights_encode_inference: rank"), {}};
         for (size_t i = 0; i < params.size(); ++i) {
-          const auto& [name, dtype, shape, dim, start, length, kind, sources, cdim, block] =
-              params[i];
-          const std::string what = "_weights_encode_inference: params[" + std::to_string(i) + "].";
-          // dim: a dimension, or -1 (any negative value) for a parameter held whole.
-          const auto placement_dim = static_cast<int32_t>(
-              signed_value(dim, (what + "dim").c_str(), std::numeric_limits<int32_t>::min(),
-                           std::numeric_limits<int32_t>::max()));
-          Shape param_shape = shape_of(shape, what + "shape");
-          const Range range{u64(start, (what + "start").c_str()),
-                            u64(length, (what + "length").c_str())};
-          const uint32_t concat_dim = u32(cdim, (what + "concat_dim").c_str());
-          const uint32_t tile = u32(block, (what + "block").c_str());
           r.params.push_back(
-              InferenceParam{name, check(parse_dtype(dtype)), std::move(param_shape),
-                             Placement{placement_dim, range},
-                             Projection{parse_kind(kind), sources, concat_dim, tile}});
+              param_of(params[i], "_weights_encode_inference: params[" + std::to_string(i) + "]."));
         }
         return to_py(encode(r));
       },
@@ -588,30 +827,11 @@ void bind_weights(py::module_& m) {
       "_weights_encode_endpoint",
       [](const py::bytes& layout, const py::sequence& regions,
          const std::vector<std::vector<std::pair<IntArg, IntArg>>>& places) {
-        Endpoint e;
-        e.layout = check(decode_inference(view(layout)));
-        for (py::handle r : regions) e.regions.push_back(to_remote(r, "endpoint: region"));
-        for (size_t i = 0; i < places.size(); ++i) {
-          auto& out = e.places.emplace_back();
-          for (const auto& [region, offset] : places[i]) {
-            out.push_back(Place{u32(region, "endpoint: place region"),
-                                u64(offset, "endpoint: place offset")});
-          }
-        }
-        const Bytes b = encode(e);
-        check(decode_endpoint(b).status());  // what a reader would refuse, refused here
-        return to_py(b);
+        return to_py(encode(endpoint_of(check(decode_inference(view(layout))), regions, places)));
       },
       py::arg("layout"), py::arg("regions"), py::arg("places"),
       "An inference rank's endpoint as bytes: its encoded layout, its regions' descriptors and "
       "per parameter, per copy, (region index, byte offset).");
-  m.def(
-      "_weights_endpoint_layout",
-      [](const py::bytes& data) {
-        return to_py(encode(check(decode_endpoint(view(data))).layout));
-      },
-      py::arg("data"), "The encoded layout inside an endpoint's bytes.");
-
   auto boxes = [](const std::vector<std::pair<uint32_t, std::vector<Range>>>& v) {
     std::vector<std::pair<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>>> out;
     for (const auto& [rank, box] : v) {
@@ -646,6 +866,20 @@ void bind_weights(py::module_& m) {
            py::arg("on_gpu"),
            "The schedule, the inference endpoints (bytes) and addresses by rank, the ring's "
            "Registration, address, size and side. Blocks briefly (a peer group).")
+      .def("publish", &PySender::publish, py::arg("registry"), py::arg("group"), py::arg("world"),
+           py::arg("shards"),
+           "Publishes this training rank's (name, dtype, shape, box, replica) shards as its "
+           "member <group>.t<rank> of `registry` (tp_size `world`).")
+      .def("connect_registry", &PySender::connect_registry, py::arg("registry"), py::arg("group"),
+           py::arg("world"), py::arg("num_inference"), py::arg("chunk_bytes"), py::arg("timeout"),
+           py::arg("ring"), py::arg("ring_ptr"), py::arg("ring_bytes"), py::arg("on_gpu"),
+           "Waits (up to `timeout` seconds) for the group's ranks in `registry`; rank 0 computes "
+           "the schedule and publishes its header, the others compute it and check it against "
+           "the header; then connect (the ring as there) and, with world > 1, plan_gathers. "
+           "Returns the schedule. Timeout / InvalidArgument naming what is missing or differs.")
+      .def("withdraw", &PySender::withdraw, py::arg("registry"), py::arg("group"),
+           "Withdraws this rank's member (and on rank 0 the schedule's header); one already gone "
+           "is no error.")
       .def("plan_gathers", &PySender::plan_gathers, py::arg("trainers"),
            "Plans the gathers of every push from every training rank's description (bytes).")
       .def("gather", &PySender::gather, py::arg("param"), py::arg("source"),
@@ -683,6 +917,25 @@ void bind_weights(py::module_& m) {
            "Arms the next immediate for `expected` writes and sends Ready to each (rank, name, "
            "address) trainer; on_complete(version) or on_fail(version, exception) runs once. "
            "Returns (imm, copy).")
+      .def("add", &PyReceiver::add, py::arg("name"), py::arg("tensor"), py::arg("shape"),
+           py::arg("dim"), py::arg("start"), py::arg("projection"), py::arg("sources"),
+           py::arg("concat_dim"), py::arg("block"), py::arg("dtype"),
+           "Checks a torch tensor against the parameter it holds (contiguous, element size and "
+           "count; InvalidArgument naming it) and records the parameter for publish.")
+      .def("publish", &PyReceiver::publish, py::arg("registry"), py::arg("group"),
+           py::arg("regions"), py::arg("places"),
+           "Publishes the endpoint (the parameters added, the regions' descriptors, (region, "
+           "offset) per parameter and copy) as member <group>.i<rank> of `registry`, and fails "
+           "a pending version when one of the group's training ranks leaves it.")
+      .def("prepare_version", &PyReceiver::prepare_version, py::arg("version"),
+           py::arg("on_complete"), py::arg("on_fail"),
+           "prepare() through the registry of publish: the first call agrees on the schedule "
+           "with training rank 0's header (within the timeout); Ready goes to the group's "
+           "training ranks in the registry. Returns (imm, copy).")
+      .def("withdraw", &PyReceiver::withdraw, py::arg("registry"), py::arg("group"),
+           "Withdraws this rank's member; one already gone is no error.")
+      .def_property_readonly("schedule", &PyReceiver::schedule,
+                             "The schedule agreed at the first prepare_version (None before).")
       .def("fail_trainer", &PyReceiver::fail_trainer, py::arg("name"),
            "A training rank's member left: fails the pending version it was part of.")
       .def("close", &PyReceiver::close, "Fails a pending version with Closed.")
@@ -725,10 +978,8 @@ void bind_weights(py::module_& m) {
                                          reinterpret_cast<void*>(stream)));
           return;
         }
-        check(quantize_fp8_blocks_cpu(
-            std::span(static_cast<const uint16_t*>(in->ptr()), rows * cols), rows, cols, block,
-            std::span(static_cast<uint8_t*>(q->ptr()), rows * cols),
-            std::span(static_cast<float*>(sc->ptr()), tiles[0] * tiles[1])));
+        check(
+            quantize_cpu({in->ptr(), rows, cols, q->ptr(), static_cast<float*>(sc->ptr())}, block));
       },
       py::arg("src"), py::arg("rows"), py::arg("cols"), py::arg("out"), py::arg("scales"),
       py::arg("block") = 128, py::arg("stream") = 0,
@@ -764,6 +1015,85 @@ void bind_weights(py::module_& m) {
       "Internal: the FP8 kernel over many CUDA matrices in few launches. `jobs`: (bf16 pointer, "
       "rows, cols, e4m3 pointer, f32 scales pointer) of device memory the caller checked "
       "(fabric_lib.weights.quantize_fp8_many does).");
+  m.def(
+      "_weights_publish_schedule",
+      [](py::handle registry, const std::string& group, const IntArg& trainers,
+         const IntArg& inference, const IntArg& chunk_bytes, double timeout) {
+        const uint32_t t = u32(trainers, "_weights_publish_schedule: trainers");
+        const uint32_t i = u32(inference, "_weights_publish_schedule: inference");
+        const uint64_t chunk = u64(chunk_bytes, "_weights_publish_schedule: chunk_bytes");
+        const auto wait = millis(timeout, "_weights_publish_schedule: timeout");
+        return check(on_registry(registry,
+                                 [&](kv::Registry& r) {
+                                   return publish_schedule(r, group, t, i, chunk, wait);
+                                 }))
+            .schedule;
+      },
+      py::arg("registry"), py::arg("group"), py::arg("trainers"), py::arg("inference"),
+      py::arg("chunk_bytes"), py::arg("timeout"),
+      "Training rank 0's part (fabric/weights/rendezvous.h): waits for the group's ranks, "
+      "computes the schedule, publishes its header <group>.schedule; returns the schedule.");
+  m.def(
+      "_weights_agree_schedule",
+      [](py::handle registry, const std::string& group, double timeout) {
+        const auto wait = millis(timeout, "_weights_agree_schedule: timeout");
+        return check(on_registry(registry,
+                                 [&](kv::Registry& r) { return agree_schedule(r, group, wait); }))
+            .schedule;
+      },
+      py::arg("registry"), py::arg("group"), py::arg("timeout"),
+      "Any other rank's part: waits for the header and the ranks it names, computes the "
+      "schedule and checks it against the header's length and sha256; returns it.");
+  m.def(
+      "_weights_quantize_fp8_tensors",
+      [](const std::vector<py::tuple>& jobs, const IntArg& block_arg,
+         const std::map<std::string, uintptr_t>& streams) {
+        const uint32_t block = u32(block_arg, "quantize_fp8: block");
+        if (block == 0) {
+          throw StatusError{Status(ErrorCode::kInvalidArgument, "quantize_fp8: block is 0")};
+        }
+        std::vector<Fp8Matrix> cpu;
+        std::map<std::string, std::vector<Fp8Matrix>> gpu;  // by device
+        for (const py::tuple& job : jobs) {
+          if (job.size() != 3) throw py::type_error("quantize_fp8: jobs are (src, out, scales)");
+          const TensorArg src = tensor_arg(job[0]), out = tensor_arg(job[1]);
+          const TensorArg scales = tensor_arg(job[2]);
+          const bool two_d = src.shape.size() == 2;
+          const uint64_t rows = two_d ? src.shape[0] : 0, cols = two_d ? src.shape[1] : 0;
+          const Shape tiles = fp8_scale_shape(rows, cols, block);
+          if (!two_d || src.dtype != "torch.bfloat16" || !src.contiguous || !out.contiguous ||
+              !scales.contiguous || out.device != src.device || scales.device != src.device ||
+              out.bytes != rows * cols || scales.bytes != tiles[0] * tiles[1] * 4) {
+            throw StatusError{Status(ErrorCode::kInvalidArgument,
+                                     "quantize_fp8: a bf16 source (2-D, contiguous) on the device "
+                                     "of its out and scales, sized rows x cols bytes and one f32 "
+                                     "per tile")};
+          }
+          const Fp8Matrix m{reinterpret_cast<const void*>(src.ptr), rows, cols,
+                            reinterpret_cast<void*>(out.ptr), reinterpret_cast<float*>(scales.ptr)};
+          if (src.device == "cpu") {
+            cpu.push_back(m);
+          } else {
+            gpu[src.device].push_back(m);
+          }
+        }
+        for (const auto& [device, matrices] : gpu) {
+          if (!streams.contains(device)) {
+            throw StatusError{Status(ErrorCode::kInvalidArgument,
+                                     "quantize_fp8: no stream for device " + device)};
+          }
+        }
+        py::gil_scoped_release nogil;
+        for (const Fp8Matrix& m : cpu) check(quantize_cpu(m, block));
+        for (const auto& [device, matrices] : gpu) {
+          check(quantize_fp8_blocks_cuda_many(matrices, block,
+                                              reinterpret_cast<void*>(streams.at(device))));
+        }
+      },
+      py::arg("jobs"), py::arg("block"), py::arg("streams"),
+      "Internal: (bf16 source, e4m3 out, f32 scales) torch tensors quantised, checked here: "
+      "host ones by the CPU reference, CUDA ones grouped by device in few launches of the "
+      "kernel, on streams[str(device)].");
   m.attr("_WEIGHTS_HAS_CUDA") = has_cuda_projections();
 }
 

@@ -20,6 +20,7 @@ import torch
 import fabric_lib
 import fabric_lib.weights as fw
 from conftest import TIMEOUT
+from fp8_reference import fp8_reference
 from peer import make_config
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -92,7 +93,7 @@ def inference_side(provider, directory, mode, device="cpu", host_mirror=True):
 
 
 def expect_version(inf, version):
-    want = model.reference(version, fw.fp8_reference)
+    want = model.reference(version, fp8_reference)
     got = inf.tensors()
     for name, tensor in want.items():
         have = got[name].cpu().view(torch.uint8)
@@ -425,7 +426,7 @@ def test_fp8_cpu_quantiser_matches_the_pytorch_reference():
     x[256:, 256:] = 0.0  # an all-zero tile
     x = x.to(torch.bfloat16)
     q, s = fw.quantize_fp8(x)
-    rq, rs = fw.fp8_reference(x)
+    rq, rs = fp8_reference(x)
     assert torch.equal(s, rs), "scales differ"
     assert torch.equal(q, rq), f"{int((q != rq).sum())} of {q.numel()} e4m3 bytes differ"
     assert s.shape == (3, 3) and int(q[0, 1]) == 0x80  # -0 keeps its sign
@@ -438,7 +439,7 @@ def test_fp8_cuda_kernel_matches_the_pytorch_reference():
         pytest.skip("this build of fabric_lib has no CUDA projections")
     x = (torch.randn(1000, 700) * 3).to(torch.bfloat16)
     q, s = fw.quantize_fp8(x.cuda())
-    rq, rs = fw.fp8_reference(x)
+    rq, rs = fp8_reference(x)
     assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu(), rq)
 
 
@@ -466,7 +467,7 @@ def test_fp8_cuda_grouped_kernel_matches_the_pytorch_reference():
           for r, c in [(256, 384), (300, 517), (1, 7), (129, 8), (512, 128)] * 30]
     outs = fw.quantize_fp8_many([x.cuda() for x in xs])
     for i, (x, (q, s)) in enumerate(zip(xs, outs)):
-        rq, rs = fw.fp8_reference(x)
+        rq, rs = fp8_reference(x)
         assert torch.equal(s.cpu(), rs), f"tensor {i}: scales differ"
         assert torch.equal(q.cpu(), rq), f"tensor {i}: bytes differ"
     with pytest.raises(fabric_lib.InvalidArgument, match="bf16 source"):

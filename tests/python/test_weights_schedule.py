@@ -7,6 +7,7 @@ skip without it); a push over each registry lands bit-exact and closing rank 0 w
 header; a rank that reads other descriptions, a missing header or rank, and a malformed header
 give the error naming them."""
 
+import hashlib
 import shutil
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import fabric_lib
 import fabric_lib.weights as fw
 import weights_model as model
 from conftest import TIMEOUT
+from fp8_reference import fp8_reference
 from peer import make_config
 
 ETCD_REQUEST_LIMIT = 1536 << 10  # etcd's default --max-request-bytes (1.5 MiB)
@@ -150,19 +152,18 @@ def test_a_large_schedule_is_agreed_by_digest(registries):
     members = Members(writer)
     try:
         members.publish(trainer, inference)
-        schedule = fw._compute(writer.members(), "weights", 1, 4, 64 << 20)
+        schedule = ENC._weights_publish_schedule(writer, "weights", 1, 4, 64 << 20, TIMEOUT)
         data = schedule.encode()
         assert len(data) > ETCD_REQUEST_LIMIT // 2, "the schedule must be beyond etcd's limit"
         if registries.kind == "etcd":  # one member holding the schedule is refused there
             with pytest.raises(fabric_lib.FabricError, match="too large|larger than max"):
                 writer.join(fabric_lib.Member("whole", data=data.hex()))
-        fw._publish_header(writer, "weights", schedule, 64 << 20)
         assert schedule_members(reader) == ["weights.schedule"]
         header = next(m for m in reader.members() if m.name == "weights.schedule")
         assert len(header.encode()) < 1024, "the header carries more than the digest"
         for m in reader.members():
             assert len(m.encode()) < ETCD_REQUEST_LIMIT // 2, f"member {m.name} is too large"
-        back = fw._agreed_schedule(reader, "weights", TIMEOUT)
+        back = ENC._weights_agree_schedule(reader, "weights", TIMEOUT)
         assert back.encode() == data
         assert back.entries() == schedule.entries()
     finally:
@@ -190,8 +191,8 @@ def test_a_push_agreed_over_each_registry(registries):
         future = inf.prepare(1)  # computes the schedule itself, checks the digest
         trainer.push(1)
         assert future.result(TIMEOUT) == 1
-        assert inf._schedule.encode() == schedule.encode()
-        want = model.reference(1, fw.fp8_reference)
+        assert inf.schedule.encode() == schedule.encode()
+        want = model.reference(1, fp8_reference)
         for name, tensor in inf.tensors().items():
             assert torch.equal(tensor.view(torch.uint8),
                                want[name].contiguous().view(torch.uint8)), name
@@ -211,23 +212,22 @@ def published():
     registry = fabric_lib.LocalRegistry(fabric_lib.LocalRegistryState())
     members = Members(registry)
     members.publish(*big_descriptions(params=50))
-    schedule = fw._compute(registry.members(), "weights", 1, 4, 64 << 20)
-    fw._publish_header(registry, "weights", schedule, 64 << 20)
+    schedule = ENC._weights_publish_schedule(registry, "weights", 1, 4, 64 << 20, 1.0)
     yield registry, members, schedule
     members.close()
 
 
 def test_a_rank_reading_other_descriptions_names_both_digests(published):
     registry, members, schedule = published
-    assert fw._agreed_schedule(registry, "weights", 1.0).encode() == schedule.encode()
+    assert ENC._weights_agree_schedule(registry, "weights", 1.0).encode() == schedule.encode()
     # The inference ranks published again with another FP8 block (nothing to do with these
     # BF16 copies, but part of the schedule): a rank computing now disagrees with rank 0.
     members.publish(*big_descriptions(params=50, block=64))
-    length, digest = fw._digest(schedule)
+    length, digest = len(schedule.encode()), hashlib.sha256(schedule.encode()).hexdigest()
     with pytest.raises(fabric_lib.InvalidArgument,
                        match=rf"differs from training rank 0's \({length} bytes, sha256 "
                              rf"{digest[:16]}\.\.\.\): the ranks read different descriptions"):
-        fw._agreed_schedule(registry, "weights", 1.0)
+        ENC._weights_agree_schedule(registry, "weights", 1.0)
 
 
 def test_a_missing_header_or_rank_times_out_naming_it(published):
@@ -236,11 +236,11 @@ def test_a_missing_header_or_rank_times_out_naming_it(published):
     started = time.monotonic()
     with pytest.raises(fabric_lib.Timeout, match=r"1 training and 4 inference ranks \(found 1 "
                        r"and 3\) not in the registry after 0.5 s"):
-        fw._agreed_schedule(registry, "weights", 0.5)
+        ENC._weights_agree_schedule(registry, "weights", 0.5)
     assert time.monotonic() - started >= 0.5, "gave up before the timeout"
     registry.leave("weights.schedule")
     with pytest.raises(fabric_lib.Timeout, match=r"the schedule header \(weights.schedule\)"):
-        fw._agreed_schedule(registry, "weights", 0.1)
+        ENC._weights_agree_schedule(registry, "weights", 0.1)
 
 
 def test_a_malformed_header_is_refused(published):
@@ -250,4 +250,4 @@ def test_a_malformed_header_is_refused(published):
     registry.join(header)
     with pytest.raises(fabric_lib.InvalidArgument, match=r"schedule header weights.schedule is "
                        r"malformed: 'trainers=1 inference=4 chunk_bytes=\d+ length="):
-        fw._agreed_schedule(registry, "weights", 1.0)
+        ENC._weights_agree_schedule(registry, "weights", 1.0)
