@@ -2,17 +2,12 @@
 
 The inference side registers the tensors it owns, by name, with their layouts
 (:class:`InferenceWeights`); each training rank describes its shards (:class:`TrainerWeights`).
-The protocol is C++ (``fabric/weights/flow.h``, ``fabric/weights/rendezvous.h``): the ranks
-publish their descriptions in a fabric_lib registry, training rank 0 computes the static schedule
-(``WeightSchedule``) and publishes its sha256, every other rank computes it and checks it;
-``WeightSender`` waits for each inference rank's Ready, projects into a registered staging ring
-(identity, concatenation, BF16 -> FP8 e4m3 with 128x128 block scales) and posts the writes in
-batches; ``WeightReceiver`` arms the immediate count of a version, sends Ready, and completes or
-fails it (a training rank leaving the registry: PeerUnreachable; ``timeout``: Timeout). Python
-keeps what is torch's: the tensors, their registration, the gathers over ``torch.distributed``.
-``mode``: ``"flip"`` (two copies, the served one flips when a version completes) or
-``"in_place"`` (one copy; half-written after a failed push until a version completes).
-docs/weights.md has the protocol.
+The protocol is C++: the rendezvous through a fabric_lib registry and the schedule agreed by
+sha256 (``fabric/weights/rendezvous.h``), the push's sender and receiver
+(``fabric/weights/flow.h``). Python keeps what is torch's: the tensors, their registration, the
+gathers over ``torch.distributed``. ``mode``: ``"flip"`` (two copies, the served one flips when
+a version completes) or ``"in_place"`` (one copy; half-written after a failed push until a
+version completes). docs/weights.md has the protocol.
 """
 
 import asyncio
