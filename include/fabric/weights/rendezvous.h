@@ -7,11 +7,11 @@
 // goes through the registry (4000 parameters over 4 inference ranks is 1.4 MB encoded, beyond
 // etcd's request limit).
 //
-//   member             role               tp_rank  data
-//   <group>.t<rank>    weights-trainer    rank     hex(encode(TrainerRank))  (tp_size: the world)
-//   <group>.i<rank>    weights-inference  rank     hex(encode(Endpoint))
-//   <group>.schedule   weights-schedule   0        "trainers=<n> inference=<m> chunk_bytes=<c>
-//                                                   bytes=<length> sha256=<digest>"
+//   member           role               tp_rank  data
+//   GROUP.tRANK      weights-trainer    rank     hex(encode(TrainerRank))  (tp_size: the world)
+//   GROUP.iRANK      weights-inference  rank     hex(encode(Endpoint))
+//   GROUP.schedule   weights-schedule   0        "trainers=N inference=M chunk_bytes=C
+//                                                 bytes=LENGTH sha256=DIGEST"
 //
 // Every member's instance is the group and its address the rank's engine Address in hex. A rank
 // counts the first n (m) members of a role by rank.
