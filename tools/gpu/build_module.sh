@@ -21,9 +21,11 @@ for f in "$SRC"/python/src/*.cc; do
   timeout -k 10 "$SECONDS_EACH" c++ $FL -c "$f" -o "$OBJ/$(basename "$f").o" >>"$LOG" 2>&1 &
 done
 wait
-timeout -k 10 "$SECONDS_EACH" c++ -shared "$OBJ"/*.o "$BUNDLE/libfabrickvetcd.a" "$BUNDLE/libfabrickv.a" \
-  "$BUNDLE/libfabricweights.a" "$BUNDLE/libfabricep.a" "$LIB" "$BUNDLE/libcudart_static.a" -L"$BUNDLE/lib" -Wl,--as-needed -l:libfabric.so.1 -Wl,--no-as-needed -l:libibverbs.so.1 \
-  -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt \
+# One group: fabric::weights calls fabric::kv's registry; every library calls the engine's.
+timeout -k 10 "$SECONDS_EACH" c++ -shared "$OBJ"/*.o -Wl,--start-group "$BUNDLE/libfabricweights.a" \
+  "$BUNDLE/libfabricep.a" "$BUNDLE/libfabrickvetcd.a" "$BUNDLE/libfabrickv.a" "$LIB" -Wl,--end-group \
+  "$BUNDLE/libcudart_static.a" -L"$BUNDLE/lib" -Wl,--as-needed -l:libfabric.so.1 -Wl,--no-as-needed -l:libibverbs.so.1 \
+  -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -l:libcurl.so.4 -l:libcrypto.so.3 -lpthread -ldl -lrt \
   -o "$PKG/fabric_lib/_fabric_lib$EXT" >>"$LOG" 2>&1 ||
   { echo "the module did not build ($LOG):"; tail -40 "$LOG"; exit 1; }
 PYTHONPATH=$PKG timeout -k 10 30 python3 -c "import fabric_lib, fabric_lib.ep; print('$PKG: fabric_lib', fabric_lib.__version__, 'HAS_CUDA', fabric_lib.HAS_CUDA)"

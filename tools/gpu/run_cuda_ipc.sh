@@ -37,16 +37,8 @@ fi
 cd "$ROOT" || exit 1
 [ "${PYTHON:-0}" = 1 ] || exit 0
 echo "== Python: build the module, run tests/python/test_cuda.py =="
-EXT=$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")
 SRC=${PYSRC:-.}
-mkdir -p /tmp/pkg/fabric_lib /tmp/obj
-cp $SRC/python/fabric_lib/*.py $SRC/python/fabric_lib/*.pyi $SRC/python/fabric_lib/py.typed /tmp/pkg/fabric_lib/
-FL="-O2 -std=c++20 -fPIC -fvisibility=hidden -DFABRIC_VERSION=\"0.1.0\" -DFABRIC_WITH_CUDA=1 -I$SRC/include -I$SRC/src -I$BUNDLE/include -I/usr/local/cuda/include $(python3 -m pybind11 --includes)"
-for f in $SRC/python/src/*.cc; do c++ $FL -c $f -o /tmp/obj/$(basename $f).o & done
-wait
-c++ -shared /tmp/obj/*.o $BUNDLE/libfabrickvetcd.a $BUNDLE/libfabrickv.a $BUNDLE/libfabricweights.a $BUNDLE/libfabricep.a $BUNDLE/libfabriclib.a \
-  $BUNDLE/libcudart_static.a -L$BUNDLE/lib -l:libfabric.so.1 -l:libhwloc.so.15 -l:libfmt.so.9 \
-  -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt -o /tmp/pkg/fabric_lib/_fabric_lib$EXT || exit 1
+BUNDLE=$BUNDLE bash tools/gpu/build_module.sh /tmp/pkg "$SRC" || exit 1
 PYTHONPATH=/tmp/pkg timeout -k 10 240 python3 -m pytest -v -rs -p no:cacheprovider \
   $SRC/tests/python/test_cuda.py >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?"

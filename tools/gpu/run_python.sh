@@ -10,13 +10,8 @@ INC=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])"); l
 echo "== FI_HMEM as this machine's libfabric reports it (shm, tcp) =="
 timeout -k 10 20 .gpu/bin/fi_info -p shm -c FI_HMEM -v 2>&1 | grep -iE "hmem|iface|mr_mode|caps" | head -12
 timeout -k 10 20 .gpu/bin/fi_info -p tcp -c FI_HMEM 2>&1 | grep -E "provider|domain" | head -4
-EXT=$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")
-mkdir -p /tmp/pkg/fabric_lib && cp python/fabric_lib/*.py python/fabric_lib/*.pyi python/fabric_lib/py.typed /tmp/pkg/fabric_lib/
-echo "== build $EXT =="
-mkdir -p /tmp/obj; FL="-O2 -std=c++20 -fPIC -fvisibility=hidden -DFABRIC_VERSION=\"0.1.0\" -DFABRIC_WITH_CUDA=1 -Iinclude -Isrc -I.gpu/include -I/usr/local/cuda/include $(python3 -m pybind11 --includes)"
-time (for f in python/src/*.cc; do c++ $FL -c $f -o /tmp/obj/$(basename $f).o & done; wait)
-ls /usr/lib/x86_64-linux-gnu/libcurl.so.4 || echo "no libcurl.so.4 on this machine: the module will not link"
-c++ -shared /tmp/obj/*.o .gpu/libfabrickvetcd.a .gpu/libfabrickv.a .gpu/libfabricweights.a .gpu/libfabricep.a .gpu/libfabriclib.a .gpu/libcudart_static.a -L.gpu/lib -L/usr/lib/x86_64-linux-gnu -l:libfabric.so.1 -l:libibverbs.so.1 -l:libhwloc.so.15 -l:libfmt.so.9 -l:libspdlog.so.1.10 -l:libcurl.so.4 -lpthread -ldl -lrt -o /tmp/pkg/fabric_lib/_fabric_lib$EXT || exit 1
+echo "== build the module =="
+bash tools/gpu/build_module.sh /tmp/pkg . || exit 1
 PYTHONPATH=/tmp/pkg python3 -c "import fabric_lib, torch; print('HAS_CUDA', fabric_lib.HAS_CUDA, 'torch', torch.__version__, torch.cuda.is_available())"
 echo "== pytest =="
 PYTHONPATH=/tmp/pkg timeout -k 10 420 python3 -m pytest -v -rs -p no:cacheprovider ${TESTS:-tests/python} > /tmp/pytest.log 2>&1; grep -E "test_cuda|test_register_cuda" /tmp/pytest.log; grep -E "FAILED|^E " /tmp/pytest.log | head -30; tail -5 /tmp/pytest.log
