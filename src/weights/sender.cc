@@ -9,7 +9,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <set>
 #include <unordered_map>
 
 #include "common/invalid.h"
@@ -17,6 +16,7 @@
 #include "fabric/weights_projection.h"
 #include "weights/gather_plan.h"
 #include "weights/ring.h"
+#include "weights/send_plan.h"
 
 namespace fabric::weights {
 
@@ -27,10 +27,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-bool is_fp8(ProjectionKind k) {
-  return k == ProjectionKind::kFp8Quantize || k == ProjectionKind::kFp8Scale;
 }
 
 // Ready messages by version and inference rank. Shared with the engine's receive handler,
@@ -48,35 +44,7 @@ struct Batch {
   uint64_t submitted = 0;
 };
 
-// The 2-D shape an FP8 projection quantises: its sources joined along projection.dim.
-std::pair<uint64_t, uint64_t> fp8_matrix(const ScheduledParam& p) {
-  uint64_t rows = 0, cols = 0;
-  for (size_t i = 0; i < p.source_shapes.size(); ++i) {
-    const Shape& s = p.source_shapes[i];
-    if (s.size() != 2) return {0, 0};
-    if (i == 0 || p.projection.dim != 0) rows = s[0];
-    if (i == 0 || p.projection.dim != 1) cols = s[1];
-    if (i > 0 && p.projection.dim == 0) rows += s[0];
-    if (i > 0 && p.projection.dim == 1) cols += s[1];
-  }
-  return {rows, cols};
-}
-
 }  // namespace
-
-std::vector<uint32_t> push_order(const Schedule& schedule) {
-  std::vector<uint32_t> order(schedule.params.size());
-  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    const ScheduledParam& x = schedule.params[a];
-    const ScheduledParam& y = schedule.params[b];
-    if (x.projection.sources != y.projection.sources) {
-      return x.projection.sources < y.projection.sources;
-    }
-    return x.name < y.name;
-  });
-  return order;
-}
 
 class WeightSender::Impl {
  public:
@@ -116,109 +84,22 @@ class WeightSender::Impl {
     }
     std::sort(endpoints.begin(), endpoints.end(),
               [](const Endpoint& a, const Endpoint& b) { return a.layout.rank < b.layout.rank; });
-    for (uint32_t i = 0; i < endpoints.size(); ++i) {
-      if (endpoints[i].layout.rank != i) {
-        return invalid(fmt::format(
-            "WeightSender.connect: the endpoints' ranks are not 0..{} (rank {} is missing)",
-            endpoints.size() - 1, i));
-      }
-    }
-    Schedule s = schedule;
-    const size_t n = s.params.size();
-    std::vector<std::vector<Entry>> entries(n);
-    std::set<uint32_t> targets;
-    for (const Entry& e : s.entries) {
-      if (e.trainer != options_.rank) continue;
-      if (e.param >= n || e.inference >= endpoints.size()) {
-        return invalid(
-            fmt::format("WeightSender.connect: an entry names parameter {} of {} or "
-                        "inference rank {} of {}",
-                        e.param, n, e.inference, endpoints.size()));
-      }
-      entries[e.param].push_back(e);
-      targets.insert(e.inference);
-    }
-    // Where each parameter is in each inference rank: [rank][param] -> index in its layout.
-    std::vector<std::vector<int64_t>> local(endpoints.size(), std::vector<int64_t>(n, -1));
-    for (uint32_t r = 0; r < endpoints.size(); ++r) {
-      const auto& params = endpoints[r].layout.params;
-      for (size_t k = 0; k < params.size(); ++k) {
-        const int64_t at = s.find(params[k].name);
-        if (at >= 0) local[r][static_cast<size_t>(at)] = static_cast<int64_t>(k);
-      }
-    }
-    for (size_t p = 0; p < n; ++p) {
-      const ScheduledParam& q = s.params[p];
-      if (q.projection.sources.size() != q.source_shapes.size() ||
-          q.source_dtypes.size() != q.source_shapes.size() || q.source_shapes.empty()) {
-        return invalid(fmt::format("parameter '{}': the schedule's sources are malformed", q.name));
-      }
-      if (is_fp8(q.projection.kind) && fp8_matrix(q).first == 0 && num_elements(q.shape) > 0) {
-        return invalid(fmt::format("parameter '{}': FP8 sources must be 2-D", q.name));
-      }
-      for (const Entry& e : entries[p]) {
-        if (local[e.inference][p] < 0) {
-          return invalid(fmt::format("parameter '{}': inference rank {} does not hold it", q.name,
-                                     e.inference));
-        }
-      }
-    }
-    // An FP8 weight's scales, and the scales' weight: the other FP8 parameter made from the
-    // same sources (joined along the same dim) with the same block.
-    std::vector<int64_t> partner(n, -1);
-    std::map<std::tuple<std::vector<std::string>, uint32_t, uint32_t>, std::vector<uint32_t>>
-        groups;
-    for (uint32_t p = 0; p < n; ++p) {
-      const Projection& pr = s.params[p].projection;
-      if (!is_fp8(pr.kind)) continue;
-      groups[{pr.sources, pr.block, pr.sources.size() > 1 ? pr.dim : 0}].push_back(p);
-    }
-    for (const auto& [key, g] : groups) {
-      for (uint32_t a : g) {
-        for (uint32_t b : g) {
-          if (a != b && s.params[a].projection.kind != s.params[b].projection.kind) {
-            partner[a] = b;
-            break;
-          }
-        }
-      }
-    }
+    auto plan = plan_sends(schedule, endpoints, options_.rank);
+    if (!plan) return plan.status();
     auto peers = engine_.add_peer_group(addresses);
     if (!peers) return peers.status();
     if (connected_) engine_.remove_peer_group(peers_).ignore();
     // Writes of a push that failed still read the old ring: wait for them before forgetting it.
     drain_quietly();
-    schedule_ = std::move(s);
-    order_ = push_order(schedule_);
-    // Without gathers any order serves: push() stages the parameters in the order the inference
-    // ranks declared them, which is usually their order in memory, so that consecutive writes
-    // are adjacent on both sides and the engine joins them (one copy where the push order,
-    // by name, would make one per parameter).
-    layout_order_.clear();
-    std::vector<bool> placed(n, false);
-    for (const Endpoint& ep : endpoints) {
-      for (const InferenceParam& p : ep.layout.params) {
-        const int64_t at = schedule_.find(p.name);
-        if (at >= 0 && !placed[static_cast<size_t>(at)]) {
-          placed[static_cast<size_t>(at)] = true;
-          layout_order_.push_back(static_cast<uint32_t>(at));
-        }
-      }
-    }
-    for (uint32_t p : order_) {
-      if (!placed[p]) layout_order_.push_back(p);
-    }
-    entries_ = std::move(entries);
-    targets_.assign(targets.begin(), targets.end());
-    partner_ = std::move(partner);
+    schedule_ = schedule;
+    plan_ = std::move(*plan);
     endpoints_ = std::move(endpoints);
-    local_ = std::move(local);
     peers_ = *peers;
     ring_ = ring;
     ring_ranges_ = RingRanges<std::shared_ptr<Batch>>(ring.bytes);
     batch_limit_ =
         options_.batch_bytes ? options_.batch_bytes : std::max<uint64_t>(1, ring.bytes / 4);
-    done_.assign(n, false);
+    done_.assign(schedule_.params.size(), false);
     connected_ = true;
     return Status::ok();
   }
@@ -237,14 +118,14 @@ class WeightSender::Impl {
     std::unique_lock lock(inbox_->mu);
     auto have_all = [&] {
       auto it = inbox_->ready.find(version);
-      if (it == inbox_->ready.end()) return targets_.empty();
-      return std::all_of(targets_.begin(), targets_.end(),
+      if (it == inbox_->ready.end()) return plan_.targets.empty();
+      return std::all_of(plan_.targets.begin(), plan_.targets.end(),
                          [&](uint32_t r) { return it->second.count(r) > 0; });
     };
     if (!inbox_->cv.wait_until(lock, t0 + options_.timeout, have_all)) {
       std::vector<uint32_t> missing;
       auto it = inbox_->ready.find(version);
-      for (uint32_t r : targets_) {
+      for (uint32_t r : plan_.targets) {
         if (it == inbox_->ready.end() || !it->second.count(r)) missing.push_back(r);
       }
       return Status(ErrorCode::kTimeout,
@@ -261,7 +142,7 @@ class WeightSender::Impl {
     // Versions up to this one are done with; later ones may already have arrived.
     inbox_->ready.erase(inbox_->ready.begin(), inbox_->ready.upper_bound(version));
     lock.unlock();
-    for (uint32_t r : targets_) {
+    for (uint32_t r : plan_.targets) {
       const uint32_t copies =
           static_cast<uint32_t>(endpoints_[r].places.empty() ? 1 : endpoints_[r].places[0].size());
       if (ready_[r].copy >= copies) {
@@ -280,7 +161,7 @@ class WeightSender::Impl {
       return invalid(
           fmt::format("WeightSender.stage: parameter {} of {}", param, schedule_.params.size()));
     }
-    if (done_[param] || entries_[param].empty()) return Status::ok();
+    if (done_[param] || plan_.entries[param].empty()) return Status::ok();
     const auto t0 = Clock::now();
     const double wait0 = stats_.wait_ring, flush0 = flush_s_;
     Status st = project(param, sources, persistent);
@@ -315,8 +196,8 @@ class WeightSender::Impl {
     by_name.reserve(names.size());
     for (size_t i = 0; i < names.size(); ++i) by_name.emplace(names[i], i);
     std::vector<Source> in;
-    for (uint32_t param : layout_order_) {
-      if (done_[param] || entries_[param].empty()) continue;
+    for (uint32_t param : plan_.layout_order) {
+      if (done_[param] || plan_.entries[param].empty()) continue;
       const ScheduledParam& p = schedule_.params[param];
       in.clear();
       for (const std::string& s : p.projection.sources) {
@@ -348,7 +229,7 @@ class WeightSender::Impl {
                       "of {}",
                       trainers.size(), schedule_.num_trainers));
     }
-    auto steps = weights::plan_gathers(schedule_, order_, trainers, options_.rank);
+    auto steps = weights::plan_gathers(schedule_, plan_.order, trainers, options_.rank);
     if (!steps) return steps.status();
     gathers_ = std::move(*steps);
     return Status::ok();
@@ -361,8 +242,10 @@ class WeightSender::Impl {
   }
 
   const Schedule& schedule() const { return schedule_; }
-  const std::vector<uint32_t>& order() const { return order_; }
-  bool sends(uint32_t param) const { return param < entries_.size() && !entries_[param].empty(); }
+  const std::vector<uint32_t>& order() const { return plan_.order; }
+  bool sends(uint32_t param) const {
+    return param < plan_.entries.size() && !plan_.entries[param].empty();
+  }
 
  private:
   struct Queued {
@@ -481,7 +364,7 @@ class WeightSender::Impl {
       }
     }
     queue(param, *start, n);
-    const int64_t partner = partner_[param];
+    const int64_t partner = plan_.partner[param];
     if (partner >= 0 && sends(static_cast<uint32_t>(partner))) {
       done_[static_cast<size_t>(partner)] = true;
       queue(static_cast<uint32_t>(partner), *start + other_at, other_n);
@@ -587,12 +470,12 @@ class WeightSender::Impl {
     for (auto& t : scatter_) t.clear();
     Status failed;
     for (const Queued& q : queued_) {
-      for (const Entry& e : entries_[q.param]) {
+      for (const Entry& e : plan_.entries[q.param]) {
         stats_.bytes += e.bytes();
         const Ready& ready = ready_[e.inference];
         const Endpoint& ep = endpoints_[e.inference];
         const Place& place =
-            ep.places[static_cast<size_t>(local_[e.inference][q.param])][ready.copy];
+            ep.places[static_cast<size_t>(plan_.local[e.inference][q.param])][ready.copy];
         const RemoteMemory& dst = ep.regions[place.region];
         if (e.runs == 1 && options_.num_nics == 1) {
           scatter_[e.inference].push_back(
@@ -666,13 +549,8 @@ class WeightSender::Impl {
 
   bool connected_ = false;
   Schedule schedule_;
-  std::vector<uint32_t> order_;              // push_order(schedule_): the gathers' order
-  std::vector<uint32_t> layout_order_;       // push()'s: the inference ranks' declaration order
-  std::vector<std::vector<Entry>> entries_;  // this rank's, per parameter
-  std::vector<uint32_t> targets_;            // inference ranks this rank writes into
-  std::vector<int64_t> partner_;             // an FP8 parameter's other half, or -1
-  std::vector<Endpoint> endpoints_;          // by inference rank
-  std::vector<std::vector<int64_t>> local_;  // [inference rank][param] -> its layout's index
+  SendPlan plan_;                    // plan_sends(schedule_, endpoints_, rank)
+  std::vector<Endpoint> endpoints_;  // by inference rank
   PeerGroup peers_;
   StagingRing ring_;
   RingRanges<std::shared_ptr<Batch>> ring_ranges_;
