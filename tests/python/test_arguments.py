@@ -278,16 +278,10 @@ def kv():
             layout=layout, dec=dec, pre=pre, group=group, peer=b.address,
             plan=fabric_lib.plan_slices(layout, layout), options=fabric_lib.KvOptions(),
             member=fabric_lib.Member("m"), trainer=trainer, inference=inference,
-            schedule=fabric_lib.WeightSchedule.compute([trainer], [inference]),
-            q=(np.zeros(64, np.uint16), np.zeros(64, np.uint8), np.zeros(1, np.float32)))
+            schedule=fabric_lib.WeightSchedule.compute([trainer], [inference]))
         group.close()
         dec.close()
         pre.close()
-
-
-def quantize(k, rows=8, cols=8, block=128, stream=0):
-    src, out, scales = k.q
-    fabric_lib._fabric_lib._weights_quantize_fp8(src, rows, cols, out, scales, block, stream)
 
 
 def ep(**kwargs):
@@ -392,17 +386,8 @@ OUT_OF_RANGE_CASES = [
     ("WeightSchedule.entries", lambda k: k.schedule.entries(-1), "trainer"),
     ("WeightSchedule.bytes_from", lambda k: k.schedule.bytes_from(-1), "trainer"),
     ("WeightSchedule.writes_into", lambda k: k.schedule.writes_into(2**32), "inference"),
-    ("_weights_quantize_fp8(rows)", lambda k: quantize(k, rows=-8), "rows"),
-    ("_weights_quantize_fp8(cols)", lambda k: quantize(k, cols=-8), "cols"),
-    ("_weights_quantize_fp8(block)", lambda k: quantize(k, block=-128), "block"),
-    ("_weights_quantize_fp8(stream)", lambda k: quantize(k, stream=-1), "stream"),
-    ("_weights_quantize_fp8_many(jobs)",
-     lambda k: W._weights_quantize_fp8_many([(1, 1, 1, 1, 1), (1, -1, 1, 1, 1)], 128, 0),
-     "jobs[1]"),
-    ("_weights_quantize_fp8_many(block)",
-     lambda k: W._weights_quantize_fp8_many([], -1, 0), "block"),
-    ("_weights_quantize_fp8_many(stream)",
-     lambda k: W._weights_quantize_fp8_many([], 128, -1), "stream"),
+    ("_weights_quantize_fp8_tensors(block)",
+     lambda k: W._weights_quantize_fp8_tensors([], -128, {}), "block"),
 ]
 
 
@@ -436,8 +421,7 @@ def test_the_kv_ep_and_weight_bindings_take_numpy_integers(kv):
     assert W._weights_encode_inference(i64(0), [param(dim=np.int8(-1), block=i64(128))]) == \
         kv.inference
     assert kv.schedule.bytes_from(i64(0)) == kv.schedule.bytes_from(0) > 0
-    src, out, scales = kv.q
-    W._weights_quantize_fp8(src, i64(8), u32(8), out, scales, i64(128), np.uint64(0))
+    W._weights_quantize_fp8_tensors([], i64(128), {})
     # A configuration the C++ check refuses (hidden 7 is not a multiple of 8): read as ints.
     with pytest.raises(fabric_lib.InvalidArgument, match="hidden 7"):
         ep(rank=i64(0), world_size=u32(2), num_experts=i64(256), hidden=u32(7), top_k=i64(8))
@@ -458,7 +442,8 @@ WRONG_TYPE_CASES = [
     ("_weights_encode_inference(dim)",
      lambda k: W._weights_encode_inference(0, [param(dim="0")])),
     ("WeightSchedule.bytes_from(None)", lambda k: k.schedule.bytes_from(None)),
-    ("_weights_quantize_fp8(rows=8.0)", lambda k: quantize(k, rows=8.0)),
+    ("_weights_quantize_fp8_tensors(block=128.0)",
+     lambda k: W._weights_quantize_fp8_tensors([], 128.0, {})),
 ]
 
 
