@@ -288,7 +288,7 @@ Result<TransferId> EngineImpl::submit(const Scatter& sc, Callbacks&& cb) {
       // Targets in a row into one region share its destination: ranges adjacent on both sides
       // become one copy, and the region's ranges go in one Commit that counts the immediate
       // once per target.
-      if (!last_ipc || !(t->dsts.back() == tg.dst)) t->dsts.push_back(tg.dst);
+      if (!last_ipc || t->dsts.back() != tg.dst) t->dsts.push_back(tg.dst);
       const uint32_t dst_index = static_cast<uint32_t>(t->dsts.size() - 1);
       engine::add_ipc_range(*t, dst_index, tg.src_offset, tg.dst_offset, tg.length);
       if (sc.imm) engine::add_ipc_imm(*t, dst_index, *sc.imm, 1);
