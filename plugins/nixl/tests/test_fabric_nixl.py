@@ -1,6 +1,7 @@
 """The FABRIC NIXL plugin through NIXL's Python API: data, notifications, metrics, and bad input.
 
-Run by tools/nixl/run_nixl_tests.sh (source .nixl/env.sh first to run it by hand):
+Run by tools/nixl/run_nixl_tests.sh against NIXL built from source (source .nixl/env.sh first to
+run it by hand), and by tools/nixl/run_wheel_tests.sh against NIXL's Python wheel:
 
     FABRIC_PROVIDER=tcp python3 -m pytest -q plugins/nixl/tests/test_fabric_nixl.py
 
