@@ -45,8 +45,10 @@ carries no headers (git clone -b v1.4.0 https://github.com/ai-dynamo/nixl $nixl_
 [ -f "$absl_src/absl/log/log.h" ] || skip "no abseil-cpp source tree at ABSL_SRC=$absl_src: \
 NIXL's headers include Abseil's (git clone -b 20250814.1 https://github.com/abseil/abseil-cpp \
 $absl_src)"
-nixl_src=$(cd "$nixl_src" && pwd)
-absl_src=$(cd "$absl_src" && pwd)
+# Physical paths: one configuration whichever symbolic link to the venv or sources was given.
+pkg=$(cd -P "$pkg" && pwd)
+nixl_src=$(cd -P "$nixl_src" && pwd)
+absl_src=$(cd -P "$absl_src" && pwd)
 
 mkdir -p "$build"
 # One build of this tree at a time (the ctest nixl_wheel and a hand-run may meet).
@@ -74,14 +76,22 @@ if [ -n "${FABRIC_BUILD_LOCK:-}" ]; then
 else
   nice -n 10 cmake --build "$build" -j "$jobs" --target plugin_FABRIC
 fi
-# Beside libplugin_UCX.so: <site-packages>/.nixl_cu<N>.mesonpy.libs/plugins ("Up-to-date" when
-# nothing changed).
-cmake --install "$build" --component nixl_wheel | sed 's/^-- //'
-
+# Beside libplugin_UCX.so: <site-packages>/.nixl_cu<N>.mesonpy.libs/plugins. CMake installs into
+# a staging folder (with the installed RPATH); the file is then renamed into place, so that a
+# process that has the old one loaded keeps its copy intact.
 plugins=$(dirname "$pkg")/.$(basename "$pkg").mesonpy.libs/plugins
+DESTDIR=$build/stage cmake --install "$build" --component nixl_wheel >/dev/null
+staged=$build/stage$plugins/libplugin_FABRIC.so
+if cmp -s "$staged" "$plugins/libplugin_FABRIC.so"; then
+  verdict="up to date"
+else
+  cp "$staged" "$plugins/.libplugin_FABRIC.so.new"
+  mv -f "$plugins/.libplugin_FABRIC.so.new" "$plugins/libplugin_FABRIC.so"
+  verdict=installed
+fi
 names=$(find "$plugins" -maxdepth 1 -name 'libplugin_*.so' -printf '%f\n' | sort |
   sed 's/^libplugin_//; s/\.so$//' | tr '\n' ' ')
-echo "installed: $plugins/libplugin_FABRIC.so (NIXL's plugins there: ${names% })"
+echo "$verdict: $plugins/libplugin_FABRIC.so (NIXL's plugins there: ${names% })"
 if [ -n "${NIXL_PLUGIN_DIR:-}" ] && [ "$(cd "$NIXL_PLUGIN_DIR" 2>/dev/null && pwd)" != "$plugins" ]; then
   echo "note: NIXL_PLUGIN_DIR=$NIXL_PLUGIN_DIR is set: it replaces $plugins, so NIXL loads" \
     "FABRIC (and UCX) only from there; unset it to use this install"

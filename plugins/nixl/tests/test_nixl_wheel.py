@@ -24,6 +24,7 @@ import os
 import select
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,12 @@ PEER = HERE / "nixl_peer.py"
 PROVIDER = os.environ.get("FABRIC_PROVIDER", "tcp")
 DEADLINE_S = 60.0
 
-PKG = Path(nixl_api.__file__).parent
+PKG = Path(nixl_api.__file__).resolve().parent
+try:
+    metadata.version(PKG.name.replace("_", "-"))
+    IS_WHEEL = True
+except metadata.PackageNotFoundError:  # NIXL built from source, on PYTHONPATH
+    IS_WHEEL = False
 # NIXL's default plugin folder: plugins/ beside libnixl.so; in the wheel,
 # <site-packages>/.nixl_cu<N>.mesonpy.libs/plugins.
 WHEEL_PLUGINS = PKG.parent / f".{PKG.name}.mesonpy.libs" / "plugins"
@@ -254,7 +260,8 @@ def test_missing_plugin_says_what_to_set(tmp_path, case):
     said = check.stdout
     assert f"plugin folder: {folder} (from NIXL_PLUGIN_DIR in the environment" in said
     assert "FABRIC: NOT available" in said
-    assert "tools/nixl/build_wheel_plugin.sh" in said
+    # The command that rebuilds it: for the wheel, or for a NIXL built from source.
+    assert ("tools/nixl/build_wheel_plugin.sh" if IS_WHEEL else "FABRIC_NIXL_ROOT") in said
     if case == "no_such_folder":
         assert f"{folder} does not exist" in said
         assert "unset NIXL_PLUGIN_DIR" in said
