@@ -4,7 +4,10 @@
 
 #include <sched.h>
 
+#include <algorithm>
+#include <cctype>
 #include <charconv>
+#include <cstdlib>
 #include <cstring>
 #include <string_view>
 
@@ -78,7 +81,19 @@ Result<BackendOptions> BackendOptions::parse(const nixl_b_params_t& params) {
     o.config.inflight_spin = std::chrono::microseconds(0);
   }
   if (Status s = o.config.apply_env_overrides(); !s) return s;
-  for (const auto& [key, value] : params) {
+  // vLLM's and SGLang's agents pass no parameters: one left empty may come from the
+  // environment as FABRIC_NIXL_<NAME> (FABRIC_NIXL_METRICS_PORT, FABRIC_NIXL_PROGRESS, ...).
+  nixl_b_params_t given = params;
+  for (const auto& [key, unused] : defaults()) {
+    if (auto it = given.find(key); it != given.end() && !it->second.empty()) continue;
+    std::string var = "FABRIC_NIXL_" + key;
+    std::transform(var.begin(), var.end(), var.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+    if (const char* value = std::getenv(var.c_str()); value != nullptr && *value != '\0') {
+      given[key] = value;
+    }
+  }
+  for (const auto& [key, value] : given) {
     if (value.empty()) continue;
     if (key == "provider") {
       o.config.provider = value;

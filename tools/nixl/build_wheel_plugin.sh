@@ -6,7 +6,7 @@
 #   tools/nixl/build_wheel_plugin.sh [VENV]
 #
 #   VENV       a virtual environment with nixl installed (default $FABRIC_NIXL_VENV, else
-#              <repo>/.nixl/venv)
+#              <repo>/.venv)
 #   NIXL_SRC   NIXL's source tree of the wheel's version, for its headers: the wheel has none
 #              (default <repo>/.nixl/src/nixl; git clone -b v1.4.0 https://github.com/ai-dynamo/nixl)
 #   ABSL_SRC   abseil-cpp's source tree, for its headers (default <repo>/.nixl/src/abseil-cpp;
@@ -22,7 +22,7 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-venv=${1:-${FABRIC_NIXL_VENV:-$repo/.nixl/venv}}
+venv=${1:-${FABRIC_NIXL_VENV:-$repo/.venv}}
 nixl_src=${NIXL_SRC:-$repo/.nixl/src/nixl}
 absl_src=${ABSL_SRC:-$repo/.nixl/src/abseil-cpp}
 build=${BUILD_DIR:-$repo/build-nixl-wheel}

@@ -6,7 +6,7 @@
 #
 #   tools/nixl/run_wheel_tests.sh [VENV]      (the ctest nixl_wheel, label nixl)
 #
-#   VENV       as build_wheel_plugin.sh: default $FABRIC_NIXL_VENV, else <repo>/.nixl/venv
+#   VENV       as build_wheel_plugin.sh: default $FABRIC_NIXL_VENV, else <repo>/.venv
 #   PROVIDERS  the engine's providers to run over (default "tcp shm"; FABRIC_PROVIDER per run)
 #   PYTEST_ARGS  extra pytest arguments (e.g. -k two_processes)
 #
@@ -16,7 +16,7 @@
 set -uo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-venv=${1:-${FABRIC_NIXL_VENV:-$repo/.nixl/venv}}
+venv=${1:-${FABRIC_NIXL_VENV:-$repo/.venv}}
 build=${BUILD_DIR:-$repo/build-nixl-wheel}
 providers=${PROVIDERS:-tcp shm}
 logs=$build/logs

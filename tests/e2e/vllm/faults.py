@@ -255,36 +255,66 @@ def prefill_dies(s, backend: str, reference) -> dict:
     return case
 
 
+def _wheel_plugin_dir(python: str) -> Path | None:
+    import subprocess
+
+    code = ("import os, nixl._api as a; d = os.path.dirname(a.__file__); "
+            "print(os.path.join(os.path.dirname(d), '.' + os.path.basename(d) + "
+            "'.mesonpy.libs', 'plugins'))")
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    path = Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout else None
+    return path if path is not None and path.is_dir() else None
+
+
 def plugin_missing(s, backend: str) -> dict:
+    """Two ways of not finding the plugin: NIXL_PLUGIN_DIR naming an empty folder, and one
+    holding the other plugins (UCX) but not this one. Either way the server must stop at
+    start-up, with NIXL saying what is missing, not serve without the backend or hang."""
     from run_e2e import base_env, free_port, nixl_kv_config, vllm_argv
 
-    case = {"case": "plugin-missing", "backend": backend}
-    empty = s.logs / "empty-plugin-dir"
-    empty.mkdir(parents=True, exist_ok=True)
-    env = base_env()
-    env.update(NIXL_PLUGIN_DIR=str(empty), VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
-    port = free_port()
-    p = Process("fault-plugin-missing", vllm_argv(s, port, nixl_kv_config(s, backend,
-                                                                         "kv_consumer")),
-                env, s.logs / "fault-plugin-missing.log",
-                f"http://127.0.0.1:{port}/v1/models").start()
+    case = {"case": "plugin-missing", "backend": backend, "variants": []}
+    empty = s.logs / "plugin-dir-empty"
+    others = s.logs / f"plugin-dir-without-{backend.lower()}"
+    for d in (empty, others):
+        d.mkdir(parents=True, exist_ok=True)
+    wheel_dir = _wheel_plugin_dir(s.python)
+    if wheel_dir is not None:
+        for f in wheel_dir.glob("libplugin_*.so"):
+            link = others / f.name
+            if f.name != f"libplugin_{backend}.so" and not link.exists():
+                link.symlink_to(f)
     problems = []
-    try:
-        p.wait_ready(s.ready_timeout)
-        problems.append(f"a server whose NIXL_PLUGIN_DIR ({empty}) holds no plugin started")
-    except ServerFailed as e:
-        text = Path(p.log).read_text(errors="replace")
-        # NIXL's agent says so when its plugin folder has nothing it can load.
-        lines = [ln for ln in text.splitlines() if "NIXL ERROR" in ln and "plugin" in ln.lower()]
-        case["message"] = lines[-1][-300:] if lines else None
-        if "exited" not in str(e):
-            problems.append(str(e).splitlines()[0])
-        if not lines:
-            problems.append(f"the server failed without NIXL saying its plugins are missing; "
-                            f"its log ends:\n{p.tail(15)}")
-        case["summary"] = f"refused at start-up: {case['message']}"
-    finally:
-        p.stop()
+    for label, folder in (("empty folder", empty), (f"folder without {backend}", others)):
+        env = base_env()
+        env.update(NIXL_PLUGIN_DIR=str(folder), VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+        port = free_port()
+        log = s.logs / f"fault-plugin-missing-{'empty' if folder == empty else 'others'}.log"
+        p = Process("fault-plugin-missing", vllm_argv(s, port, nixl_kv_config(s, backend,
+                                                                             "kv_consumer")),
+                    env, log, f"http://127.0.0.1:{port}/v1/models").start()
+        t0 = time.monotonic()
+        variant = {"variant": label}
+        try:
+            p.wait_ready(s.ready_timeout)
+            problems.append(f"a server whose NIXL_PLUGIN_DIR is an {label} ({folder}) started")
+        except ServerFailed as e:
+            text = log.read_text(errors="replace")
+            # NIXL's words for it (docs/nixl.md, "When NIXL does not find it").
+            said = [ln for ln in text.splitlines()
+                    if "No plugins available" in ln or "missing plugin" in ln
+                    or "unsupported backend" in ln or "NIXL_ERR_NOT_FOUND" in ln]
+            variant["message"] = said[0][-300:] if said else None
+            variant["stopped_after_s"] = round(time.monotonic() - t0, 1)
+            if "exited" not in str(e):
+                problems.append(f"{label}: {str(e).splitlines()[0]}")
+            if not said:
+                problems.append(f"{label}: the server stopped without NIXL saying the plugin is "
+                                f"missing; its log ends:\n{p.tail(15)}")
+        finally:
+            p.stop()
+        case["variants"].append(variant)
+    case["summary"] = "; ".join(f"{v['variant']}: stopped after {v.get('stopped_after_s')} s, "
+                                f"{v.get('message')!r}" for v in case["variants"])
     if problems:
         case["problems"] = problems
     return case

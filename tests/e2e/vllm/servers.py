@@ -134,6 +134,12 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """after - before for every series of `after` (counters and histograms grow; a gauge's
+    difference means nothing, so read gauges from a plain snapshot)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
 def metric_sum(values: dict[str, float], name: str) -> float:
     """The sum of a metric over its label sets."""
     return sum(v for k, v in values.items() if k == name or k.startswith(name + "{"))
