@@ -30,9 +30,10 @@ import json
 import math
 import os
 import platform
-import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -464,6 +465,17 @@ def main() -> int:
         fabric_provider=args.fabric_provider, kv_lease_s=args.kv_lease,
         layers=layers, kv_bytes_per_token_layer=per_token,
     )
+    # The servers' IPC sockets and temporary files: a server killed by a fault case leaves its
+    # sockets behind, so they go into one folder of the run, removed at its end.
+    run_tmp = tempfile.mkdtemp(prefix="vllm-e2e-")
+    os.environ.update(TMPDIR=run_tmp, VLLM_RPC_BASE_PATH=run_tmp)
+    try:
+        return run(args, s)
+    finally:
+        shutil.rmtree(run_tmp, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, s: Settings) -> int:
     runs = [r for r in args.runs.split(",") if r]
     result: dict = {
         "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
@@ -561,4 +573,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # faults.py imports this module by name: let it find this one, not a second copy.
+    sys.modules.setdefault("run_e2e", sys.modules["__main__"])
     raise SystemExit(main())
