@@ -21,6 +21,11 @@
 #   make demo-kv the disaggregated KV-cache demonstration (examples/disagg_kv): a router,
 #                prefill and decode processes and a private etcd on this machine; a table
 #   make docs-api  the API reference from the public headers (Doxygen): build/docs-api/html
+#   make e2e-vllm  vLLM's disaggregated prefill/decode over NIXL on this machine's CPUs, end to
+#                end (docs/nixl.md): .venv from PyPI (pinned), a tiny model made here, the FABRIC
+#                plugin for the wheel's NIXL (where NIXL's headers were fetched by hand; else the
+#                FABRIC runs are skipped, saying why), NixlConnector over FABRIC and UCX against a
+#                single server, the fault cases; build/e2e/vllm.json. E2E_ARGS: run_e2e.py's
 #   make install PREFIX=DIR  cmake --install of the default build (headers, libraries, the CMake
 #                package fabric, fabric.pc)
 #   make format  apply .clang-format to every source file
@@ -34,7 +39,7 @@ DEB_PACKAGES := cmake ninja-build g++ pkg-config make \
   libgtest-dev googletest clang-format iproute2 libibverbs-dev ibverbs-providers rdma-core \
   pybind11-dev python3-dev python3-pip python3-pytest python3-pytest-timeout python3-numpy \
   python3-torch etcd-server libcurl4-openssl-dev nlohmann-json3-dev python3-prometheus-client \
-  libssl-dev doxygen
+  libssl-dev doxygen python3-venv
 # Only `make bench` installs these: the baselines fabric-bench compares with (ucx_perftest,
 # iperf3, run in a private network namespace made with unshare and ip) and the plot.
 BENCH_PACKAGES := ucx-utils iperf3 python3-matplotlib iproute2 util-linux
@@ -65,7 +70,7 @@ PYTEST_ARGS ?= -q -rs
 # (its time is what was left to build) before their tests run; their log is
 # build/sanitizer-builds.log.
 TEST_STAGES := deps check-format build test-default test-python fuzz-build test-fuzz \
-  sanitizer-builds test-asan test-tsan
+  sanitizer-builds test-asan test-tsan e2e-vllm
 BACKGROUND_STAGES := build-asan build-tsan
 # The sanitizer builds run these labels and build only their tests' targets (gpu and verbs need
 # hardware CI lacks, and sanitizer builds have no CUDA; they run in the default build). TSan
@@ -82,6 +87,7 @@ SANITIZER_TARGETS := $(UNIT_TARGETS) fabric_conformance_tests fabric_test_peer \
   fabric_kv_test_peer fabric_netlab_tests fabric_shm_tests
 PREFIX ?= /usr/local
 
+.PHONY: e2e-vllm
 .PHONY: deps build run test test-default test-python test-asan test-tsan build-asan build-tsan \
   bench bench-deps format check-format clean bench-netlab test-fuzz fuzz-long fuzz-build soak \
   demo-kv docs-api install
@@ -276,3 +282,7 @@ check-format:
 
 clean:
 	@rm -rf build build-asan build-tsan build-fuzz
+
+E2E_ARGS ?=
+e2e-vllm: deps
+	@bash tests/e2e/vllm/run.sh $(E2E_ARGS)
