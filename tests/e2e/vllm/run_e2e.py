@@ -74,6 +74,7 @@ class Settings:
     kv_lease_s: int
     layers: int = 0
     kv_bytes_per_token_layer: int = 0
+    warmup: bool = True
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -341,9 +342,10 @@ def run_disaggregated(s: Settings, backend: str, reference: list[list[int]]) -> 
         # handshake (metadata over vLLM's side channel, with a 5 s receive timeout), which a
         # loaded 2-core machine can miss while 8 requests' prefills run. The batch below is what
         # is measured and counted; the warm-up's KV is left out of the counts by difference.
-        warm, _ = run_requests(f"http://127.0.0.1:{x_port}", s.prompts[:1], s.max_tokens, 1)
-        entry["warmup"] = "identical" if warm[0].tokens == reference[0] else (
-            warm[0].error or "differs")
+        if s.warmup:
+            warm, _ = run_requests(f"http://127.0.0.1:{x_port}", s.prompts[:1], s.max_tokens, 1)
+            entry["warmup"] = "identical" if warm[0].tokens == reference[0] else (
+                warm[0].error or "differs")
         d_before = metrics(d_url + "/metrics")
         f_before = (metrics(f"http://127.0.0.1:{fabric_ports['decode']}/metrics")
                     if backend == "FABRIC" else {})
@@ -449,6 +451,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--fabric-provider", default="tcp")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="no lone request before each measured batch")
     ap.add_argument("--kv-lease", type=int, default=12,
                     help="kv_lease_duration (s): how long a prefill keeps blocks nobody fetched")
     args = ap.parse_args()
@@ -463,7 +467,7 @@ def main() -> int:
         max_tokens=args.max_tokens, block=args.block_size, chunk=args.chunk,
         max_len=args.max_len, concurrency=args.concurrency, ready_timeout=args.ready_timeout,
         fabric_provider=args.fabric_provider, kv_lease_s=args.kv_lease,
-        layers=layers, kv_bytes_per_token_layer=per_token,
+        layers=layers, kv_bytes_per_token_layer=per_token, warmup=not args.no_warmup,
     )
     # The servers' IPC sockets and temporary files: a server killed by a fault case leaves its
     # sockets behind, so they go into one folder of the run, removed at its end.
