@@ -136,53 +136,14 @@ def _serves_again(pair: Pair, reference, problems: list[str], what: str,
     return same
 
 
-def decode_dies(s, backend: str, reference) -> dict:
-    from run_e2e import run_requests, wait_kv_idle
-
-    case = {"case": "decode-dies", "backend": backend}
+def _case(s, backend: str, name: str, body) -> dict:
+    """Runs body(pair, case, problems) on a fresh pair; the pair is stopped whatever happens."""
+    case = {"case": name, "backend": backend}
     problems: list[str] = []
-    pair = Pair(s, backend, "decode-dies")
+    pair = Pair(s, backend, name)
     try:
         pair.start_all()
-        p_url = pair.url("prefill")
-        idle = metric_sum(metrics(p_url + "/metrics"), "vllm:kv_cache_usage_perc")
-        # Prefills the decode will never fetch: the prefill holds their blocks for it.
-        held = [_prefill_only(p_url, p, "tiny") for p in s.prompts[:4]]
-        if not all(held):
-            problems.append("prefill-only requests to the prefill server failed")
-        held_usage = metric_sum(metrics(p_url + "/metrics"), "vllm:kv_cache_usage_perc")
-        bound = 120.0
-        answers, took = _batch_then_kill(pair, "decode", s.prompts, 64, 1.0, bound)
-        ended_badly = [a for a in answers if a.tokens is None]
-        case["in_flight"] = len(answers)
-        case["failed_in_flight"] = len(ended_badly)
-        case["first_error"] = ended_badly[0].error[:300] if ended_badly else None
-        case["last_ended_s"] = round(took, 1)
-        if took >= bound:
-            problems.append(f"requests in flight when the decode died did not end within "
-                            f"{bound:.0f} s")
-        # The prefill serves on its own (no KV transfer asked for): the reference's tokens.
-        own, _ = run_requests(p_url, s.prompts[:4], s.max_tokens, 4)
-        if [a.tokens for a in own] != reference[:4]:
-            problems.append(f"the prefill server stopped serving after the decode died: "
-                            f"{[a.error for a in own if a.tokens is None][:1]}")
-        freed, usage, waited = wait_kv_idle(p_url, idle, timeout_s=3.0 * s.kv_lease_s + 30)
-        case.update(prefill_kv_idle=idle, prefill_kv_held=held_usage, prefill_kv_after=usage,
-                    prefill_kv_freed_s=round(waited, 1))
-        if held_usage <= idle:
-            problems.append("the prefill-only requests held no KV on the prefill: the case "
-                            "tests nothing")
-        if not freed:
-            problems.append(f"the prefill still holds KV ({usage:.4f}, idle {idle:.4f}) "
-                            f"{waited:.0f} s after the decode died (lease {s.kv_lease_s} s)")
-        pair.start("decode").wait_ready(s.ready_timeout)
-        case["identical_after_restart"] = _serves_again(pair, reference, problems,
-                                                        "after the decode restarted")
-        case["served_again_after_s"] = round(getattr(pair, "settled_s", -1), 1)
-        case["summary"] = (f"{len(ended_badly)}/{len(answers)} in-flight requests failed, all "
-                           f"ended in {took:.0f} s; prefill KV freed {waited:.0f} s later; "
-                           f"{case['identical_after_restart']}/{len(reference)} identical after "
-                           "restart")
+        body(pair, case, problems)
     except ServerFailed as e:
         problems.append(str(e))
     finally:
@@ -190,69 +151,112 @@ def decode_dies(s, backend: str, reference) -> dict:
     if problems:
         case["problems"] = problems
     return case
+
+
+def _restart_and_serve(pair: Pair, role: str, reference, problems: list[str], case: dict
+                       ) -> None:
+    """Starts `role` again on its ports; the pair must then serve the reference's tokens."""
+    pair.start(role).wait_ready(pair.s.ready_timeout)
+    case["identical_after_restart"] = _serves_again(pair, reference, problems,
+                                                    f"after the {role} restarted")
+    case["served_again_after_s"] = round(getattr(pair, "settled_s", -1), 1)
+
+
+def decode_dies(s, backend: str, reference) -> dict:
+    return _case(s, backend, "decode-dies", lambda *a: _decode_dies(s, reference, *a))
+
+
+def _decode_dies(s, reference, pair: Pair, case: dict, problems: list[str]) -> None:
+    from run_e2e import run_requests, wait_kv_idle
+
+    p_url = pair.url("prefill")
+    idle = metric_sum(metrics(p_url + "/metrics"), "vllm:kv_cache_usage_perc")
+    # Prefills the decode will never fetch: the prefill holds their blocks for it.
+    held = [_prefill_only(p_url, p, "tiny") for p in s.prompts[:4]]
+    if not all(held):
+        problems.append("prefill-only requests to the prefill server failed")
+    held_usage = metric_sum(metrics(p_url + "/metrics"), "vllm:kv_cache_usage_perc")
+    bound = 120.0
+    answers, took = _batch_then_kill(pair, "decode", s.prompts, 64, 1.0, bound)
+    ended_badly = [a for a in answers if a.tokens is None]
+    case["in_flight"] = len(answers)
+    case["failed_in_flight"] = len(ended_badly)
+    case["first_error"] = ended_badly[0].error[:300] if ended_badly else None
+    case["last_ended_s"] = round(took, 1)
+    if took >= bound:
+        problems.append(f"requests in flight when the decode died did not end within "
+                        f"{bound:.0f} s")
+    # The prefill serves on its own (no KV transfer asked for): the reference's tokens.
+    own, _ = run_requests(p_url, s.prompts[:4], s.max_tokens, 4)
+    if [a.tokens for a in own] != reference[:4]:
+        problems.append(f"the prefill server stopped serving after the decode died: "
+                        f"{[a.error for a in own if a.tokens is None][:1]}")
+    freed, usage, waited = wait_kv_idle(p_url, idle, timeout_s=3.0 * s.kv_lease_s + 30)
+    case.update(prefill_kv_idle=idle, prefill_kv_held=held_usage, prefill_kv_after=usage,
+                prefill_kv_freed_s=round(waited, 1))
+    if held_usage <= idle:
+        problems.append("the prefill-only requests held no KV on the prefill: the case "
+                        "tests nothing")
+    if not freed:
+        problems.append(f"the prefill still holds KV ({usage:.4f}, idle {idle:.4f}) "
+                        f"{waited:.0f} s after the decode died (lease {s.kv_lease_s} s)")
+    _restart_and_serve(pair, "decode", reference, problems, case)
+    case["summary"] = (f"{len(ended_badly)}/{len(answers)} in-flight requests failed, all "
+                       f"ended in {took:.0f} s; prefill KV freed {waited:.0f} s later; "
+                       f"{case['identical_after_restart']}/{len(reference)} identical after "
+                       "restart")
 
 
 def prefill_dies(s, backend: str, reference) -> dict:
-    case = {"case": "prefill-dies", "backend": backend}
-    problems: list[str] = []
-    pair = Pair(s, backend, "prefill-dies")
-    try:
-        pair.start_all()
-        p_url, d_url = pair.url("prefill"), pair.url("decode")
-        staged = [(i, _prefill_only(p_url, s.prompts[i], "tiny")) for i in range(4)]
-        pair.procs["prefill"].kill()
-        bound = 120.0
-        ended = []
-        t0 = time.monotonic()
-        for i, params in staged:
-            if params is None:
-                problems.append(f"prefill-only request {i} failed")
-                continue
-            status, answer = _post(d_url + "/v1/completions", {
-                "model": "tiny", "prompt": s.prompts[i], "max_tokens": s.max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-                "kv_transfer_params": params}, timeout=bound)
-            tokens = (answer.get("choices") or [{}])[0].get("token_ids") if status == 200 \
-                else None
-            ended.append((i, status, tokens))
-            if status == 0:
-                problems.append(f"decode request {i} whose prefill died did not end within "
-                                f"{bound:.0f} s: {answer.get('error')}")
-            elif status == 200 and tokens != reference[i]:
-                problems.append(f"decode request {i} whose prefill died answered other tokens "
-                                f"than the reference: {tokens}")
-        took = time.monotonic() - t0
-        case["staged"] = [{"prompt": i, "status": st, "recomputed": t is not None}
-                          for i, st, t in ended]
-        pair.start("prefill").wait_ready(s.ready_timeout)
-        # Now a batch in flight when the prefill dies again.
-        answers, took2 = _batch_then_kill(pair, "prefill", s.prompts, s.max_tokens, 1.0, bound)
-        if took2 >= bound:
-            problems.append(f"requests in flight when the prefill died did not end within "
-                            f"{bound:.0f} s")
-        wrong = [i for i, (a, r) in enumerate(zip(answers, reference))
-                 if a.tokens is not None and a.tokens != r]
-        if wrong:
-            problems.append(f"{len(wrong)} requests answered other tokens than the reference "
-                            f"after the prefill died (first prompt {wrong[0]})")
-        case["failed_in_flight"] = sum(1 for a in answers if a.tokens is None)
-        case["first_error"] = next((a.error[:300] for a in answers if a.tokens is None), None)
-        pair.start("prefill").wait_ready(s.ready_timeout)
-        case["identical_after_restart"] = _serves_again(pair, reference, problems,
-                                                        "after the prefill restarted")
-        case["served_again_after_s"] = round(getattr(pair, "settled_s", -1), 1)
-        case["summary"] = (f"{len(ended)} staged decode requests ended in {took:.0f} s "
-                           f"({sum(1 for _, st, _ in ended if st != 200)} errors); "
-                           f"{case['failed_in_flight']}/{len(answers)} in flight failed, all "
-                           f"ended in {took2:.0f} s; {case['identical_after_restart']}/"
-                           f"{len(reference)} identical after restart")
-    except ServerFailed as e:
-        problems.append(str(e))
-    finally:
-        pair.stop()
-    if problems:
-        case["problems"] = problems
-    return case
+    return _case(s, backend, "prefill-dies", lambda *a: _prefill_dies(s, reference, *a))
+
+
+def _prefill_dies(s, reference, pair: Pair, case: dict, problems: list[str]) -> None:
+    p_url, d_url = pair.url("prefill"), pair.url("decode")
+    staged = [(i, _prefill_only(p_url, s.prompts[i], "tiny")) for i in range(4)]
+    pair.procs["prefill"].kill()
+    bound = 120.0
+    ended = []
+    t0 = time.monotonic()
+    for i, params in staged:
+        if params is None:
+            problems.append(f"prefill-only request {i} failed")
+            continue
+        status, answer = _post(d_url + "/v1/completions", {
+            "model": "tiny", "prompt": s.prompts[i], "max_tokens": s.max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "kv_transfer_params": params}, timeout=bound)
+        tokens = (answer.get("choices") or [{}])[0].get("token_ids") if status == 200 \
+            else None
+        ended.append((i, status, tokens))
+        if status == 0:
+            problems.append(f"decode request {i} whose prefill died did not end within "
+                            f"{bound:.0f} s: {answer.get('error')}")
+        elif status == 200 and tokens != reference[i]:
+            problems.append(f"decode request {i} whose prefill died answered other tokens "
+                            f"than the reference: {tokens}")
+    took = time.monotonic() - t0
+    case["staged"] = [{"prompt": i, "status": st, "recomputed": t is not None}
+                      for i, st, t in ended]
+    pair.start("prefill").wait_ready(s.ready_timeout)
+    # Now a batch in flight when the prefill dies again.
+    answers, took2 = _batch_then_kill(pair, "prefill", s.prompts, s.max_tokens, 1.0, bound)
+    if took2 >= bound:
+        problems.append(f"requests in flight when the prefill died did not end within "
+                        f"{bound:.0f} s")
+    wrong = [i for i, (a, r) in enumerate(zip(answers, reference))
+             if a.tokens is not None and a.tokens != r]
+    if wrong:
+        problems.append(f"{len(wrong)} requests answered other tokens than the reference "
+                        f"after the prefill died (first prompt {wrong[0]})")
+    case["failed_in_flight"] = sum(1 for a in answers if a.tokens is None)
+    case["first_error"] = next((a.error[:300] for a in answers if a.tokens is None), None)
+    _restart_and_serve(pair, "prefill", reference, problems, case)
+    case["summary"] = (f"{len(ended)} staged decode requests ended in {took:.0f} s "
+                       f"({sum(1 for _, st, _ in ended if st != 200)} errors); "
+                       f"{case['failed_in_flight']}/{len(answers)} in flight failed, all "
+                       f"ended in {took2:.0f} s; {case['identical_after_restart']}/"
+                       f"{len(reference)} identical after restart")
 
 
 def _wheel_plugin_dir(python: str) -> Path | None:
