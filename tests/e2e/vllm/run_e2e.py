@@ -338,6 +338,7 @@ def run_disaggregated(s: Settings, backend: str, reference: list[list[int]]) -> 
         proxy.wait_ready(30)
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         idle = metric_sum(metrics(p_url + "/metrics"), "vllm:kv_cache_usage_perc")
+        p_before = metrics(p_url + "/metrics")
         # One request first, alone: the decode's first pull from a prefill makes the NIXL
         # handshake (metadata over vLLM's side channel, with a 5 s receive timeout), which a
         # loaded 2-core machine can miss while 8 requests' prefills run. The batch below is what
@@ -398,6 +399,13 @@ def run_disaggregated(s: Settings, backend: str, reference: list[list[int]]) -> 
                 problems.append(f"{proc.name} created NIXL backends {sorted(made)}, not just "
                                 f"{backend}")
         freed, usage, waited = wait_kv_idle(p_url, idle, timeout_s=2.0 * s.kv_lease_s)
+        # Blocks the prefill gave back because its lease ran out, not because the decode said it
+        # had read them (vLLM counts them on the prefill). Recorded, not asserted: vLLM 0.32's
+        # decode holds requests until the lease runs out after its first one (the results
+        # README of 2026-12-07 says what was seen), over every backend.
+        entry["prefill_kv_expired"] = int(metric_sum(
+            metrics_delta(p_before, metrics(p_url + "/metrics")),
+            "vllm:nixl_num_kv_expired_reqs_total"))
         entry.update(prefill_kv_idle=idle, prefill_kv_after=usage,
                      prefill_kv_freed_s=round(waited, 1))
         if not freed:
@@ -541,7 +549,8 @@ def run(args: argparse.Namespace, s: Settings) -> int:
         print(f"  NixlConnector+{backend}: {verdict}: {entry.get('identical', 0)}/"
               f"{entry.get('requests', 0)} identical, KV {entry.get('kv_bytes')} bytes "
               f"(expected {entry.get('kv_bytes_expected')}), TTFT p50 {entry.get('ttft_ms_p50')}"
-              f" ms, transfer p50 {entry.get('transfer_ms_p50')} ms "
+              f" ms, transfer p50 {entry.get('transfer_ms_p50')} ms, "
+              f"{entry.get('prefill_kv_expired')} prefills released by lease expiry "
               f"({time.monotonic() - t0:.0f} s)", flush=True)
         for problem in entry.get("problems", []):
             print(f"    {problem}", flush=True)
