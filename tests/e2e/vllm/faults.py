@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from servers import Process, ServerFailed, metric_sum, metrics
+from servers import Process, ServerFailed, metric_sum, metrics, role_cpus
 
 
 def _post(url: str, body: dict, timeout: float) -> tuple[int, dict]:
@@ -72,7 +72,7 @@ class Pair:
         p = Process(f"fault-{self.case}-{role}", self._argv(self.s, self.ports[role],
                                                             self.kv[role]),
                     env, self.s.logs / f"fault-{self.case}-{role}.log",
-                    self.url(role) + "/v1/models").start()
+                    self.url(role) + "/v1/models", cpus=role_cpus(role)).start()
         self.procs[role] = p
         return p
 

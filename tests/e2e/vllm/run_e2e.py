@@ -51,6 +51,7 @@ from servers import (  # noqa: E402
     metric_sum,
     metrics,
     metrics_delta,
+    role_cpus,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -118,13 +119,13 @@ def vllm_argv(s: Settings, port: int, kv_config: dict | None) -> list[str]:
     return argv
 
 
-def start_vllm(s: Settings, name: str, kv_config: dict | None, extra_env: dict[str, str]
-               ) -> tuple[Process, int]:
+def start_vllm(s: Settings, name: str, kv_config: dict | None, extra_env: dict[str, str],
+               role: str = "single") -> tuple[Process, int]:
     port = free_port()
     env = base_env()
     env.update(extra_env)
     p = Process(name, vllm_argv(s, port, kv_config), env, s.logs / f"{name}.log",
-                f"http://127.0.0.1:{port}/v1/models").start()
+                f"http://127.0.0.1:{port}/v1/models", cpus=role_cpus(role)).start()
     return p, port
 
 
@@ -324,12 +325,12 @@ def run_disaggregated(s: Settings, backend: str, reference: list[list[int]]) -> 
         prefill, p_port = start_vllm(
             s, f"{name}-prefill", nixl_kv_config(s, backend, "kv_producer"),
             {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-             **backend_env(s, backend, fabric_ports.get("prefill"))})
+             **backend_env(s, backend, fabric_ports.get("prefill"))}, role="prefill")
         procs.append(prefill)
         decode, d_port = start_vllm(
             s, f"{name}-decode", nixl_kv_config(s, backend, "kv_consumer"),
             {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-             **backend_env(s, backend, fabric_ports.get("decode"))})
+             **backend_env(s, backend, fabric_ports.get("decode"))}, role="decode")
         procs.append(decode)
         proxy, x_port = start_proxy(s, f"{name}-proxy", p_port, d_port)
         procs.append(proxy)
@@ -400,12 +401,15 @@ def run_disaggregated(s: Settings, backend: str, reference: list[list[int]]) -> 
                                 f"{backend}")
         freed, usage, waited = wait_kv_idle(p_url, idle, timeout_s=2.0 * s.kv_lease_s)
         # Blocks the prefill gave back because its lease ran out, not because the decode said it
-        # had read them (vLLM counts them on the prefill). Recorded, not asserted: vLLM 0.32's
-        # decode holds requests until the lease runs out after its first one (the results
-        # README of 2026-12-07 says what was seen), over every backend.
-        entry["prefill_kv_expired"] = int(metric_sum(
-            metrics_delta(p_before, metrics(p_url + "/metrics")),
-            "vllm:nixl_num_kv_expired_reqs_total"))
+        # had read them (vLLM counts them on the prefill): a decode that reads after that reads
+        # blocks that may hold another prompt's KV. With each server on its own cores every
+        # read here takes milliseconds against a lease of seconds, so any is a failure.
+        expired = int(metric_sum(metrics_delta(p_before, metrics(p_url + "/metrics")),
+                                 "vllm:nixl_num_kv_expired_reqs_total"))
+        entry["prefill_kv_expired"] = expired
+        if expired:
+            problems.append(f"the prefill released {expired} requests' blocks because their "
+                            f"{s.kv_lease_s} s lease ran out before the decode read them")
         entry.update(prefill_kv_idle=idle, prefill_kv_after=usage,
                      prefill_kv_freed_s=round(waited, 1))
         if not freed:

@@ -38,6 +38,24 @@ class ServerFailed(RuntimeError):
     pass
 
 
+def role_cpus(role: str) -> list[int] | None:
+    """The CPUs a prefill or a decode server runs on: each its own half of this machine's.
+
+    Two vLLM servers on one small machine starve each other otherwise. A vLLM engine that
+    holds blocks for a pull (the prefill, until the decode has read them or the lease runs
+    out) steps with no work every millisecond, and its engine and worker processes spin on
+    their shared-memory queue for a second after each message: on 2 cores the prefill then
+    takes both, the decode's forward passes crawl, its reads come after the lease, and it
+    reads blocks the prefill has already given back. On separate cores, as on separate
+    hosts, each server keeps its own. None (no pinning) on a machine with one CPU.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or role not in ("prefill", "decode"):
+        return None
+    half = len(cpus) // 2
+    return cpus[:half] if role == "prefill" else cpus[half:]
+
+
 @dataclass
 class Process:
     """One server: a command, its environment and log; started in a process group of its own."""
@@ -47,15 +65,19 @@ class Process:
     env: dict[str, str]
     log: Path
     ready_url: str
+    cpus: list[int] | None = None
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> "Process":
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        argv = self.argv
+        if self.cpus:
+            argv = ["taskset", "-c", ",".join(map(str, self.cpus)), *argv]
         out = open(self.log, "ab")
-        out.write(f"\n== {time.strftime('%H:%M:%S')} start: {' '.join(self.argv)}\n".encode())
+        out.write(f"\n== {time.strftime('%H:%M:%S')} start: {' '.join(argv)}\n".encode())
         out.flush()
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
         out.close()
