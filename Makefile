@@ -12,6 +12,10 @@
 #   make bench   the full benchmark over tcp and shm, with its baselines (UCX, iperf3, raw
 #                libfabric): tables on stdout, bench/results/<provider>.{json,md,png};
 #                BENCH_ARGS="--mode progress" for caller-driven groups (fabric-bench --help)
+#   make bench-peers  fabric-lib beside its peers over TCP loopback (bench/peers): fabric-bench,
+#                raw libfabric, NIXL's wheel with FABRIC and with UCX, Mooncake's Transfer Engine;
+#                .venv (tests/e2e/vllm/setup_venv.sh) gets bench/peers/requirements.txt;
+#                build/bench-peers/peers.{json,md}; PEERS_OUT, PEERS_ARGS: peers.py's options
 #   make bench-netlab  multi-NIC aggregation on the network-namespace lab (root): N = 1, 2, 4
 #                shaped veth links and an unequal set; bench/results/netlab.{md,json}
 #   make test-fuzz  build the libFuzzer targets (tests/fuzz, clang) and run each for
@@ -89,8 +93,8 @@ PREFIX ?= /usr/local
 
 .PHONY: e2e-vllm
 .PHONY: deps build run test test-default test-python test-asan test-tsan build-asan build-tsan \
-  bench bench-deps format check-format clean bench-netlab test-fuzz fuzz-long fuzz-build soak \
-  demo-kv docs-api install
+  bench bench-peers bench-deps format check-format clean bench-netlab test-fuzz fuzz-long \
+  fuzz-build soak demo-kv docs-api install
 
 deps:
 	@missing=()
@@ -255,6 +259,13 @@ bench: deps bench-deps
 	  ./build/bin/fabric-bench --provider $$p $$ops $(BENCH_ARGS) --json bench/results/$$p.json \
 	    --markdown bench/results/$$p.md --plot bench/results/$$p.png
 	done
+
+PEERS_OUT ?= build/bench-peers
+PEERS_ARGS ?=
+bench-peers: deps
+	@cmake --preset default >/dev/null
+	cmake --build --preset default --target fabric-bench fabric-bench-raw
+	bench/peers/run.sh $(PEERS_OUT) $(PEERS_ARGS)
 
 # NETLAB_RATE_MBIT: each link's shaped rate (the unequal runs halve one link).
 NETLAB_RATE_MBIT ?= 400
