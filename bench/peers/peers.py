@@ -245,20 +245,33 @@ def mooncake_bench(out, args):
         target = subprocess.Popen([exe, "--mode=target", "--local_server_name=127.0.0.1:17601",
                                    *common], stdout=tlog, stderr=subprocess.STDOUT)
         try:
-            time.sleep(3)
+            # With P2PHANDSHAKE the target listens on a port of its own choosing, which it logs.
+            segment, end = None, time.monotonic() + 15
+            while segment is None and time.monotonic() < end and target.poll() is None:
+                time.sleep(0.2)
+                m = re.search(r"P2P handshake, listening on (\S+)",
+                              (logs / f"te-bench-target-{op}.log").read_text(errors="replace"))
+                segment = m.group(1) if m else None
+            if segment is None:
+                results[op] = {"ok": False, "error": "the target logged no handshake port"}
+                continue
             cmd = [exe, "--mode=initiator", f"--operation={op}",
-                   "--local_server_name=127.0.0.1:17602", "--segment_id=127.0.0.1:17601",
+                   "--local_server_name=127.0.0.1:17602", f"--segment_id={segment}",
                    f"--duration={args.te_seconds}", *common]
             run = subprocess.run(cmd, capture_output=True, text=True,
                                  timeout=args.te_seconds + 60)
             text = run.stdout + run.stderr
             (logs / f"te-bench-initiator-{op}.log").write_text(text)
-            m = re.search(r"throughput\s+([0-9.]+)\s*(\S+)", text, re.I)
+            m = re.search(r"Test completed:.*throughput\s+([0-9.]+)\s*(\S+)", text, re.I)
             if run.returncode != 0 or not m:
-                results[op] = {"ok": False, "error": f"exit {run.returncode}: {text[-300:]}"}
+                said = [ln for ln in text.splitlines()
+                        if re.search(r"FAILED|error|fail|Unable", ln, re.I)]
+                results[op] = {"ok": False, "error": f"exit {run.returncode}: "
+                               + " | ".join(said[-3:])[-400:]
+                               + f" (log: logs/te-bench-initiator-{op}.log)"}
             else:
                 results[op] = {"ok": True, "throughput": float(m.group(1)), "unit": m.group(2),
-                               "command": " ".join(cmd), "line": m.group(0)}
+                               "command": " ".join(cmd), "line": m.group(0)[len("Test completed: "):]}
         except subprocess.TimeoutExpired:
             results[op] = {"ok": False, "error": "ran past its time bound"}
         finally:
