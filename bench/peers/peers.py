@@ -166,7 +166,7 @@ def python_system(backend, env_extra, out, args, tag=None):
 
 def fabric_bench(out, args):
     """fabric-bench over tcp/lo, window 1, with its raw libfabric baseline; two systems."""
-    exe = REPO / "build" / "bin" / "fabric-bench"
+    exe = Path(args.fabric_bench)
     if not exe.exists():
         why = f"{exe} not built (make build)"
         return {"error": why}, {"error": why}
@@ -285,10 +285,15 @@ def mooncake_bench(out, args):
     return {"tool": results}
 
 
+def us(v):
+    """A latency cell: raw libfabric's baseline reports none for these rows."""
+    return "n/a" if v is None else f"{v:.0f} us"
+
+
 def fmt_cell(c):
     if not c or not c.get("ok") and "gbytes_s" not in c:
         return "n/a"
-    s = f"{c['gbytes_s']:.3f} GB/s, {c['ops_s']:.0f} op/s, p50 {c['p50_us']:.0f} us"
+    s = f"{c['gbytes_s']:.3f} GB/s, {c['ops_s']:.0f} op/s, p50 {us(c.get('p50_us'))}"
     return s + ("" if c.get("ok") else " (NOT VERIFIED)")
 
 
@@ -321,7 +326,7 @@ def markdown(report):
                 cells.append("n/a")
                 continue
             r = c["gbytes_s"] / best[k] if best[k] else None
-            cell = f"{c['gbytes_s']:.3f} GB/s, p50 {c['p50_us']:.0f} us"
+            cell = f"{c['gbytes_s']:.3f} GB/s, p50 {us(c.get('p50_us'))}"
             if not c.get("ok"):
                 cell += ", not verified"
             elif r is not None:
@@ -360,6 +365,8 @@ def main():
                     help="bytes per pass: 64 MiB x scale (capped at 2000 transfers)")
     ap.add_argument("--row-seconds", type=float, default=10.0, help="time bound per row")
     ap.add_argument("--fabric-seconds", type=int, default=300, help="time bound of fabric-bench")
+    ap.add_argument("--fabric-bench", default=str(REPO / "build" / "bin" / "fabric-bench"),
+                    help="the fabric-bench to run (fabric-bench-raw beside it)")
     ap.add_argument("--fabric-mode", default="worker", help="fabric-bench --mode")
     ap.add_argument("--te-seconds", type=int, default=10,
                     help="transfer_engine_bench --duration (its default: 10)")
