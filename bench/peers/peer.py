@@ -75,8 +75,8 @@ class NixlSide(Side):
 
         self.agent = nixl_agent(name, nixl_agent_config(backends=[backend]))
         self.backend = backend
-        self.reg = self.agent.register_memory([(self.memory.ctypes.data, self.memory.nbytes, 0, "")],
-                                              "DRAM")
+        whole = [(self.memory.ctypes.data, self.memory.nbytes, 0, "")]
+        self.reg = self.agent.register_memory(whole, "DRAM")
         self.peer_name = None
         self.peer_info = None
 
