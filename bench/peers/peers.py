@@ -6,7 +6,9 @@ Systems (one row each; one that cannot run is a row with its reason):
   fabric-bench       fabric-lib's engine, libfabric tcp provider, NIC lo (build/bin/fabric-bench)
   raw libfabric      fabric-bench's own baseline (fabric-bench-raw), the same sizes, in the same run
   NIXL FABRIC        fabric-lib through NIXL's Python API (the PyPI wheel), provider tcp, NIC lo
-  NIXL UCX           the wheel's own UCX backend, the same harness
+  NIXL UCX (tcp)     the wheel's own UCX backend, the same harness, UCX_TLS=tcp
+  NIXL UCX (shm)     the same with UCX's own choice of transports: shared memory between the
+                     two processes, not TCP; shown beside the others, left out of the ratios
   Mooncake TE        Mooncake's Transfer Engine (PyPI wheel), protocol tcp, P2PHANDSHAKE
   Mooncake TE bench  the wheel's transfer_engine_bench at its defaults (its own numbers, no
                      check of the bytes by us)
@@ -15,6 +17,9 @@ Work: WRITE and READ of single transfers of 4 KiB, 64 KiB, 1 MiB, 32 MiB, one in
 batch of 128 x 64 KiB as one request. The Python systems run bench/peers/peer.py twice (an
 initiator, a target); every pass writes a fresh pattern at the source and compares its sha256
 with the bytes where they landed. fabric-bench verifies its own passes (its "verified" key).
+Throughput: bytes over the sum of the per-transfer latencies (post to completion, one in
+flight); fabric-bench's: bytes over its pass's time, window 1 (a Python loop's gaps between
+transfers count for no Python system).
 
 Output: peers.json and peers.md in the output folder (default build/bench-peers).
 """
