@@ -341,7 +341,7 @@ def markdown(report):
             cells.append(cell)
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Systems that did not run, or rows they could not give:")
+    lines.append("Notes: systems that did not run, rows they could not give, caveats:")
     lines.append("")
     for name, s in systems.items():
         if "error" in s:
