@@ -163,11 +163,11 @@ def python_system(backend, env_extra, out, args, tag=None):
             results[key] = summarize(lat, nbytes, args.passes, verified, errors)
             print(f"  {key}: {fmt_cell(results[key])}", flush=True)
     except RuntimeError as e:
-        return {"error": str(e)[:600]}
+        return {"error": str(e)[:600], "env": env_extra}
     finally:
         init.close()
         target.close()
-    return {"rows": results}
+    return {"rows": results, "env": env_extra}
 
 
 def fabric_bench(out, args):
@@ -351,6 +351,11 @@ def markdown(report):
                 lines.append(f"- **{name}**, {k}: {first_line(c.get('error', 'not verified'))}")
         if s.get("note"):
             lines.append(f"- **{name}**: {s['note']}")
+        if s.get("env"):
+            env = " ".join(f"{k}={v}" for k, v in s["env"].items())
+            lines.append(f"- **{name}**: environment `{env}`")
+        if s.get("command"):
+            lines.append(f"- **{name}**: `{s['command']}`")
     tool = report.get("mooncake_tool", {})
     if tool:
         lines += ["", "Mooncake's transfer_engine_bench at its defaults (its own workload and "
