@@ -328,7 +328,7 @@ def markdown(report):
     lines = [f"# fabric-lib beside its peers, {report['date']}", "",
              f"Host {report['host']}, {report['cpus']} CPUs, TCP loopback, two processes, one "
              "transfer in flight; batch: one request of 128 descriptors. GB/s = 10^9 B/s. "
-             "ratio: GB/s over the best verified system of the row (1.00 = best). Command: `"
+             "ratio: GB/s over the best verified system of the column (1.00 = best). Command: `"
              + report["command"] + "`.", ""]
     keys = [k for k, *_ in rows()]
     best = {}
@@ -338,7 +338,7 @@ def markdown(report):
         best[k] = max(vals) if vals else None
     head = "| system | status | " + " | ".join(keys) + " |"
     rule = "| --- | --- |" + " ---: |" * len(keys)
-    lines += ["GB/s and, in bold, the ratio to the row's best (in brackets: not in the ratios).",
+    lines += ["GB/s and, in bold, the ratio to the column's best (in brackets: not in the ratios).",
               "", head, rule]
     for name, s in systems.items():
         cells = []
