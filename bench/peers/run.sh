@@ -11,5 +11,8 @@ if [[ ! -x $VENV/bin/python ]]; then
   echo "bench-peers: $VENV is missing: run tests/e2e/vllm/setup_venv.sh first" >&2
   exit 2
 fi
-"$VENV/bin/pip" install --quiet --disable-pip-version-check -r bench/peers/requirements.txt
+# Pinned and without a resolver, as tests/e2e/vllm/setup_venv.sh installs; downloads cached in
+# the environment's folder only.
+PIP_CACHE_DIR=$VENV/.pip-cache "$VENV/bin/pip" install --quiet --disable-pip-version-check \
+  --no-deps -r bench/peers/requirements.txt
 exec "$VENV/bin/python" bench/peers/peers.py "$@"
