@@ -262,7 +262,7 @@ bench: deps bench-deps
 
 PEERS_OUT ?= build/bench-peers
 PEERS_ARGS ?=
-bench-peers: deps
+bench-peers: deps bench-deps
 	@cmake --preset default >/dev/null
 	cmake --build --preset default --target fabric-bench fabric-bench-raw
 	bench/peers/run.sh $(PEERS_OUT) $(PEERS_ARGS)

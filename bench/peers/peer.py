@@ -17,6 +17,14 @@ Commands:
   run {op, size, count, iters, warmup, max_s}
                                   warmup + iters timed transfers (stops early at max_s seconds);
                                   answers the latencies in microseconds
+  ping {size, iters, warmup, max_s}
+                                  the initiator's side of the notice round trip: a WRITE of
+                                  `size` bytes with a notice to the target, then waits for the
+                                  target's answer (the same, back); answers the round trips
+  pong {max_s}                    the target's side: answers every notice until the initiator's
+                                  "stop" notice and says how many it answered; sent without
+                                  waiting for its answer, before the initiator's ping
+  cpu                             answers this process's CPU seconds so far (all threads)
   quit
 """
 
@@ -105,7 +113,10 @@ class NixlSide(Side):
         return self.agent.initialize_xfer(op, local_d, remote_d, self.peer_name)
 
     def once(self, handle):
-        state = self.agent.transfer(handle)
+        self.finish(handle, self.agent.transfer(handle))
+
+    def finish(self, handle, state):
+        """Polls a posted transfer to its end, as vLLM's NixlConnector does."""
         end = time.monotonic() + COMPLETION_TIMEOUT_S
         while state == "PROC":
             state = self.agent.check_xfer_state(handle)
@@ -114,6 +125,20 @@ class NixlSide(Side):
                                    f"{COMPLETION_TIMEOUT_S:.0f} s")
         if state != "DONE":
             raise RuntimeError(f"transfer state {state}")
+
+    def prepare_notice(self, size):
+        """A WRITE of `size` bytes of src into the peer's dst, posted with a notice."""
+        return self.prepare("WRITE", size, 1)
+
+    def post_notice(self, handle, msg="n"):
+        self.posted = self.agent.transfer(handle, notif_msg=msg.encode())
+
+    def wait_posted(self, handle):
+        self.finish(handle, self.posted)
+
+    def notices(self):
+        """The notices that arrived since the last call."""
+        return [m.decode() for v in self.agent.get_new_notifs().values() for m in v]
 
     def release(self, handle):
         backend = self.agent.query_xfer_backend(handle)
@@ -132,6 +157,7 @@ class MooncakeSide(Side):
         super().__init__(region)
         from mooncake.engine import TransferEngine
 
+        self.name = name
         self.engine = TransferEngine()
         rc = self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
@@ -171,6 +197,26 @@ class MooncakeSide(Side):
         if rc != 0:
             raise RuntimeError(f"transfer returned {rc}")
 
+    def prepare_notice(self, size):
+        return (size, self.addr("src"), self.peer_info["dst"])
+
+    def post_notice(self, handle, msg="n"):
+        """transfer_sync returns once the bytes are written, the notice with them."""
+        from mooncake.engine import TransferEngine, TransferNotify
+
+        size, local, remote = handle
+        rc = self.engine.transfer_sync(self.target, local, remote, size,
+                                       TransferEngine.TransferOpcode.Write,
+                                       TransferNotify(self.name, msg))
+        if rc != 0:
+            raise RuntimeError(f"transfer_sync with a notice returned {rc}")
+
+    def wait_posted(self, handle):
+        pass
+
+    def notices(self):
+        return [n.msg for n in self.engine.get_notifies()]
+
     def release(self, handle):
         pass
 
@@ -203,6 +249,59 @@ def run(side, op, size, count, iters, warmup, max_s):
     return {"lat_us": lat}
 
 
+def wait_notice(side, end):
+    """The next notices (one or more), or TimeoutError at `end`."""
+    while not (got := side.notices()):
+        if time.monotonic() > end:
+            raise TimeoutError("no notice within the time bound")
+    return got
+
+
+def ping(side, size, iters, warmup, max_s):
+    """Round trips: a WRITE with a notice out, the target's answer (the same) back."""
+    handle = side.prepare_notice(size)
+    lat = []
+    try:
+        end = time.monotonic() + max_s
+        trips = 0
+        while trips < warmup + iters:
+            t0 = time.perf_counter_ns()
+            # The initiator's own transfer is polled to its end first: a backend may send the
+            # notice only as it progresses the transfer (NIXL's UCX does).
+            side.post_notice(handle)
+            side.wait_posted(handle)
+            wait_notice(side, time.monotonic() + COMPLETION_TIMEOUT_S)
+            if trips >= warmup:
+                lat.append((time.perf_counter_ns() - t0) / 1000.0)
+            trips += 1
+            if trips >= warmup and time.monotonic() > end:
+                break
+        side.post_notice(handle, "stop")  # the target stops answering
+        side.wait_posted(handle)
+    finally:
+        side.release(handle)
+    return {"lat_us": lat, "trips": trips}
+
+
+def pong(side, max_s):
+    """Answers each notice with a WRITE and a notice of its own until the initiator's "stop"
+    (or max_s); says how many it answered."""
+    handle = side.prepare_notice(8)
+    answered = 0
+    end = time.monotonic() + max_s
+    try:
+        while True:
+            got = wait_notice(side, end)
+            for msg in got:
+                if msg == "stop":
+                    return {"answered": answered}
+                side.post_notice(handle)
+                side.wait_posted(handle)
+                answered += 1
+    finally:
+        side.release(handle)
+
+
 def main():
     side = None
     for line in sys.stdin:
@@ -220,6 +319,12 @@ def main():
                 answer = side.digest(cmd["region"], cmd["nbytes"])
             elif name == "run":
                 answer = run(side, **cmd)
+            elif name == "ping":
+                answer = ping(side, **cmd)
+            elif name == "pong":
+                answer = pong(side, **cmd)
+            elif name == "cpu":
+                answer = {"cpu_s": time.process_time()}
             elif name == "quit":
                 answer = {"bye": True}
             else:
