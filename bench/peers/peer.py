@@ -258,24 +258,29 @@ def wait_notice(side, end):
 
 
 def ping(side, size, iters, warmup, max_s):
-    """Round trips: a WRITE with a notice out, the target's answer (the same) back."""
+    """Round trips: a WRITE with a notice out, the target's answer (the same) back. The
+    untimed ones stop at `warmup` or a fifth of max_s; the timed ones at `iters` or max_s,
+    whichever comes first, but never fewer than 10."""
     handle = side.prepare_notice(size)
     lat = []
     try:
-        end = time.monotonic() + max_s
-        trips = 0
-        while trips < warmup + iters:
+        start = time.monotonic()
+        trips, timed = 0, False
+        while len(lat) < iters:
             t0 = time.perf_counter_ns()
             # The initiator's own transfer is polled to its end first: a backend may send the
             # notice only as it progresses the transfer (NIXL's UCX does).
             side.post_notice(handle)
             side.wait_posted(handle)
             wait_notice(side, time.monotonic() + COMPLETION_TIMEOUT_S)
-            if trips >= warmup:
-                lat.append((time.perf_counter_ns() - t0) / 1000.0)
             trips += 1
-            if trips >= warmup and time.monotonic() > end:
-                break
+            now = time.monotonic()
+            if timed:
+                lat.append((time.perf_counter_ns() - t0) / 1000.0)
+                if len(lat) >= 10 and now - start > max_s:
+                    break
+            elif trips >= warmup or now - start > max_s / 5:
+                timed = True
         side.post_notice(handle, "stop")  # the target stops answering
         side.wait_posted(handle)
     finally:

@@ -388,7 +388,8 @@ def nixlbench(out, args, provider, transport):
 
 def mooncake_bench(out, args):
     """The wheel's transfer_engine_bench at its defaults, tcp, P2PHANDSHAKE; write and read."""
-    exe = shutil.which("transfer_engine_bench", path=str(Path(sys.executable).parent))
+    exe = shutil.which("transfer_engine_bench", path=os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     if exe is None:
         return {"error": "the Mooncake wheel installed no transfer_engine_bench"}
     logs = out / "logs"
@@ -574,7 +575,7 @@ def main():
     ap.add_argument("--fabric-bench", default=str(REPO / "build" / "bin" / "fabric-bench"),
                     help="the fabric-bench to run (fabric-bench-raw beside it)")
     ap.add_argument("--fabric-modes", default="worker,progress",
-                    help="fabric-bench --mode values over tcp (same-host: the first)")
+                    help="fabric-bench --mode values, each a row")
     ap.add_argument("--nixlbench", default=str(REPO / ".nixl" / "nixlbench-build" / "nixlbench"),
                     help="nixlbench of a NIXL source build (tools/nixl/build_nixl.sh)")
     ap.add_argument("--te-seconds", type=int, default=10,
@@ -595,7 +596,7 @@ def main():
         provider = "tcp" if transport == "tcp" else "shm"
         print(f"== {TRANSPORTS[transport]}", flush=True)
         if "fabric-bench" in chosen:
-            for mode in modes if transport == "tcp" else modes[:1]:
+            for mode in modes:
                 print(f"== fabric-bench {mode} ({provider}) and raw libfabric", flush=True)
                 ours, raw = fabric_bench(out, args, provider, mode, transport)
                 systems[f"fabric-bench {mode} ({provider})"] = ours
@@ -663,8 +664,12 @@ def main():
     (out / "peers.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "peers.md").write_text(markdown(report))
     print((out / "peers.md").read_text())
-    plot = subprocess.run(["/usr/bin/python3", str(HERE / "plot_peers.py"), str(out / "peers.json"),
-                           str(out / "peers.png")], capture_output=True, text=True)
+    # The plot needs matplotlib: Debian's (make bench-deps), or this interpreter's where it has it.
+    python = next((py for py in (sys.executable, "/usr/bin/python3") if subprocess.run(
+        [py, "-c", "import matplotlib"], capture_output=True).returncode == 0), None)
+    plot = subprocess.run([python, str(HERE / "plot_peers.py"), str(out / "peers.json"),
+                           str(out / "peers.png")], capture_output=True, text=True) if python \
+        else subprocess.CompletedProcess([], 1, "", "no matplotlib: no plot (make bench-deps)\n")
     print(plot.stdout + plot.stderr, end="")
     print(f"wrote {out / 'peers.json'}, {out / 'peers.md'}"
           + (f" and {out / 'peers.png'}" if plot.returncode == 0 else " (no plot)"))
