@@ -70,6 +70,10 @@ def batch_key(op, count, size):
     return f"{op} batch {count} x {human(size)}"
 
 
+# --rows: the transfer rows asked for (None: all of them).
+SELECTED_ROWS = None
+
+
 def rows():
     """(key, op, size, count): the transfer rows every system is asked for, in table order."""
     out = []
@@ -78,7 +82,7 @@ def rows():
             out.append((f"{op} {human(size)}", op, size, 1))
         for count, size in BATCHES:
             out.append((batch_key(op, count, size), op, size, count))
-    return out
+    return [r for r in out if SELECTED_ROWS is None or r[0] in SELECTED_ROWS]
 
 
 def plan(size, count, scale):
@@ -224,7 +228,9 @@ def notice_row(init, target, args, seed):
 
 def python_system(backend, env_extra, out, args, tag, transport):
     """Two peer.py processes with one backend; every row, every pass verified."""
-    env = dict(os.environ, **env_extra)
+    # numpy (the patterns, the digests) runs single-threaded: OpenBLAS's idle threads would
+    # otherwise spin beside every system's engine.
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", **env_extra)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     region = max(max(SIZES), *(c * s for c, s in BATCHES))
@@ -580,7 +586,16 @@ def main():
                     help="nixlbench of a NIXL source build (tools/nixl/build_nixl.sh)")
     ap.add_argument("--te-seconds", type=int, default=10,
                     help="transfer_engine_bench --duration (its default: 10)")
+    ap.add_argument("--rows", help="comma-separated transfer rows, e.g. 'write 4 KiB,read 1 MiB' "
+                    "(default: all; the notice round trip always runs)")
     args = ap.parse_args()
+    if args.rows:
+        global SELECTED_ROWS
+        every = [k for k, *_ in rows()]
+        SELECTED_ROWS = set(args.rows.split(","))
+        if SELECTED_ROWS - set(every):
+            ap.error(f"unknown rows: {', '.join(sorted(SELECTED_ROWS - set(every)))}; rows are: "
+                     + ", ".join(every))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     chosen = args.systems.split(",")
