@@ -12,10 +12,11 @@
 #   make bench   the full benchmark over tcp and shm, with its baselines (UCX, iperf3, raw
 #                libfabric): tables on stdout, bench/results/<provider>.{json,md,png};
 #                BENCH_ARGS="--mode progress" for caller-driven groups (fabric-bench --help)
-#   make bench-peers  fabric-lib beside its peers over TCP loopback (bench/peers): fabric-bench,
-#                raw libfabric, NIXL's wheel with FABRIC and with UCX, Mooncake's Transfer Engine;
-#                .venv (tests/e2e/vllm/setup_venv.sh) gets bench/peers/requirements.txt;
-#                build/bench-peers/peers.{json,md}; PEERS_OUT, PEERS_ARGS: peers.py's options
+#   make bench-peers  fabric-lib beside its peers (bench/peers, docs/benchmark.md): fabric-bench,
+#                raw libfabric, nixlbench FABRIC (where tools/nixl/build_nixl.sh built it), NIXL's
+#                wheel with FABRIC and UCX, Mooncake's Transfer Engine; TCP loopback and same-host;
+#                makes .venv when missing; build/bench-peers/peers.{json,md,png};
+#                PEERS_OUT, PEERS_ARGS: peers.py's options
 #   make bench-netlab  multi-NIC aggregation on the network-namespace lab (root): N = 1, 2, 4
 #                shaped veth links and an unequal set; bench/results/netlab.{md,json}
 #   make test-fuzz  build the libFuzzer targets (tests/fuzz, clang) and run each for
