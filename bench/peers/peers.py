@@ -170,24 +170,15 @@ def cpu_of(*peers):
     return sum(p.call("cpu")["cpu_s"] for p in peers)
 
 
-def transfer_row(init, target, op, size, count, args, seed):
-    """One row's passes: the pattern filled, the transfers timed, the landing checked."""
-    nbytes = size * count
-    iters, warmup = plan(size, count, args.scale)
-    # WRITE: the initiator's src lands in the target's dst; READ: the target's src lands in
-    # the initiator's dst.
-    source, landing = (init, target) if op == "write" else (target, init)
-    lat, verified, errors, cpu, moved = [], 0, [], 0.0, 0
+def checked_passes(args, source, landing, nbytes, seed, timed):
+    """args.passes passes of timed() (it returns latencies), each after a fresh pattern at
+    the source and followed by the comparison of the bytes where they landed."""
+    lat, verified, errors = [], 0, []
     for k in range(args.passes):
         try:
             landing.call("fill", region="dst", nbytes=nbytes, seed=seed + 2 * k + 1)
             want = source.call("fill", region="src", nbytes=nbytes, seed=seed + 2 * k)["sha256"]
-            cpu0 = cpu_of(init, target)
-            got = init.call("run", op=op.upper(), size=size, count=count, iters=iters,
-                            warmup=warmup, max_s=args.row_seconds / args.passes)
-            cpu += cpu_of(init, target) - cpu0
-            moved += nbytes * (warmup + len(got["lat_us"]))
-            lat += got["lat_us"]
+            lat += timed()
             if landing.call("digest", region="dst", nbytes=nbytes)["sha256"] == want:
                 verified += 1
             else:
@@ -195,34 +186,45 @@ def transfer_row(init, target, op, size, count, args, seed):
         except RuntimeError as e:
             errors.append(str(e))
             break
-    return summarize(lat, nbytes, args.passes, verified, errors, cpu, moved)
+    return lat, verified, errors
+
+
+def transfer_row(init, target, op, size, count, args, seed):
+    """One row's passes: transfers timed, CPU of both sides counted, the landing checked."""
+    nbytes = size * count
+    iters, warmup = plan(size, count, args.scale)
+    # WRITE: the initiator's src lands in the target's dst; READ: the target's src lands in
+    # the initiator's dst.
+    source, landing = (init, target) if op == "write" else (target, init)
+    cost = {"cpu": 0.0, "moved": 0}
+
+    def timed():
+        cpu0 = cpu_of(init, target)
+        got = init.call("run", op=op.upper(), size=size, count=count, iters=iters,
+                        warmup=warmup, max_s=args.row_seconds / args.passes)
+        cost["cpu"] += cpu_of(init, target) - cpu0
+        cost["moved"] += nbytes * (warmup + len(got["lat_us"]))
+        return got["lat_us"]
+
+    lat, verified, errors = checked_passes(args, source, landing, nbytes, seed, timed)
+    return summarize(lat, nbytes, args.passes, verified, errors, cost["cpu"], cost["moved"])
 
 
 def notice_row(init, target, args, seed):
     """The notice round trip: the target answers each notice (pong) while the initiator
     times them (ping); the last WRITE's bytes are checked at the target."""
-    iters, warmup = 2000, 200
-    lat, verified, errors = [], 0, []
-    for k in range(args.passes):
-        try:
-            target.call("fill", region="dst", nbytes=NOTICE_BYTES, seed=seed + 2 * k + 1)
-            want = init.call("fill", region="src", nbytes=NOTICE_BYTES,
-                             seed=seed + 2 * k)["sha256"]
-            bound = args.row_seconds / args.passes
-            target.send("pong", max_s=bound + 60)
-            got = init.call("ping", size=NOTICE_BYTES, iters=iters, warmup=warmup, max_s=bound)
-            answered = target.answer("pong")["answered"]
-            if answered != got["trips"]:
-                errors.append(f"the target answered {answered} notices, the initiator "
-                              f"counted {got['trips']}")
-            lat += got["lat_us"]
-            if target.call("digest", region="dst", nbytes=NOTICE_BYTES)["sha256"] == want:
-                verified += 1
-            else:
-                errors.append("bytes at the target differ from the pattern sent")
-        except RuntimeError as e:
-            errors.append(str(e))
-            break
+    bound = args.row_seconds / args.passes
+
+    def timed():
+        target.send("pong", max_s=bound + 60)
+        got = init.call("ping", size=NOTICE_BYTES, iters=2000, warmup=200, max_s=bound)
+        answered = target.answer("pong")["answered"]
+        if answered != got["trips"]:
+            raise RuntimeError(f"the target answered {answered} notices, the initiator "
+                               f"counted {got['trips']}")
+        return got["lat_us"]
+
+    lat, verified, errors = checked_passes(args, init, target, NOTICE_BYTES, seed, timed)
     return summarize(lat, 0, args.passes, verified, errors)
 
 
