@@ -57,7 +57,7 @@ NOTICE_BYTES = 8
 ANSWER_TIMEOUT_S = 120.0
 TRANSPORTS = {"tcp": "TCP loopback (127.0.0.1)",
               "same-host": "same host: each system's shared-memory path"}
-SYSTEMS = ("fabric-bench", "nixlbench", "nixl-fabric", "nixl-ucx", "mooncake", "te-bench")
+SYSTEMS = ("fabric-bench", "nixlbench", "nixl-fabric", "nixl-ucx", "mooncake", "te-bench", "uccl")
 GB = 1e9
 GIB = float(1 << 30)
 
@@ -394,6 +394,25 @@ def nixlbench(out, args, provider, transport):
             "command": " ".join(argv[:1] + ["..."])}
 
 
+def uccl_system(transport):
+    """UCCL's P2P engine: a row saying whether it loads here, and why not."""
+    try:
+        import uccl  # noqa: F401
+    except ImportError:
+        return {"transport": transport, "error": (
+            f"uccl is not installed for this Python ({sys.version.split()[0]}): the newest uccl on PyPI, "
+            "0.1.1, is a CPython 3.12+ wheel (cp312-abi3, manylinux_2_35) that needs a CUDA GPU "
+            "(it links libcuda.so.1 and libcudart.so.12); tools/gpu/peers.sh carries it to a "
+            "GPU host")}
+    try:
+        from uccl import p2p  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - whatever it raises is the row's reason
+        return {"transport": transport, "error": f"import uccl.p2p: {type(e).__name__}: {e}"}
+    return {"transport": transport, "error": (
+        "uccl.p2p imports here, but bench/peers has no UCCL adapter yet: its Endpoint API "
+        "(connect/accept, reg, write/read with a remote descriptor) is not driven by peer.py")}
+
+
 def mooncake_bench(out, args):
     """The wheel's transfer_engine_bench at its defaults, tcp, P2PHANDSHAKE; write and read."""
     exe = shutil.which("transfer_engine_bench", path=os.pathsep.join(
@@ -663,6 +682,9 @@ def main():
                     "no same-host transport for host memory: the wheel's protocols are tcp, "
                     "rdma and accelerator links (nvlink, nvlink_intra, hip, ascend, ...); "
                     "initialize() with protocol 'shm' falls back to its TcpTransport")}
+        if "uccl" in chosen and transport == "tcp":
+            print("== UCCL P2P", flush=True)
+            systems["UCCL P2P"] = uccl_system(transport)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
