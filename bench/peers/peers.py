@@ -400,10 +400,10 @@ def uccl_system(transport):
         import uccl  # noqa: F401
     except ImportError:
         return {"transport": transport, "error": (
-            f"uccl is not installed for this Python ({sys.version.split()[0]}): the newest uccl on PyPI, "
-            "0.1.1, is a CPython 3.12+ wheel (cp312-abi3, manylinux_2_35) that needs a CUDA GPU "
-            "(it links libcuda.so.1 and libcudart.so.12); tools/gpu/peers.sh carries it to a "
-            "GPU host")}
+            f"uccl is not installed for this Python ({sys.version.split()[0]}): the newest "
+            "uccl on PyPI, 0.1.1, is a CPython 3.12+ wheel (cp312-abi3, manylinux_2_35) that "
+            "needs a CUDA GPU (it links libcuda.so.1 and libcudart.so.12); tools/gpu/peers.sh "
+            "carries it to a GPU host")}
     try:
         from uccl import p2p  # noqa: F401
     except Exception as e:  # noqa: BLE001 - whatever it raises is the row's reason

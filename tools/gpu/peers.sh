@@ -28,10 +28,16 @@ pack() {
   rm -rf .gpu-peers && mkdir -p .gpu-peers/bin .gpu-peers/lib
   cp build/bin/fabric-bench build/bin/fabric-bench-raw .gpu-peers/bin/
   strip .gpu-peers/bin/*
-  for l in libhwloc.so.15 libspdlog.so.1.10 libfmt.so.9; do cp "/lib/x86_64-linux-gnu/$l" .gpu-peers/lib/; done
+  for l in libhwloc.so.15 libspdlog.so.1.10 libfmt.so.9; do
+    cp "/lib/x86_64-linux-gnu/$l" .gpu-peers/lib/
+  done
   local plugin
-  plugin=$(find .venv/lib/*/site-packages/.nixl_cu13.mesonpy.libs/plugins -name libplugin_FABRIC.so | head -1)
-  [ -n "$plugin" ] || { echo "no FABRIC plugin in .venv (tools/nixl/build_wheel_plugin.sh .venv)"; exit 1; }
+  plugin=$(find .venv/lib/*/site-packages/.nixl_cu13.mesonpy.libs/plugins \
+    -name libplugin_FABRIC.so | head -1)
+  if [ -z "$plugin" ]; then
+    echo "no FABRIC plugin in .venv (tools/nixl/build_wheel_plugin.sh .venv)"
+    exit 1
+  fi
   cp "$plugin" .gpu-peers/ && strip --strip-debug .gpu-peers/libplugin_FABRIC.so
   rm -rf .whl-peers && mkdir -p .whl-peers/nixl .whl-peers/mooncake .whl-peers/uccl
   # NIXL: the version tests/e2e/vllm/requirements.txt pins; the GPU host has CUDA 13.
@@ -59,7 +65,8 @@ run() {
   shift
   export PYTHONPATH=$PWD/.gpu-site PATH=$PWD/.gpu-site/bin:$PATH PYTHONUNBUFFERED=1
   # fabric-lib's libraries from Debian; UCCL's wheel links CUDA 12's runtime, carried as a wheel.
-  export LD_LIBRARY_PATH=$PWD/.gpu-peers/lib:$PWD/.gpu-site/nvidia/cuda_runtime/lib:${LD_LIBRARY_PATH:-}
+  local libs=$PWD/.gpu-peers/lib:$PWD/.gpu-site/nvidia/cuda_runtime/lib
+  export LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   python3 bench/peers/peers.py "$out" --fabric-bench .gpu-peers/bin/fabric-bench \
     --nixlbench "" "$@"
