@@ -228,6 +228,22 @@ def notice_row(init, target, args, seed):
     return summarize(lat, 0, args.passes, verified, errors)
 
 
+def fabric_plugin_missing():
+    """Why NIXL's wheel would not find the FABRIC plugin, or None when it would."""
+    import importlib.util
+
+    folders = [Path(d) for d in os.environ.get("NIXL_PLUGIN_DIR", "").split(":") if d]
+    for name in ("nixl_cu13", "nixl_cu12"):
+        spec = importlib.util.find_spec(name)
+        if spec and spec.origin and not os.environ.get("NIXL_PLUGIN_DIR"):
+            folders.append(Path(spec.origin).parents[1] / f".{name}.mesonpy.libs" / "plugins")
+    if any((f / "libplugin_FABRIC.so").exists() for f in folders):
+        return None
+    return ("no libplugin_FABRIC.so where NIXL's wheel looks ("
+            + ", ".join(str(f) for f in folders) + "): it is built for the wheel from NIXL's "
+            "headers (tools/nixl/build_wheel_plugin.sh; docs/nixl.md says how to fetch them)")
+
+
 def python_system(backend, env_extra, out, args, tag, transport):
     """Two peer.py processes with one backend; every row, every pass verified."""
     # numpy (the patterns, the digests) runs single-threaded: OpenBLAS's idle threads would
@@ -645,8 +661,10 @@ def main():
             print(f"== NIXL FABRIC ({provider})", flush=True)
             nic = "shm" if provider == "shm" else "lo"
             env = {"FABRIC_NIXL_PROVIDER": provider, "FABRIC_NIXL_NICS": nic}
+            missing = fabric_plugin_missing()
             systems[f"NIXL FABRIC ({provider})"] = python_system(
-                "FABRIC", env, out, args, f"fabric-{provider}", transport)
+                "FABRIC", env, out, args, f"fabric-{provider}", transport) if missing is None \
+                else {"transport": transport, "error": missing, "env": env}
         if "nixl-ucx" in chosen:
             if transport == "tcp":
                 print("== NIXL UCX (tcp)", flush=True)
